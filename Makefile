@@ -1,0 +1,32 @@
+# The two commands a user needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-unit test-distributed clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and exactly: a looser request would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m megatron_osprey.demo --output demo_out
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-unit: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
+
+test-distributed: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed
+
+clean:
+	rm -rf demo_out .pytest_cache
