@@ -1,0 +1,154 @@
+"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama config."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.parallel import ParallelConfig
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+def have_transformer_engine() -> bool:
+    """True when Transformer Engine imports (it needs CUDA)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_transformer_impl(requested: str = "auto") -> str:
+    """`auto` picks Transformer Engine when TE and CUDA are present, the local spec otherwise."""
+    if requested not in TRANSFORMER_IMPLS:
+        raise ValueError(f"--transformer-impl must be one of {TRANSFORMER_IMPLS}, got {requested!r}.")
+    te_usable = torch.cuda.is_available() and have_transformer_engine()
+    if requested == "auto":
+        return "transformer_engine" if te_usable else "local"
+    if requested == "transformer_engine" and not te_usable:
+        raise RuntimeError(
+            "--transformer-impl transformer_engine needs CUDA and Transformer Engine "
+            "(pip install -e '.[gpu]' on a GPU machine); use --transformer-impl local on CPU."
+        )
+    return requested
+
+
+def layer_spec(arch: ModelArch, transformer_impl: str):
+    """The decoder layer spec: TE or local, chosen by swapping specs."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=arch.qk_layernorm, normalization="RMSNorm"
+    )
+
+
+def transformer_config(
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype | None = None,
+    perform_initialization: bool = True,
+    **overrides,
+):
+    """TransformerConfig for `arch` under `parallel`; fusions stay off on CPU."""
+    from megatron.core.transformer import TransformerConfig
+
+    arch.validate_parallel(
+        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    )
+    dtype = params_dtype or torch.float32
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(arch.hf_config.get("initializer_range", 0.02)),
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=perform_initialization,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # gloo matches isend/irecv to one peer in posting order: batching swaps activations.
+        batch_p2p_comm=on_gpu,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    *,
+    transformer_impl: str = "auto",
+    params_dtype: torch.dtype | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    perform_initialization: bool = True,
+    **config_overrides,
+):
+    """Build this rank's GPTModel stage for `arch` (needs initialized model-parallel state)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    impl = resolve_transformer_impl(transformer_impl)
+    config = transformer_config(
+        arch,
+        parallel,
+        params_dtype=params_dtype,
+        perform_initialization=perform_initialization,
+        **config_overrides,
+    )
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, impl),
+        vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        vp_stage=vp_stage,
+    )
+    # HF's exact inverse frequencies (llama3 scaling with its own factors, float theta).
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = arch.rotary_inv_freq().to(rotary.inv_freq.device)
+    model.osprey_arch = arch
+    model.transformer_impl = impl
+    return model

@@ -1,0 +1,261 @@
+"""Megatron-Core on a machine without CUDA: the CUDA-only call sites, handled.
+
+Megatron-Core assumes a GPU in a handful of places (see ../shared/MEGATRON_CPU.md
+for the measured list). Without CUDA those places either crash or, worse, run
+silently wrong (every RNG-tracker stream identical). `activate()` patches them so
+that the real Megatron-Core modules run under gloo on the CPU; it refuses to do
+anything when CUDA is present, and it is pinned to the megatron-core version it
+was written against: `check_call_sites()` is the canary that fails loudly when an
+upgrade moves a call site.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+
+# Marker set on the patched torch.cuda functions: the patch state lives on the
+# patched objects themselves, so this module keeps no state of its own.
+_MARK = "__osprey_cpu_compat__"
+
+# Modules that create tensors with a hard-coded device="cuda"; they get a torch
+# proxy that places such tensors on the CPU. Each entry names a source snippet
+# that must still be present (the canary).
+HARDCODED_CUDA_MODULES: dict[str, str] = {
+    "megatron.core.pipeline_parallel.schedules": 'device="cuda"',
+    "megatron.core.optimizer.clip_grads": "device='cuda'",
+    "megatron.core.optimizer.optimizer": "device='cuda'",
+    "megatron.core.utils": 'device="cuda"',
+    "megatron.core.transformer.utils": 'device="cuda"',
+    "megatron.core.tensor_parallel.data": "device='cuda'",
+    "megatron.core.distributed.param_and_grad_buffer": 'device="cuda"',
+}
+
+# Call sites reached through torch.cuda.* that the torch.cuda patches cover.
+TORCH_CUDA_CALL_SITES: dict[str, str] = {
+    "megatron.core.tensor_parallel.random": "torch.cuda.manual_seed(",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "torch.cuda.current_device()",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize()",
+    "megatron.core.models.common.language_module.language_module": ".cuda()",
+}
+
+# Megatron-Core's optimizer checks `param.type()` against CUDA tensor type names.
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+TENSOR_TYPE_MODULES: dict[str, str] = {
+    "megatron.core.optimizer.optimizer": "param.type() == 'torch.cuda.FloatTensor'",
+    "megatron.core.optimizer.distrib_optimizer": "model_param.type() == 'torch.cuda.FloatTensor'",
+}
+
+_FACTORY_FUNCTIONS = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn")
+
+
+def cuda_available() -> bool:
+    """True when a usable CUDA device exists (then the layer stays off)."""
+    return torch.cuda.is_available()
+
+
+def is_active() -> bool:
+    """True when the compatibility patches are installed in this process."""
+    return bool(getattr(torch.cuda.current_device, _MARK, False))
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is None:
+        return device
+    text = str(device)
+    if text == "cuda" or text.startswith("cuda:"):
+        return torch.device("cpu")
+    return device
+
+
+class _TorchOnCpu(types.ModuleType):
+    """A stand-in for `torch` inside one module: tensor factories asked for CUDA get the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name in _FACTORY_FUNCTIONS:
+            return _wrap_factory(value)
+        return value
+
+
+def _wrap_factory(fn: Callable) -> Callable:
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+def _cuda_type_name(original: Callable) -> Callable:
+    def type_name(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return _CPU_TO_CUDA_TYPE.get(name, name)
+
+    return type_name
+
+
+@dataclasses.dataclass
+class CompatHandle:
+    """What `activate()` changed, so that `deactivate()` can put it back."""
+
+    torch_cuda: dict[str, Any]
+    torch_cuda_random: dict[str, Any]
+    tensor_methods: dict[str, Any]
+    module_attrs: list[tuple[types.ModuleType, str, Any]]
+    log_filter: logging.Filter | None = None
+
+
+class _SameStreamWarningFilter(logging.Filter):
+    # On the CPU the tracker's streams *are* the CPU generator, so Megatron's
+    # "CPU RNG state changed within GPU RNG context" warning is expected there.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def check_megatron_version() -> str:
+    """Return the installed megatron-core version; raise if it is not the supported one."""
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if version != SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"megatron_osprey's CPU compatibility layer was written for megatron-core "
+            f"{SUPPORTED_MEGATRON_CORE} but {version} is installed; install "
+            f"megatron-core=={SUPPORTED_MEGATRON_CORE} (pyproject.toml pins it) or re-verify "
+            f"the call sites in megatron_osprey/parallel/cpu_compat.py."
+        )
+    return version
+
+
+def check_call_sites() -> None:
+    """Canary: every patched Megatron-Core call site still looks as it did when measured."""
+    check_megatron_version()
+    tables = (HARDCODED_CUDA_MODULES, TORCH_CUDA_CALL_SITES, TENSOR_TYPE_MODULES)
+    for table in tables:
+        for module_name, snippet in table.items():
+            source = inspect.getsource(importlib.import_module(module_name))
+            if snippet not in source:
+                raise RuntimeError(
+                    f"megatron-core call site moved: {module_name} no longer contains "
+                    f"{snippet!r}; update megatron_osprey/parallel/cpu_compat.py."
+                )
+
+
+def activate() -> CompatHandle | None:
+    """Install the CPU patches when CUDA is absent; returns None (and changes nothing) otherwise."""
+    if cuda_available() or is_active():
+        return None
+    check_call_sites()
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    handle = CompatHandle({}, {}, {}, [])
+
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    def get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        return torch.get_rng_state()
+
+    setattr(current_device, _MARK, True)
+    cuda_patches = {
+        "current_device": current_device,
+        "synchronize": synchronize,
+        "get_rng_state": get_rng_state,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed,
+    }
+    for name, fn in cuda_patches.items():
+        handle.torch_cuda[name] = getattr(torch.cuda, name)
+        setattr(torch.cuda, name, fn)
+    for name in ("get_rng_state", "manual_seed", "manual_seed_all"):
+        handle.torch_cuda_random[name] = getattr(torch.cuda.random, name)
+        setattr(torch.cuda.random, name, cuda_patches[name])
+
+    # `.cuda()` means "the current device": here that is the CPU.
+    handle.tensor_methods["cuda"] = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    # The optimizer accepts only parameters whose `type()` names a CUDA tensor.
+    handle.tensor_methods["type"] = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name(torch.Tensor.type)  # type: ignore[method-assign]
+
+    def patch_module_attr(module: types.ModuleType, name: str, value: Any) -> None:
+        handle.module_attrs.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    # Without this the tracker never switches streams on CPU builds (a silent no-op).
+    patch_module_attr(mcore_random, "_set_cuda_rng_state", set_rng_state)
+    patch_module_attr(mcore_random, "_get_cuda_rng_state", get_cuda_rng_state)
+    for module_name in HARDCODED_CUDA_MODULES:
+        patch_module_attr(importlib.import_module(module_name), "torch", _TorchOnCpu())
+    _patch_torch_norm_sequence_parallel(patch_module_attr)
+
+    handle.log_filter = _SameStreamWarningFilter()
+    logging.getLogger(mcore_random.__name__).addFilter(handle.log_filter)
+    return handle
+
+
+def _patch_torch_norm_sequence_parallel(patch_module_attr: Callable) -> None:
+    """Torch norms refuse sequence parallel; allow it and tag the weights for the TP all-reduce."""
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, persist_layer_norm, **kwargs)
+        sp_off = dataclasses.replace(config, sequence_parallel=False)
+        norm = original(cls, sp_off, hidden_size, eps, persist_layer_norm, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", True)
+        return norm
+
+    patch_module_attr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+def deactivate(handle: CompatHandle | None) -> None:
+    """Undo `activate()`; a None handle (nothing was patched) is a no-op."""
+    if handle is None:
+        return
+    for name, fn in handle.torch_cuda.items():
+        setattr(torch.cuda, name, fn)
+    for name, fn in handle.torch_cuda_random.items():
+        setattr(torch.cuda.random, name, fn)
+    for name, fn in handle.tensor_methods.items():
+        setattr(torch.Tensor, name, fn)
+    for module, name, value in reversed(handle.module_attrs):
+        setattr(module, name, value)
+    if handle.log_filter is not None:
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        logging.getLogger(mcore_random.__name__).removeFilter(handle.log_filter)

@@ -1,0 +1,202 @@
+"""One place that brings Megatron-Core's model-parallel state up and down."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Iterator
+
+import torch
+
+from megatron_osprey.parallel import cpu_compat
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Parallel layout, with Megatron-LM's argument names."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    distributed_backend: str | None = None  # None: nccl with CUDA, gloo without
+    distributed_timeout_minutes: float = 10.0
+    seed: int = 1234
+
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the (dense) model."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def validate(self, world_size: int) -> None:
+        """Raise one clear error when the layout does not fit `world_size` ranks."""
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                f"({self.pipeline_model_parallel_size}) x --context-parallel-size "
+                f"({self.context_parallel_size}) = {mp}."
+            )
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        expert_mp = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by --expert-model-parallel-size "
+                f"({self.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) x "
+                f"--pipeline-model-parallel-size ({self.pipeline_model_parallel_size})."
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1.")
+        if self.context_parallel_size > 1 and not torch.cuda.is_available():
+            raise ValueError(
+                "--context-parallel-size > 1 needs Transformer Engine attention on CUDA; "
+                "it cannot run on the CPU."
+            )
+
+
+@dataclasses.dataclass
+class ParallelState:
+    """What `initialize_parallel` set up: ranks, device and the process groups."""
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    owns_process_group: bool
+    compat: cpu_compat.CompatHandle | None = dataclasses.field(repr=False)
+
+    @property
+    def tp_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_tensor_model_parallel_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_pipeline_model_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_world_size()
+
+    def process_groups(self):
+        """Megatron-Core's ProcessGroupCollection for the current layout."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_process_group(config: ParallelConfig) -> bool:
+    """Start torch.distributed from torchrun's environment, or as a single local rank."""
+    if torch.distributed.is_initialized():
+        return False
+    backend = config.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(minutes=config.distributed_timeout_minutes)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A single process (tests, the demo, tools): a loopback rendezvous of one rank.
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    return True
+
+
+def initialize_parallel(config: ParallelConfig) -> ParallelState:
+    """Initialize torch.distributed (if needed), Megatron-Core's groups and the RNG tracker."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    compat = cpu_compat.activate()
+    owns = _init_process_group(config)
+    world_size = torch.distributed.get_world_size()
+    try:
+        config.validate(world_size)
+    except ValueError:
+        if owns:
+            torch.distributed.destroy_process_group()
+        cpu_compat.deactivate(compat)
+        raise
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+        distributed_timeout_minutes=int(max(1, config.distributed_timeout_minutes)),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return ParallelState(
+        config=config,
+        rank=torch.distributed.get_rank(),
+        world_size=world_size,
+        device=device,
+        owns_process_group=owns,
+        compat=compat,
+    )
+
+
+def destroy_parallel(state: ParallelState) -> None:
+    """Tear down what `initialize_parallel` set up, in reverse order."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if state.owns_process_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    cpu_compat.deactivate(state.compat)
+
+
+@contextlib.contextmanager
+def parallel_context(config: ParallelConfig | None = None) -> Iterator[ParallelState]:
+    """`with parallel_context(cfg) as ps:` initializes, yields the state, and always tears down."""
+    state = initialize_parallel(config or ParallelConfig())
+    try:
+        yield state
+    finally:
+        destroy_parallel(state)
