@@ -1,0 +1,123 @@
+"""Stage 1: prune a HF small LM to its embedding + first N blocks + final norm + LM head."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.convert.hf_to_megatron import load_hf_weights
+from megatron_osprey.convert.megatron_to_hf import export_to_hf
+from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.parallel import ParallelState
+from megatron_osprey.training.checkpointing import save_checkpoint
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+    "added_tokens.json",
+)
+STRATEGIES = ("first", "importance")
+
+
+@dataclasses.dataclass
+class PruneConfig:
+    """Stage 1 settings (the paper keeps the first 2 of Qwen3-4B's 36 layers)."""
+
+    source: Path
+    output: Path
+    num_layers: int = 2
+    strategy: str = "first"
+    transformer_impl: str = "auto"
+    overwrite: bool = False
+    calibration_data: Path | None = None  # JSONL with "text", for --strategy importance
+
+
+@dataclasses.dataclass
+class PruneResult:
+    arch: ModelArch
+    num_parameters: int
+    kept_layers: list[int]
+    output: Path
+
+
+def validate(config: PruneConfig) -> ModelArch:
+    """Check the source, N and the output before any work; returns the source architecture."""
+    source = Path(config.source)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"--source {source}: no config.json there (expected a HF model directory).")
+    if not any(source.glob("*.safetensors")):
+        raise FileNotFoundError(f"--source {source}: no *.safetensors weights there.")
+    arch = ModelArch.from_hf_config(source / "config.json")
+    if not 1 <= config.num_layers <= arch.num_layers:
+        raise ValueError(
+            f"--num-layers {config.num_layers} is out of range: {source} has {arch.num_layers} layers."
+        )
+    if config.strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {STRATEGIES}, got {config.strategy!r}.")
+    output = Path(config.output)
+    if output.exists() and any(output.iterdir()) and not config.overwrite:
+        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+    return arch
+
+
+def prune_backbone(config: PruneConfig, parallel: ParallelState) -> PruneResult:
+    """Run Stage 1 on this rank (collective); writes megatron/, hf/ and run_config.yaml."""
+    arch = validate(config)
+    if config.strategy == "importance":
+        from megatron_osprey.models.prune_importance import prune_by_importance
+
+        return prune_by_importance(config, arch, parallel)
+    kept = list(range(config.num_layers))
+    pruned = arch.with_num_layers(config.num_layers)
+    model = build_gpt_model(
+        pruned,
+        parallel.config,
+        transformer_impl=config.transformer_impl,
+        params_dtype=arch.torch_dtype_obj(),
+        perform_initialization=False,
+    )
+    # The pruned model's layers are the source's first N: loading reads only those slices.
+    load_hf_weights(model, config.source, pruned, parallel.tp_rank, parallel.config.tensor_model_parallel_size)
+    return write_pruned(config, pruned, [model], kept, parallel)
+
+
+def write_pruned(config: PruneConfig, arch: ModelArch, models: list, kept: list[int], parallel: ParallelState) -> PruneResult:
+    """Write OUT/megatron (dist checkpoint), OUT/hf (+ tokenizer files) and OUT/run_config.yaml."""
+    output = Path(config.output)
+    if parallel.rank == 0:
+        if output.exists() and config.overwrite:
+            shutil.rmtree(output)
+        output.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    run_config = {
+        "stage": "prune",
+        "source": str(config.source),
+        "strategy": config.strategy,
+        "num_layers": arch.num_layers,
+        "kept_layers": kept,
+        "transformer_impl": models[0].transformer_impl,
+        "parallel": parallel.config,
+        "hf_config": arch.hf_config | {"num_hidden_layers": arch.num_layers},
+    }
+    sharded = models[0].sharded_state_dict()
+    save_checkpoint(output / "megatron", 0, sharded, run_config)
+    export_to_hf(models, arch, output / "hf")
+    if parallel.rank == 0:
+        for name in TOKENIZER_FILES:
+            if (Path(config.source) / name).is_file():
+                shutil.copy2(Path(config.source) / name, output / "hf" / name)
+        from megatron_osprey.config.run_config import save_run_config
+
+        save_run_config(output / "run_config.yaml", run_config)
+    torch.distributed.barrier()
+    return PruneResult(arch=arch, num_parameters=arch.num_parameters(), kept_layers=kept, output=output)
