@@ -1,0 +1,226 @@
+"""Generation backends for regeneration: OpenAI-compatible servers and in-process HF models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+# Where reasoning servers (SGLang/vLLM reasoning parsers) return thinking separately, it is
+# put back inline in the target's own format so training data holds what the target wrote.
+THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
+
+# Status codes worth another attempt: overload, rate limit and server-side faults.
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    max_tokens: int = 2048
+    seed: int | None = None
+    enable_thinking: bool | None = None
+
+
+class ChatBackend(Protocol):
+    """Anything that answers one chat turn with the assistant's text."""
+
+    def complete(self, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
+        """Return the assistant reply to ``messages``."""
+        ...
+
+    def close(self) -> None:
+        """Release connections or memory."""
+        ...
+
+
+class BackendRequestError(RuntimeError):
+    """A generation request failed (after retries where they apply)."""
+
+
+def merge_reasoning(content: str | None, reasoning: str | None) -> str:
+    """Join separately returned reasoning and content back into ``<think>`` form."""
+    content = content or ""
+    if not reasoning:
+        return content
+    return THINK_OPEN + reasoning.strip("\n") + THINK_CLOSE + content.lstrip("\n")
+
+
+def normalize_server_url(url: str) -> str:
+    """Return the server root for ``url`` (accepts a trailing ``/v1``)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--server-url {url!r} must start with http:// or https://.")
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class ServerBackendConfig:
+    """A pool of OpenAI-compatible servers; the API key is kept out of repr and logs."""
+
+    urls: tuple[str, ...]
+    api_key: str | None = field(default=None, repr=False)
+    model: str | None = None
+    timeout_s: float = 600.0
+    retries: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    max_connections: int = 64
+
+
+class ServerBackend:
+    """Sends /v1/chat/completions requests round-robin over a server pool, with retries."""
+
+    def __init__(self, config: ServerBackendConfig):
+        import httpx
+
+        if not config.urls:
+            raise ValueError("--server-url is required for the server backend.")
+        if config.retries < 0:
+            raise ValueError(f"--retries must be >= 0, got {config.retries}.")
+        self.config = config
+        self._urls = tuple(normalize_server_url(u) for u in config.urls)
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+        self._model_names: dict[str, str] = {}
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+        self._client = httpx.Client(headers=headers, timeout=config.timeout_s, limits=limits)
+
+    def close(self) -> None:
+        """Close pooled connections."""
+        self._client.close()
+
+    def _model_name(self, base: str) -> str:
+        if self.config.model:
+            return self.config.model
+        with self._lock:
+            if base in self._model_names:
+                return self._model_names[base]
+        response = self._client.get(f"{base}/v1/models")
+        if response.status_code != 200:
+            raise _HTTPFailure(response.status_code, f"GET {base}/v1/models answered {response.status_code}")
+        data = response.json().get("data") or []
+        if not data or "id" not in data[0]:
+            raise BackendRequestError(f"{base}/v1/models lists no model; pass --served-model-name.")
+        with self._lock:
+            self._model_names[base] = data[0]["id"]
+        return data[0]["id"]
+
+    def _request_once(self, base: str, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
+        body: dict[str, Any] = {
+            "model": self._model_name(base),
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "temperature": params.temperature,
+            "max_tokens": params.max_tokens,
+            "stream": False,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.enable_thinking is not None:
+            # SGLang and vLLM forward this to the chat template (Qwen3's thinking switch).
+            body["chat_template_kwargs"] = {"enable_thinking": params.enable_thinking}
+        response = self._client.post(f"{base}/v1/chat/completions", json=body)
+        if response.status_code != 200:
+            raise _HTTPFailure(response.status_code, f"POST {base}/v1/chat/completions answered {response.status_code}: {response.text[:300]}")
+        try:
+            message = response.json()["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise _HTTPFailure(502, f"{base} returned a malformed chat completion: {response.text[:300]}") from None
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        return merge_reasoning(message.get("content"), reasoning)
+
+    def complete(self, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
+        """Return the reply, trying the next server with exponential backoff on transient errors."""
+        import httpx
+
+        first = next(self._next)
+        errors: list[str] = []
+        for attempt in range(self.config.retries + 1):
+            base = self._urls[(first + attempt) % len(self._urls)]
+            try:
+                return self._request_once(base, messages, params)
+            except _HTTPFailure as exc:
+                errors.append(str(exc))
+                if exc.status not in RETRYABLE_STATUS:
+                    break
+            except (httpx.TransportError, json.JSONDecodeError) as exc:
+                errors.append(f"{base}: {type(exc).__name__}: {exc}")
+            if attempt < self.config.retries:
+                time.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
+        raise BackendRequestError(f"request failed after {len(errors)} attempt(s); last error: {errors[-1]}")
+
+
+class _HTTPFailure(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class HFBackendConfig:
+    """A local HF model directory served in-process."""
+
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+
+class HFBackend:
+    """Generates with transformers' generate() on a local model; greedy at temperature 0."""
+
+    def __init__(self, config: HFBackendConfig):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_dir = Path(config.model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model_dir} is not a Hugging Face model directory (no config.json).")
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if config.dtype not in dtypes:
+            raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {config.dtype!r}.")
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtypes[config.dtype], trust_remote_code=config.trust_remote_code
+        ).to(config.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            stop.add(self.tokenizer.eos_token_id)
+        self._stop_ids = sorted(stop)
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else self._stop_ids[0]
+        # generate() is not safe to share across threads, and seeding uses the global RNG.
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""
+
+    def complete(self, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
+        """Return the model's reply to ``messages`` rendered with its chat template."""
+        import torch
+
+        from megatron_osprey.data.chat_template import render_generation_prompt
+
+        prompt = render_generation_prompt(self.tokenizer, messages, params.enable_thinking)
+        input_ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.config.device)
+        sample = params.temperature > 0
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=params.max_tokens, do_sample=sample, eos_token_id=self._stop_ids, pad_token_id=self._pad_id
+        )
+        if sample:
+            # Plain temperature sampling, as the servers' defaults: no top-k / top-p cut.
+            kwargs.update(temperature=params.temperature, top_k=0, top_p=1.0)
+        with self._lock, torch.no_grad():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        return self.tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,310 @@
+"""Regeneration: server backend (real loopback HTTP server) vs HF backend, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_osprey.data.conversations import ConversationFormatError, read_conversations
+from megatron_osprey.data.regenerate import (
+    HFBackend,
+    HFBackendConfig,
+    RegenerateConfig,
+    SamplingParams,
+    ServerBackend,
+    ServerBackendConfig,
+    failures_path_for,
+    regenerate_conversation,
+    regenerate_file,
+)
+from megatron_osprey.data.regenerate.backends import merge_reasoning, normalize_server_url
+from megatron_osprey.data.regenerate.local_server import ChatCompletionServer
+from megatron_osprey.data.regenerate.runner import recover_output
+from megatron_osprey.data.regenerate.tiny_target import write_tiny_target
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=6)
+ORIGINAL = "ORIGINAL-ASSISTANT-TEXT"
+
+
+def _rows() -> list[dict]:
+    u = lambda text: {"role": "user", "content": text}  # noqa: E731
+    a = {"role": "assistant", "content": ORIGINAL}
+    return [
+        {"id": "r0", "conversations": [u("Question 0?"), a]},
+        {"id": "r1", "conversations": [{"role": "system", "content": "Be brief."}, u("Question 1?"), a, u("And then?"), a]},
+        {"id": "r2", "conversations": [u("Question 2?")]},
+        {"id": "r3", "conversations": [u("Question 3?"), a, u("Why?")], "source": "kept"},
+        {"id": "r4", "conversations": [u("Question 4, part one."), u("Part two."), a]},
+        {"id": "r5", "conversations": [u("Question 5?"), a, u("Again?"), a, u("Last?"), a]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("target") / "tiny", family="qwen3", seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_backend(target_dir) -> HFBackend:
+    return HFBackend(HFBackendConfig(model_dir=target_dir))
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prompts, hf_backend) -> bytes:
+    """Uninterrupted HF-backend run: the file every other run must reproduce."""
+    out = tmp_path_factory.mktemp("reference") / "out.jsonl"
+    summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+    assert (summary.succeeded, summary.failed) == (6, 0)
+    return out.read_bytes()
+
+
+class SlowBackend:
+    """Delays each reply so a run can be killed midway."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def complete(self, messages, params):
+        time.sleep(self.delay_s)
+        return self.inner.complete(messages, params)
+
+    def close(self):
+        pass
+
+
+class FlakyBackend:
+    """Fails the first ``fail_first`` requests and every request mentioning ``poison``."""
+
+    def __init__(self, inner, fail_first: int = 0, poison: str | None = None):
+        self.inner, self.fail_first, self.poison = inner, fail_first, poison
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def complete(self, messages, params):
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+        if call <= self.fail_first:
+            raise RuntimeError(f"injected transient failure {call}")
+        if self.poison and any(self.poison in m["content"] for m in messages):
+            raise RuntimeError("injected permanent failure")
+        return self.inner.complete(messages, params)
+
+    def close(self):
+        pass
+
+
+class RecordingBackend:
+    """Answers 'reply-<n>' and records every history it was sent."""
+
+    def __init__(self):
+        self.histories: list[list[dict]] = []
+
+    def complete(self, messages, params):
+        self.histories.append([dict(m) for m in messages])
+        return f"reply-{len(self.histories) - 1}"
+
+    def close(self):
+        pass
+
+
+def _run_server(backend_inner, prompts: Path, out: Path, urls_count: int = 1, retries: int = 2):
+    servers = [ChatCompletionServer(backend_inner).start() for _ in range(urls_count)]
+    try:
+        config = ServerBackendConfig(urls=tuple(s.url for s in servers), retries=retries, backoff_s=0.01)
+        backend = ServerBackend(config)
+        try:
+            summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=3, progress=False), backend)
+        finally:
+            backend.close()
+    finally:
+        for s in servers:
+            s.stop()
+    return summary
+
+
+def test_turns_use_the_targets_own_history():
+    from megatron_osprey.data.conversations import Conversation
+
+    backend = RecordingBackend()
+    source = Conversation(
+        id="x",
+        messages=(
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": ORIGINAL},
+            {"role": "user", "content": "U2a"},
+            {"role": "user", "content": "U2b"},
+        ),
+    )
+    result = regenerate_conversation(source, backend, SAMPLING)
+    assert [m["content"] for m in result.messages] == ["S", "U1", "reply-0", "U2a", "U2b", "reply-1"]
+    assert backend.histories[0] == [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}]
+    # Turn 2 sees the target's own first reply, never the original assistant text.
+    assert backend.histories[1][2] == {"role": "assistant", "content": "reply-0"}
+    assert len(backend.histories[1]) == 5
+
+
+def test_reference_output_structure(reference):
+    rows = [json.loads(line) for line in reference.decode().splitlines()]
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(6)]
+    assert ORIGINAL not in reference.decode()
+    roles = [[m["role"] for m in r["conversations"]] for r in rows]
+    assert roles[1] == ["system", "user", "assistant", "user", "assistant"]
+    assert roles[2] == ["user", "assistant"]
+    assert roles[4] == ["user", "user", "assistant"]
+    assert roles[5] == ["user", "assistant"] * 3
+    assert rows[3]["source"] == "kept"
+
+
+def test_server_pool_matches_hf_backend(tmp_path, prompts, hf_backend, reference):
+    out = tmp_path / "out.jsonl"
+    summary = _run_server(hf_backend, prompts, out, urls_count=2)
+    assert (summary.succeeded, summary.failed) == (6, 0)
+    assert out.read_bytes() == reference
+    assert not failures_path_for(out).exists()
+
+
+def test_transient_failures_are_retried(tmp_path, prompts, hf_backend, reference):
+    flaky = FlakyBackend(hf_backend, fail_first=3)
+    out = tmp_path / "out.jsonl"
+    summary = _run_server(flaky, prompts, out, retries=3)
+    assert (summary.succeeded, summary.failed) == (6, 0)
+    assert out.read_bytes() == reference
+    assert flaky.calls == 3 + 10  # 10 assistant turns in the prompts, plus the 3 failed attempts
+
+
+def test_permanent_failure_recorded_then_fixed_by_rerun(tmp_path, prompts, hf_backend, reference):
+    out = tmp_path / "out.jsonl"
+    summary = _run_server(FlakyBackend(hf_backend, poison="Question 2?"), prompts, out, retries=1)
+    assert (summary.succeeded, summary.failed) == (5, 1)
+    failures = [json.loads(line) for line in failures_path_for(out).read_text().splitlines()]
+    assert [f["id"] for f in failures] == ["r2"]
+    assert "500" in failures[0]["error"] and "injected permanent failure" in failures[0]["error"]
+    assert [c.id for c in read_conversations(out)] == ["r0", "r1", "r3", "r4", "r5"]
+
+    summary = _run_server(hf_backend, prompts, out)
+    assert (summary.already_done, summary.succeeded, summary.failed) == (5, 1, 0)
+    assert out.read_bytes() == reference  # r2 lands in its input position
+    assert not failures_path_for(out).exists()
+
+
+def test_truncated_last_line_is_dropped_on_resume(tmp_path, prompts, hf_backend, reference):
+    lines = reference.splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(lines[0] + lines[1] + lines[2][: len(lines[2]) // 2])
+    assert recover_output(out, {f"r{i}" for i in range(6)}) == ["r0", "r1"]
+    assert out.read_bytes() == lines[0] + lines[1]
+    summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=2, progress=False), hf_backend)
+    assert (summary.already_done, summary.succeeded) == (2, 4)
+    assert out.read_bytes() == reference
+
+
+def test_corrupt_or_foreign_output_rows_raise(tmp_path, reference):
+    lines = reference.splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(lines[0] + b"{not json}\n" + lines[1])
+    with pytest.raises(ConversationFormatError, match=r"out\.jsonl:2 is corrupt"):
+        recover_output(out, {f"r{i}" for i in range(6)})
+    out.write_bytes(lines[0])
+    with pytest.raises(ConversationFormatError, match="not in --input"):
+        recover_output(out, {"r1"})
+    out.write_bytes(lines[0] + lines[0])
+    with pytest.raises(ConversationFormatError, match="repeats id 'r0'"):
+        recover_output(out, {"r0"})
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / "tools" / "regenerate.py"), *args]
+
+
+def test_cli_killed_midway_then_rerun_equals_uninterrupted(tmp_path, prompts, hf_backend, reference):
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(prompts), "--output", str(out), "--max-tokens", "6", "--temperature", "0",
+            "--concurrency", "2", "--retries", "1", "--backoff", "0.01", "--no-progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    with ChatCompletionServer(SlowBackend(hf_backend, 0.25)) as server:
+        proc = subprocess.Popen(_cli(args + ["--server-url", server.url]), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 2):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    killed_lines = out.read_bytes().count(b"\n")
+    assert 2 <= killed_lines < 6, "the kill must land midway"
+    with out.open("ab") as handle:  # what an interrupted append leaves behind
+        handle.write(b'{"id":"r5","conversations":[{"role":"us')
+
+    with ChatCompletionServer(hf_backend) as server:
+        done = subprocess.run(_cli(args + ["--server-url", server.url]), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{killed_lines} already done" in done.stdout
+    assert out.read_bytes() == reference
+
+
+def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference):
+    secret = "sk-test-very-secret-4711"
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "MY_REGEN_KEY": secret}
+    with ChatCompletionServer(hf_backend, api_key=secret) as server:
+        args = ["--input", str(prompts), "--output", str(out), "--server-url", server.url, "--api-key-env", "MY_REGEN_KEY",
+                "--max-tokens", "6", "--concurrency", "3"]  # fmt: skip
+        done = subprocess.run(_cli(args), env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert out.read_bytes() == reference
+        assert secret not in done.stdout + done.stderr
+
+        wrong = tmp_path / "wrong.jsonl"
+        backend = ServerBackend(ServerBackendConfig(urls=(server.url,), api_key="sk-wrong-key-0000", retries=3, backoff_s=0.01))
+        assert "sk-wrong" not in repr(backend.config)
+        summary = regenerate_file(RegenerateConfig(prompts, wrong, SAMPLING, concurrency=2, progress=False), backend)
+        backend.close()
+    assert summary.failed == 6
+    errors = failures_path_for(wrong).read_text()
+    assert "401" in errors and "after 1 attempt" in errors  # auth errors are not retried
+    assert "sk-wrong" not in errors
+
+
+def test_cli_rejects_bad_flags(tmp_path, prompts):
+    missing = subprocess.run(_cli(["--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]), capture_output=True, text=True)
+    assert missing.returncode == 2 and "--server-url" in missing.stderr
+    no_model = subprocess.run(
+        _cli(["--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--backend", "hf", "--model", str(tmp_path)]),
+        capture_output=True,
+        text=True,
+    )
+    assert no_model.returncode == 2 and "--model" in no_model.stderr and "config.json" in no_model.stderr
+
+
+def test_seeded_sampling_is_reproducible(hf_backend):
+    messages = [{"role": "user", "content": "Question 0?"}]
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=123)
+    first = hf_backend.complete(messages, params)
+    assert hf_backend.complete(messages, params) == first
+    others = {hf_backend.complete(messages, SamplingParams(temperature=1.0, max_tokens=12, seed=s)) for s in range(5)}
+    assert len(others) > 1
+
+
+def test_merge_reasoning_and_url_normalization():
+    assert merge_reasoning("Four.", "add 2 and 2\n") == "<think>\nadd 2 and 2\n</think>\n\nFour."
+    assert merge_reasoning("Four.", None) == "Four."
+    assert merge_reasoning(None, "") == ""
+    assert normalize_server_url("http://h:1/v1/") == "http://h:1"
+    with pytest.raises(ValueError, match="--server-url"):
+        normalize_server_url("h:1")
