@@ -59,20 +59,25 @@ def quantize_int8(x: torch.Tensor, groups: int, outliers_per_token: int) -> Int8
         raise ValueError(f"outliers_per_token must be in [0, {hidden}), got {outliers_per_token}.")
     xg = x.detach().to(torch.float32).reshape(tokens, groups, hidden)
     k = outliers_per_token
+    magnitude = xg.abs()
     if k > 0:
-        index = xg.abs().topk(k, dim=-1, sorted=True).indices
-        # Outliers are stored in bf16; the residual is taken against the stored
-        # value so the int8 part never has to absorb an outlier's magnitude.
+        index = magnitude.topk(k, dim=-1, sorted=True).indices
+        # Outliers are stored exactly (bf16) and left out of the int8 range, so
+        # they never set the step size of the other channels.
         value = xg.gather(-1, index).to(torch.bfloat16)
-        residual = xg.scatter(-1, index, 0.0)
+        magnitude.scatter_(-1, index, 0.0)
     else:
         index = torch.zeros(tokens, groups, 0, dtype=torch.int64, device=x.device)
         value = torch.zeros(tokens, groups, 0, dtype=torch.bfloat16, device=x.device)
-        residual = xg
-    absmax = residual.abs().amax(dim=-1)
-    scale = absmax / INT8_MAX
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(residual * inv.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    scale = magnitude.amax(dim=-1)
+    del magnitude
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)) * INT8_MAX
+    scale = scale / INT8_MAX
+    scaled = xg * inv.unsqueeze(-1)
+    q = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    del scaled
+    if k > 0:
+        q.scatter_(-1, index, 0)  # outlier slots carry no int8 value
     return Int8Encoded(
         q=q.reshape(tokens, width),
         scale=scale.contiguous(),

@@ -34,6 +34,7 @@ import shutil
 import struct
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -153,6 +154,10 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 def _json_bytes(obj: dict) -> bytes:
     # Sorted keys and no timestamps: a resumed run writes byte-identical manifests.
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _to_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -293,7 +298,7 @@ class _EncodedSample:
     sample_id: str
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # bool [T]
-    hidden: dict  # name -> bf16 tensor, or name -> (Int8Encoded without q, zstd frame)
+    hidden: dict  # name -> bf16 tensor, or name -> (Int8Encoded without q, zstd frame or its Future)
 
 
 class HiddenStateWriter:
@@ -314,8 +319,11 @@ class HiddenStateWriter:
         tag: str | None = None,
         outliers_per_token: int = 8,
         zstd_level: int = 1,
+        threads: int = 0,
     ) -> None:
         check_encoding(encoding)
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0, got {threads}.")
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}.")
         if not 0 <= rank < world_size:
@@ -350,24 +358,32 @@ class HiddenStateWriter:
             self._release_lock()
             raise
         self._pending: list[_EncodedSample] = []
-        self._pending_ids: set[str] = set()
+        self._seen_ids = set(self._done_ids)
+        self._next_index = len(self._shards)
         self._closed = False
+        # threads > 0: zstd runs on a pool and shards are written by one
+        # background thread, so the extraction loop only pays for device work.
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"hss-encode-{self.tag}") if threads else None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"hss-write-{self.tag}") if threads else None
+        self._inflight: Future | None = None
 
     # -- resume state
 
     @property
     def completed_shards(self) -> list[ShardRecord]:
         """Shards this writer has completed (listed in its manifest part)."""
+        self._wait_inflight()
         return list(self._shards)
 
     def completed_sample_ids(self) -> set[str]:
         """Sample ids already in complete shards; the extractor skips these."""
+        self._wait_inflight()
         return set(self._done_ids)
 
     @property
     def num_completed_samples(self) -> int:
         """Number of samples in complete shards."""
-        return sum(s.num_samples for s in self._shards)
+        return sum(s.num_samples for s in self.completed_shards)
 
     # -- writing
 
@@ -377,12 +393,12 @@ class HiddenStateWriter:
         if self._closed:
             raise RuntimeError(f"writer {self.tag} is closed.")
         sample_id = str(sample_id)
-        if sample_id in self._done_ids or sample_id in self._pending_ids:
+        if sample_id in self._seen_ids:
             raise ValueError(f"sample id {sample_id!r} was already written by writer {self.tag}.")
         self._pending.append(self._encode(sample_id, input_ids, loss_mask, aux_hidden, final_hidden))
-        self._pending_ids.add(sample_id)
+        self._seen_ids.add(sample_id)
         if len(self._pending) == self.samples_per_shard:
-            self._flush()
+            self._flush(complete=False)
 
     def close(self) -> None:
         """Write the last (possibly short) shard, mark this writer complete and release its lock."""
@@ -392,16 +408,21 @@ class HiddenStateWriter:
             if self._pending:
                 self._flush(complete=True)
             else:
+                self._wait_inflight()
                 self._write_part(complete=True)
+            self._wait_inflight()
         finally:
             self._closed = True
+            self._shutdown_threads()
             self._release_lock()
 
     def abandon(self) -> None:
         """Drop queued samples without writing them and release the lock (what a crash leaves)."""
         self._pending.clear()
-        self._pending_ids.clear()
         self._closed = True
+        # A shard write already under way finishes first, so no thread of this
+        # writer touches the store after the lock is released.
+        self._shutdown_threads()
         self._release_lock()
 
     def __enter__(self) -> "HiddenStateWriter":
@@ -431,6 +452,17 @@ class HiddenStateWriter:
                 ) from exc
             raise
         return fd
+
+    def _shutdown_threads(self) -> None:
+        for pool in (self._pool, self._io):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._io = None
+
+    def _wait_inflight(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()  # re-raises a failed background write here
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -501,23 +533,27 @@ class HiddenStateWriter:
             if tuple(tensor.shape) != expect[name]:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(tensor.shape)}, expected {expect[name]}.")
         for name, tensor in (("aux_hidden", aux_hidden), ("final_hidden", final_hidden)):
-            if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            # One reduction instead of an elementwise mask: NaN and inf both survive a sum.
+            if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
                 raise ValueError(f"sample {sample_id!r}: {name} must be floating point and finite.")
-        ids = input_ids.detach().cpu()
-        if ids.min() < 0 or ids.max() > torch.iinfo(torch.int32).max:
+        if input_ids.min() < 0 or input_ids.max() > torch.iinfo(torch.int32).max:
             raise ValueError(f"sample {sample_id!r}: input_ids must be in [0, 2^31).")
+        # copy=True everywhere: the caller may reuse its buffers while this sample waits for its shard.
         hidden: dict = {}
         for name, tensor, groups in (("aux_hidden", aux_hidden, h.num_aux_layers), ("final_hidden", final_hidden, 1)):
             if h.encoding == "bf16":
-                hidden[name] = tensor.detach().to(torch.bfloat16).cpu()
-            else:
-                # Quantize where the tensor lives (GPU in extraction) so only int8 crosses PCIe.
-                enc = quantize_int8(tensor, groups, h.outliers_per_token)
-                frame = compress_int8(enc.q.cpu(), self.zstd_level)
-                hidden[name] = (Int8Encoded(q=torch.empty(0, dtype=torch.int8), scale=enc.scale.cpu(),
-                                            outlier_index=enc.outlier_index.cpu(),
-                                            outlier_value=enc.outlier_value.cpu()), frame)
-        return _EncodedSample(sample_id, ids.to(torch.int32), loss_mask.detach().cpu().to(torch.bool), hidden)
+                hidden[name] = _to_cpu(tensor, torch.bfloat16)
+                continue
+            # Quantize where the tensor lives (GPU in extraction) so only int8 crosses PCIe.
+            enc = quantize_int8(tensor, groups, h.outliers_per_token)
+            q = _to_cpu(enc.q, torch.int8)
+            frame = (self._pool.submit(compress_int8, q, self.zstd_level) if self._pool is not None
+                     else compress_int8(q, self.zstd_level))
+            meta = Int8Encoded(q=torch.empty(0, dtype=torch.int8), scale=_to_cpu(enc.scale, torch.float32),
+                               outlier_index=_to_cpu(enc.outlier_index, torch.int16),
+                               outlier_value=_to_cpu(enc.outlier_value, torch.bfloat16))
+            hidden[name] = (meta, frame)
+        return _EncodedSample(sample_id, _to_cpu(input_ids, torch.int32), _to_cpu(loss_mask, torch.bool), hidden)
 
     def _shard_tensors(self, samples: list[_EncodedSample]) -> list[tuple[str, torch.dtype, tuple[int, ...], list]]:
         h = self.header
@@ -534,7 +570,7 @@ class HiddenStateWriter:
             if h.encoding == "bf16":
                 entries.append((name, torch.bfloat16, (ntok, width), [s.hidden[name] for s in samples]))
                 continue
-            frames = [s.hidden[name][1] for s in samples]
+            frames = [f.result() if isinstance(f, Future) else f for f in (s.hidden[name][1] for s in samples)]
             encs = [s.hidden[name][0] for s in samples]
             k = h.outliers_per_token
             frame_offsets = torch.tensor([0] + [len(f) for f in frames], dtype=torch.int64).cumsum(0)
@@ -547,26 +583,32 @@ class HiddenStateWriter:
             ]
         return entries
 
-    def _flush(self, complete: bool = False) -> None:
-        index = len(self._shards)
+    def _flush(self, complete: bool) -> None:
+        samples, self._pending = self._pending, []
+        index, self._next_index = self._next_index, self._next_index + 1
+        if self._io is None:
+            self._write_shard(samples, index, complete)
+            return
+        # At most one shard in flight bounds memory to two shards.
+        self._wait_inflight()
+        self._inflight = self._io.submit(self._write_shard, samples, index, complete)
+
+    def _write_shard(self, samples: list[_EncodedSample], index: int, complete: bool) -> None:
         name = shard_name(self.tag, index)
-        h = self.header
         metadata = {
             "format_version": str(FORMAT_VERSION),
-            "store": json.dumps(h.to_json(), sort_keys=True),
-            "sample_ids": json.dumps([s.sample_id for s in self._pending]),
+            "store": json.dumps(self.header.to_json(), sort_keys=True),
+            "sample_ids": json.dumps([s.sample_id for s in samples]),
         }
-        sha, size = _write_safetensors(self.store_dir / name, self._shard_tensors(self._pending), metadata)
+        sha, size = _write_safetensors(self.store_dir / name, self._shard_tensors(samples), metadata)
         self._shards.append(ShardRecord(
-            file=name, writer=self.tag, index=index, num_samples=len(self._pending),
-            num_tokens=sum(s.input_ids.shape[0] for s in self._pending), num_bytes=size, sha256=sha,
+            file=name, writer=self.tag, index=index, num_samples=len(samples),
+            num_tokens=sum(s.input_ids.shape[0] for s in samples), num_bytes=size, sha256=sha,
         ))
         # The part is rewritten after the shard is durable: a crash in between
         # leaves an unlisted (hence partial) shard that the next run rewrites.
         self._write_part(complete=complete)
-        self._done_ids.update(self._pending_ids)
-        self._pending.clear()
-        self._pending_ids.clear()
+        self._done_ids.update(s.sample_id for s in samples)
 
     def _write_part(self, complete: bool) -> None:
         part = {

@@ -330,3 +330,20 @@ def test_loss_delta_under_encoding():
         sum(float((x - x.bfloat16().float()).pow(2).mean()) for x in exact_by_id.values()) / 4, rel=1e-3)
     # Without exact outliers the x40 channel sets the int8 step and the error grows by ~40^2.
     assert mse0 > 100 * mse8 > 0
+
+
+@pytest.mark.parametrize("encoding", ["bf16", "int8"])
+def test_threaded_writer_is_byte_identical_and_copies_inputs(tmp_path, encoding):
+    # bf16 and int32 inputs, as extraction hands them over: no dtype cast makes a copy by accident.
+    samples = [{**s, "input_ids": s["input_ids"].int(), "aux_hidden": s["aux_hidden"].bfloat16(),
+                "final_hidden": s["final_hidden"].bfloat16()} for s in make_samples(8, seed=4)]
+    write_store(tmp_path / "inline", samples, encoding)
+    with open_writer(tmp_path / "threaded", encoding, threads=2) as w:
+        for s in samples:
+            buffers = {k: v.clone() for k, v in s.items() if k != "sample_id"}
+            w.add(s["sample_id"], buffers["input_ids"], buffers["loss_mask"], buffers["aux_hidden"],
+                  buffers["final_hidden"])
+            for v in buffers.values():  # an extractor reusing its buffers must not change what is stored
+                v.zero_()
+    finalize_store(tmp_path / "threaded")
+    assert store_files(tmp_path / "threaded") == store_files(tmp_path / "inline")
