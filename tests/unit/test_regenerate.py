@@ -308,3 +308,23 @@ def test_merge_reasoning_and_url_normalization():
     assert normalize_server_url("http://h:1/v1/") == "http://h:1"
     with pytest.raises(ValueError, match="--server-url"):
         normalize_server_url("h:1")
+
+
+def test_local_server_entry_module_serves_a_model_dir(target_dir, hf_backend):
+    import httpx
+
+    cmd = [sys.executable, "-m", "megatron_osprey.data.regenerate.local_server", "--model", str(target_dir), "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert "on http://127.0.0.1:" in banner, banner + proc.stderr.read()
+        url = banner.rsplit(" ", 1)[-1].strip()
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "local"
+        messages = [{"role": "user", "content": "Question 0?"}]
+        body = {"model": "local", "messages": messages, "temperature": 0, "max_tokens": 6}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["message"]["content"] == hf_backend.complete(messages, SAMPLING)
+        assert httpx.post(f"{url}/v1/chat/completions", json={"messages": []}).status_code == 400
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
