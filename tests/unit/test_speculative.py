@@ -271,3 +271,26 @@ def test_bad_spec_config_raises_naming_the_field():
     with pytest.raises(ValueError, match="draft_tokens must be in"):
         SpecConfig(steps=2, topk=2, draft_tokens=9)
     assert SpecConfig().draft_tokens == 6
+
+
+def test_reference_session_tree_rows_match_plain_chain_decoding():
+    """Each tree node sees only its own ancestors: equal to decoding that branch alone."""
+    from megatron_osprey.models.reference_drafter import DrafterKVCache
+
+    drafter = tiny_drafter(50, 40, "osprey", 5)
+    session = ReferenceDraftSession(drafter)
+    prompt, aux = torch.tensor([4, 9, 2, 7]), torch.randn(4, 96, dtype=torch.float64)
+    session.start(prompt, 11, aux)
+    # Two branches of depth 2 under the root: ids 0,1 at depth 1; 2 (child of 1), 3 (child of 0) at depth 2.
+    session.expand([-1, -1], torch.tensor([3, 8]))
+    tree_logits = session.expand([1, 0], torch.tensor([5, 6]))
+    with torch.no_grad():
+        for branch, row in (([8, 5], 0), ([3, 6], 1)):
+            cache = DrafterKVCache()
+            _, g = drafter(torch.tensor([[9, 2, 7, 11]]), aux_hidden=aux[None], kv_cache=cache)
+            g = g[:, -1:]
+            for token in branch:
+                logits, g = drafter(torch.tensor([[token]]), g=g, kv_cache=cache)
+            torch.testing.assert_close(tree_logits[row], drafter.target_logits(logits[0, 0]))
+    session.end_round()
+    assert session.cache.length == 4
