@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 # Qwen3 (ChatML). Reasoning of turns up to the last user message is dropped; the final
@@ -91,7 +92,7 @@ class TinyFamily:
     stop_tokens: tuple[str, ...]
 
 
-FAMILIES = {
+FAMILIES = MappingProxyType({
     "qwen3": TinyFamily(
         chat_template=QWEN3_CHAT_TEMPLATE,
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -110,7 +111,7 @@ FAMILIES = {
         pad_token="<|end_of_text|>",
         stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
     ),
-}
+})
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and the target verifies them.",
