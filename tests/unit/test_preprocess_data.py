@@ -1,0 +1,256 @@
+"""Stage-2 preprocessing: JSONL/Parquet/datasets -> Megatron indexed dataset."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from megatron_osprey.data.indexed_writer import AtomicIndexedWriter
+from megatron_osprey.data.preprocess import PreprocessConfig, partition_prefix, preprocess
+from megatron_osprey.data.text_sources import open_text_source
+
+REPO = Path(__file__).resolve().parents[2]
+EOS = "<eos>"
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts tokens that the target verifies.",
+    "héllo wörld — unicode ✓",
+    "short",
+    "Megatron indexed datasets store tokens in a .bin and offsets in an .idx.",
+    "one more line of ordinary text to tokenize",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE trained on DOCS, with an eos token named in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(DOCS * 3, trainer)
+    out = tmp_path_factory.mktemp("tok")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return out
+
+
+def _tok(tokenizer_dir: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def _write_jsonl(path: Path, docs, key="text") -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d, "id": "x"}) + "\n")
+    return path
+
+
+def _run(inp, tokenizer_dir, prefix, **kw):
+    cfg = PreprocessConfig(input=str(inp), tokenizer=str(tokenizer_dir), output_prefix=str(prefix),
+                           progress=False, **kw)
+    return preprocess(cfg)
+
+
+def _bytes(prefix: str) -> tuple:
+    return Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()
+
+
+def test_output_has_expected_ids_and_eod_per_document(tmp_path, tokenizer_dir):
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS)
+    # Tiny batches so 2 workers really interleave several batches that must come back in order.
+    result = _run(inp, tokenizer_dir, tmp_path / "out", workers=2, batch_bytes=64)
+    tok = _tok(tokenizer_dir)
+    eod = tok.token_to_id(EOS)
+    assert result.eod_id == eod == 1
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.index.dtype == np.uint16  # vocab 400 < 65500
+    assert len(ds) == len(DOCS)
+    assert list(ds.document_indices) == list(range(len(DOCS) + 1))
+    for i, text in enumerate(DOCS):
+        assert ds[i].tolist() == tok.encode(text).ids + [eod]
+    assert result.stats.tokens == sum(len(tok.encode(t).ids) + 1 for t in DOCS)
+    assert result.stats.documents == len(DOCS)
+    assert not os.path.exists(str(tmp_path / "out_text_document.bin.partial"))
+
+
+def test_batched_writes_equal_builder_add_document(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = np.array([3, 1, 7, 2], dtype=np.int32)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    ref = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
+    start = 0
+    for n in lengths:
+        ref.add_document(tokens[start:start + n], [int(n)])
+        start += n
+    ref.finalize(str(tmp_path / "ref.idx"))
+    w = AtomicIndexedWriter(str(tmp_path / "ours"), np.uint16)
+    w.add_documents(tokens[:4], lengths[:2])
+    w.add_documents(tokens[4:], lengths[2:])
+    w.commit()
+    assert _bytes(str(tmp_path / "ours")) == _bytes(str(tmp_path / "ref"))
+
+
+def test_compressed_parquet_and_datasets_inputs_give_identical_output(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    from datasets import Dataset
+
+    plain = _write_jsonl(tmp_path / "in.jsonl", DOCS)
+    raw = plain.read_bytes()
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "in.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    pq.write_table(pa.table({"id": ["x"] * len(DOCS), "text": DOCS}), tmp_path / "in.parquet", row_group_size=3)
+    Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "in_ds"))
+
+    _run(plain, tokenizer_dir, tmp_path / "plain")
+    expected = _bytes(str(tmp_path / "plain_text_document"))
+    for name in ("in.jsonl.gz", "in.jsonl.zst", "in.parquet", "in_ds"):
+        prefix = tmp_path / name.replace(".", "_")
+        result = _run(tmp_path / name, tokenizer_dir, prefix, batch_bytes=100)
+        assert _bytes(str(prefix) + "_text_document") == expected, name
+        assert result.stats.documents == len(DOCS), name
+
+
+def test_malformed_records_are_counted_reported_and_skipped(tmp_path, tokenizer_dir, caplog):
+    lines = [
+        json.dumps({"text": "good one"}),     # line 1
+        "{not json",                          # line 2
+        json.dumps({"other": "x"}),           # line 3: missing key
+        json.dumps({"text": 42}),             # line 4: not a string
+        json.dumps({"text": ""}),             # line 5: empty
+        json.dumps({"text": "  \n "}),        # line 6: whitespace only
+        json.dumps(["text"]),                 # line 7: not an object
+        "",                                   # line 8: blank line
+        json.dumps({"text": "good two"}),     # line 9
+    ]
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text("\n".join(lines + [json.dumps({"x": 1})] * 12) + "\n")  # lines 10-21: missing key
+    with caplog.at_level("INFO"):
+        result = _run(inp, tokenizer_dir, tmp_path / "out", workers=2, batch_bytes=40)
+    s = result.stats
+    assert s.documents == 2 and s.records == 21
+    assert s.problem_counts == {
+        "invalid JSON": 2, "missing key": 13, "value is not a string": 1,
+        "empty document": 2, "not a JSON object": 1,
+    }
+    assert len(s.problems) == 10  # only the first 10 are kept, in input order
+    assert [p.split(":")[0] for p in s.problems] == [f"{inp} line {n}" for n in (2, 3, 4, 5, 6, 7, 8, 10, 11, 12)]
+    assert "missing key 'text'" in s.problems[1] and "(int)" in s.problems[2]
+    tok = _tok(tokenizer_dir)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t).ids + [1] for t in ("good one", "good two")]
+    assert "skipped 19 records" in caplog.text and f"{inp} line 2: invalid JSON" in caplog.text
+
+
+def test_strict_fails_on_first_bad_line_and_leaves_no_output(tmp_path, tokenizer_dir):
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": "ok"}) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 3: invalid JSON"):
+        _run(inp, tokenizer_dir, tmp_path / "out", strict=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_partitions_equal_one_pass_and_rerun_redoes_only_missing(tmp_path, tokenizer_dir):
+    docs = [f"{DOCS[i % len(DOCS)]} #{i}" for i in range(40)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", docs)
+    _run(inp, tokenizer_dir, tmp_path / "one")
+    expected = _bytes(str(tmp_path / "one_text_document"))
+
+    first = _run(inp, tokenizer_dir, tmp_path / "p", partitions=3, keep_partitions=True, batch_bytes=200)
+    assert first.partitions_written == 3 and first.partitions_reused == 0
+    assert _bytes(str(tmp_path / "p_text_document")) == expected
+    parts = [partition_prefix(str(tmp_path / "p"), "text", k) for k in range(3)]
+    assert [len(IndexedDataset(p)) for p in parts] == [13, 13, 14]
+
+    # Simulate a run that died during partition 1 and before the merge.
+    os.remove(parts[1] + ".done.json")
+    Path(parts[1] + ".bin").write_bytes(b"half")
+    for ext in (".bin", ".idx"):
+        os.remove(str(tmp_path / "p_text_document") + ext)
+    kept = {k: os.stat(parts[k] + ".bin").st_mtime_ns for k in (0, 2)}
+    again = _run(inp, tokenizer_dir, tmp_path / "p", partitions=3, batch_bytes=200)
+    assert again.partitions_written == 1 and again.partitions_reused == 2
+    assert _bytes(str(tmp_path / "p_text_document")) == expected
+    assert again.stats.documents == 40  # totals include the reused partitions
+    assert kept == {k: first_mtime for k, first_mtime in kept.items()}
+    # Without --keep-partitions the merged run removes partition files.
+    assert not any(os.path.exists(p + ".bin") or os.path.exists(p + ".done.json") for p in parts)
+
+
+def test_partition_marker_from_other_tokenizer_settings_is_not_reused(tmp_path, tokenizer_dir):
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS)
+    _run(inp, tokenizer_dir, tmp_path / "p", partitions=2, keep_partitions=True)
+    os.remove(str(tmp_path / "p_text_document.bin"))
+    os.remove(str(tmp_path / "p_text_document.idx"))
+    again = _run(inp, tokenizer_dir, tmp_path / "p", partitions=2, add_special_tokens=False, eod_token="<pad>")
+    assert again.partitions_written == 2 and again.partitions_reused == 0
+    ds = IndexedDataset(str(tmp_path / "p_text_document"))  # keep it alive: items view its mmap
+    assert ds[0][-1] == 0  # the new EOD (<pad>) is used
+
+
+def test_refuses_to_overwrite_unless_asked(tmp_path, tokenizer_dir):
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:2])
+    _run(inp, tokenizer_dir, tmp_path / "out")
+    before = _bytes(str(tmp_path / "out_text_document"))
+    _write_jsonl(inp, DOCS[2:4])
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _run(inp, tokenizer_dir, tmp_path / "out")
+    assert _bytes(str(tmp_path / "out_text_document")) == before
+    _run(inp, tokenizer_dir, tmp_path / "out", overwrite=True)
+    assert _bytes(str(tmp_path / "out_text_document")) != before
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 2
+
+
+def test_cli_logs_eod_and_reports_errors_in_one_line(tmp_path, tokenizer_dir, capsys, caplog):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import preprocess_data as tool
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3])
+    argv = ["--input", str(inp), "--json-key", "text", "--tokenizer", str(tokenizer_dir),
+            "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--no-progress"]
+    with caplog.at_level("INFO"):
+        assert tool.main(argv) == 0
+    assert "EOD token '<eos>' (id 1)" in caplog.text
+    assert len(IndexedDataset(str(tmp_path / "cli_text_document"))) == 3
+    assert tool.main(argv) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert tool.main(argv[:1] + [str(tmp_path / "missing.jsonl")] + argv[2:] + ["--overwrite"]) == 1
+    assert f"--input {tmp_path / 'missing.jsonl'} does not exist." in capsys.readouterr().err
+
+
+def test_tokenizer_without_eos_needs_eod_flag(tmp_path, tokenizer_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:1])
+    with pytest.raises(ValueError, match="--eod-token"):
+        _run(inp, bare, tmp_path / "out")
+    assert _run(inp, bare, tmp_path / "out", eod_token="<pad>").eod_id == 0
+
+
+def test_missing_column_names_the_flag(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["a"]}), tmp_path / "t.parquet")
+    with pytest.raises(KeyError, match="--json-key 'text' is not a column"):
+        open_text_source(str(tmp_path / "t.parquet"), "text")
