@@ -40,6 +40,11 @@ class Int8Encoded:
     outlier_index: torch.Tensor  # int16 [T, G, k]
     outlier_value: torch.Tensor  # bfloat16 [T, G, k]
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Int8Encoded":
+        """Move every part to ``device`` (e.g. to dequantize on the GPU)."""
+        return Int8Encoded(*(t.to(device, non_blocking=non_blocking)
+                             for t in (self.q, self.scale, self.outlier_index, self.outlier_value)))
+
 
 def check_encoding(encoding: str) -> None:
     """Raise if ``encoding`` is not one the store knows."""
@@ -90,7 +95,7 @@ def dequantize_int8(enc: Int8Encoded, dtype: torch.dtype = torch.bfloat16) -> to
     """Invert :func:`quantize_int8` to a [T, G*H] tensor of ``dtype``."""
     tokens, width = enc.q.shape
     groups = enc.scale.shape[1]
-    xg = enc.q.to(torch.float32).reshape(tokens, groups, width // groups) * enc.scale.unsqueeze(-1)
+    xg = torch.mul(enc.q.reshape(tokens, groups, width // groups), enc.scale.unsqueeze(-1))
     if enc.outlier_index.shape[-1] > 0:
         xg.scatter_(-1, enc.outlier_index.to(torch.int64), enc.outlier_value.to(torch.float32))
     return xg.reshape(tokens, width).to(dtype)
@@ -115,7 +120,7 @@ def compress_int8(q: torch.Tensor, level: int) -> bytes:
 
 def decompress_int8(frame: bytes | memoryview, shape: tuple[int, int]) -> torch.Tensor:
     """Decode one zstd frame back to an int8 tensor of ``shape``."""
-    raw = _zstd().ZstdDecompressor().decompress(bytes(frame))
+    raw = _zstd().ZstdDecompressor().decompress(frame)
     expected = shape[0] * shape[1]
     if len(raw) != expected:
         raise ValueError(f"zstd frame decoded to {len(raw)} bytes, expected {expected}.")

@@ -28,14 +28,14 @@ import fcntl
 import hashlib
 import json
 import os
-import queue
 import re
 import shutil
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -707,6 +707,7 @@ class HiddenStateStore:
         hidden_size: int | None = None,
         verify_sha256: bool = True,
         dtype: torch.dtype = torch.bfloat16,
+        dequantize: bool = True,
         max_open_shards: int = 64,
     ) -> None:
         self.store_dir = Path(store_dir)
@@ -733,6 +734,7 @@ class HiddenStateStore:
             self._starts.append(self._starts[-1] + s.num_samples)
         self.verify_sha256 = verify_sha256
         self.dtype = dtype
+        self.dequantize = dequantize
         self._max_open = max_open_shards
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
@@ -769,7 +771,11 @@ class HiddenStateStore:
         return shard
 
     def __getitem__(self, i: int) -> dict:
-        """Return sample ``i``: sample_id, input_ids (int64), loss_mask (bool), aux_hidden, final_hidden."""
+        """Return sample ``i``: sample_id, input_ids (int64), loss_mask (bool), aux_hidden, final_hidden.
+
+        With ``dequantize=False`` an int8 store gives aux_hidden / final_hidden as
+        Int8Encoded, for the trainer to move to the GPU and dequantize there.
+        """
         n = len(self)
         if i < 0:
             i += n
@@ -785,7 +791,7 @@ class HiddenStateStore:
             out = {
                 "sample_id": shard.sample_ids[j],
                 "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
-                "loss_mask": f.get_slice("loss_mask")[a:b],
+                "loss_mask": f.get_slice("loss_mask")[a:b].clone(),
             }
             raw = {}
             for name in _HIDDEN_NAMES:
@@ -798,57 +804,38 @@ class HiddenStateStore:
         # Decoding happens outside the lock so a prefetch thread and the caller overlap.
         for name in _HIDDEN_NAMES:
             if h.encoding == "bf16":
-                out[name] = out[name].to(self.dtype)
+                # Slices are views of the shard's mmap; copying here makes the
+                # prefetch thread, not the training step, pay for the disk read.
+                out[name] = out[name].to(self.dtype, copy=True)
                 continue
             frame, scale, index, value = raw[name]
             groups = scale.shape[1]
-            q = decompress_int8(frame.numpy().tobytes(), (b - a, groups * h.hidden_size))
-            out[name] = dequantize_int8(Int8Encoded(q, scale, index, value), self.dtype)
+            q = decompress_int8(frame.numpy(), (b - a, groups * h.hidden_size))
+            enc = Int8Encoded(q, scale, index, value)
+            out[name] = dequantize_int8(enc, self.dtype) if self.dequantize else enc
         return out
 
     def __iter__(self) -> Iterator[dict]:
         return self.iter_samples()
 
-    def iter_samples(self, indices: Iterable[int] | None = None, prefetch: int = 4) -> Iterator[dict]:
-        """Yield samples in ``indices`` order, read ahead by a background thread into a queue of ``prefetch``."""
-        order = list(range(len(self))) if indices is None else list(indices)
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}.")
-        items: queue.Queue = queue.Queue(maxsize=prefetch)
-        stop = threading.Event()
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    items.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def work() -> None:
+    def iter_samples(self, indices: Iterable[int] | None = None, prefetch: int = 4,
+                     workers: int = 1) -> Iterator[dict]:
+        """Yield samples in ``indices`` order, read ahead by ``workers`` background threads, at most ``prefetch`` ahead."""
+        if prefetch < 1 or workers < 1:
+            raise ValueError(f"prefetch and workers must be >= 1, got {prefetch} and {workers}.")
+        pending = iter(list(range(len(self))) if indices is None else list(indices))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hidden-state-prefetch") as pool:
+            window = deque(pool.submit(self.__getitem__, i) for i in islice(pending, prefetch))
             try:
-                for i in order:
-                    if not put(("sample", self[i])):
-                        return
-                put(("end", None))
-            except BaseException as exc:  # re-raised in the consumer, never swallowed
-                put(("error", exc))
-
-        thread = threading.Thread(target=work, name="hidden-state-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                kind, value = items.get()
-                if kind == "sample":
-                    yield value
-                elif kind == "end":
-                    return
-                else:
-                    raise value
-        finally:
-            stop.set()
-            thread.join()
+                while window:
+                    ready = window.popleft()
+                    for i in islice(pending, 1):
+                        window.append(pool.submit(self.__getitem__, i))
+                    yield ready.result()  # a reader error surfaces here, in order
+            finally:
+                # An abandoned iterator must not leave reads running behind it.
+                for future in window:
+                    future.cancel()
 
 
 def sample_order(num_samples: int, *, dp_rank: int = 0, dp_size: int = 1, seed: int = 0, epoch: int = 0,

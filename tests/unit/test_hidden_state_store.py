@@ -122,6 +122,10 @@ def test_int8_store_matches_in_memory_roundtrip_and_halves_bytes(tmp_path):
         assert torch.equal(got["aux_hidden"], roundtrip(want["aux_hidden"], 3, "int8"))
         assert torch.equal(got["final_hidden"], roundtrip(want["final_hidden"], 1, "int8"))
         assert torch.equal(got["input_ids"], want["input_ids"])
+    # Raw mode hands int8 parts over for dequantizing on the device; same values.
+    raw = HiddenStateStore(tmp_path, dequantize=False)[2]["aux_hidden"]
+    assert raw.q.dtype == torch.int8 and raw.scale.shape == (samples[2]["input_ids"].numel(), 3)
+    assert torch.equal(dequantize_int8(raw.to("cpu"), torch.float32), roundtrip(samples[2]["aux_hidden"], 3, "int8"))
 
 
 def test_int8_is_at_most_half_of_specforge_bytes_per_token(tmp_path):
@@ -196,6 +200,8 @@ def test_prefetch_iterator_follows_order_and_reraises(tmp_path):
     store = HiddenStateStore(tmp_path)
     order = sample_order(len(store), dp_rank=1, dp_size=2, seed=5)
     assert [s["sample_id"] for s in store.iter_samples(order, prefetch=2)] == [f"s{i}" for i in order]
+    assert [s["sample_id"] for s in store.iter_samples(order[::-1], prefetch=3, workers=2)] == \
+        [f"s{i}" for i in order[::-1]]
     threads_before = threading.active_count()
     it = store.iter_samples(prefetch=1)
     next(it)
