@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_osprey.data import hidden_state_store as hss
 from megatron_osprey.data.hidden_state_quant import (
@@ -19,6 +20,9 @@ from megatron_osprey.data.hidden_state_quant import (
 )
 from megatron_osprey.data.hidden_state_store import (
     CorruptShardError,
+    HiddenStateStoreConfig,
+    open_store,
+    open_writer,
     HiddenStateStore,
     HiddenStateWriter,
     InsufficientDiskError,
@@ -52,7 +56,7 @@ def make_samples(n: int, hidden: int = H, seed: int = 0, prefix: str = "s") -> l
     return out
 
 
-def open_writer(path, encoding="bf16", **kw) -> HiddenStateWriter:
+def make_writer(path, encoding="bf16", **kw) -> HiddenStateWriter:
     args = dict(target_id="qwen3-8b", config_hash="abc123", aux_layer_ids=AUX, hidden_size=H,
                 encoding=encoding, samples_per_shard=3)
     args.update(kw)
@@ -65,7 +69,7 @@ def add_all(writer: HiddenStateWriter, samples: list[dict]) -> None:
 
 
 def write_store(path, samples, encoding="bf16", **kw) -> Path:
-    with open_writer(path, encoding, **kw) as w:
+    with make_writer(path, encoding, **kw) as w:
         add_all(w, samples)
     return finalize_store(path)
 
@@ -82,6 +86,7 @@ def test_bf16_roundtrip_is_exact_bf16_cast(tmp_path):
     assert len(store) == 8
     assert store.num_tokens == sum(s["input_ids"].numel() for s in samples)
     assert [s.num_samples for s in store.shards] == [3, 3, 2]
+    assert store.lengths() == [s["input_ids"].numel() for s in samples]
     for i in (7, 0, 4, -1):  # random access, across shard boundaries
         got, want = store[i], samples[i]
         assert got["sample_id"] == want["sample_id"]
@@ -115,8 +120,15 @@ def test_int8_error_bound_and_exact_outliers():
 
 def test_int8_store_matches_in_memory_roundtrip_and_halves_bytes(tmp_path):
     samples = make_samples(7, seed=1)
-    write_store(tmp_path, samples, encoding="int8")
-    store = HiddenStateStore(tmp_path, dtype=torch.float32)
+    config = HiddenStateStoreConfig(store_dir=str(tmp_path), encoding="int8", samples_per_shard=3)
+    with open_writer(config, target_id="t", config_hash="h", aux_layer_ids=AUX, hidden_size=H) as w:
+        add_all(w, samples)
+    finalize_store(tmp_path)
+    # The shard is a standard safetensors file: the library's own full loader accepts it.
+    tensors = load_file(str(tmp_path / w.completed_shards[0].file))
+    assert tensors["aux_hidden.zstd"].dtype == torch.uint8 and tensors["input_ids"].dtype == torch.int32
+    assert tensors["aux_hidden.scale"].shape == (sum(s["input_ids"].numel() for s in samples[:3]), 3)
+    store = open_store(config, target_id="t", dtype=torch.float32)
     for i, want in enumerate(samples):
         got = store[i]
         assert torch.equal(got["aux_hidden"], roundtrip(want["aux_hidden"], 3, "int8"))
@@ -131,7 +143,7 @@ def test_int8_store_matches_in_memory_roundtrip_and_halves_bytes(tmp_path):
 def test_int8_is_at_most_half_of_specforge_bytes_per_token(tmp_path):
     hidden = 1024
     g = torch.Generator().manual_seed(3)
-    with open_writer(tmp_path, "int8", hidden_size=hidden, samples_per_shard=4) as w:
+    with make_writer(tmp_path, "int8", hidden_size=hidden, samples_per_shard=4) as w:
         for i in range(4):
             t = 128
             w.add(f"x{i}", torch.randint(0, 1000, (t,), generator=g), torch.ones(t, dtype=torch.bool),
@@ -153,7 +165,7 @@ def test_killed_and_resumed_run_is_byte_identical(tmp_path, encoding):
     write_store(clean, samples, encoding)
 
     with pytest.raises(KeyboardInterrupt):
-        with open_writer(killed, encoding) as w:
+        with make_writer(killed, encoding) as w:
             add_all(w, samples[:7])  # two complete shards, one sample queued
             raise KeyboardInterrupt
     tag = w.tag
@@ -161,7 +173,7 @@ def test_killed_and_resumed_run_is_byte_identical(tmp_path, encoding):
     (killed / hss.shard_name(tag, 2)).write_bytes(b"\x00" * 100)
     (killed / f".tmp-{hss.shard_name(tag, 3)}.123.456").write_bytes(b"junk")
 
-    with open_writer(killed, encoding) as w:
+    with make_writer(killed, encoding) as w:
         assert [s.index for s in w.completed_shards] == [0, 1]
         done = w.completed_sample_ids()
         assert done == {s["sample_id"] for s in samples[:6]}
@@ -170,7 +182,7 @@ def test_killed_and_resumed_run_is_byte_identical(tmp_path, encoding):
     assert store_files(killed) == store_files(clean)
 
     # A rerun over a finished store writes nothing new and changes no byte.
-    with open_writer(killed, encoding) as w:
+    with make_writer(killed, encoding) as w:
         assert len(w.completed_sample_ids()) == len(samples)
     finalize_store(killed)
     assert store_files(killed) == store_files(clean)
@@ -224,9 +236,9 @@ def test_sample_order_shards_and_shuffles_deterministically():
 
 def test_concurrent_ranks_merge(tmp_path):
     samples = make_samples(10)
-    writers = [open_writer(tmp_path, "int8", rank=r, world_size=2) for r in range(2)]
+    writers = [make_writer(tmp_path, "int8", rank=r, world_size=2) for r in range(2)]
     with pytest.raises(RuntimeError, match="another process"):
-        open_writer(tmp_path, "int8", rank=1, world_size=2)
+        make_writer(tmp_path, "int8", rank=1, world_size=2)
     threads = [threading.Thread(target=add_all, args=(w, samples[r::2])) for r, w in enumerate(writers)]
     for t in threads:
         t.start()
@@ -248,11 +260,11 @@ def test_concurrent_ranks_merge(tmp_path):
 
 
 def test_finalize_refuses_missing_rank_and_duplicate_ids(tmp_path):
-    with open_writer(tmp_path / "a", rank=0, world_size=2) as w:
+    with make_writer(tmp_path / "a", rank=0, world_size=2) as w:
         add_all(w, make_samples(2))
     with pytest.raises(RuntimeError, match=r"ranks \[1\]"):
         finalize_store(tmp_path / "a")
-    with open_writer(tmp_path / "a", rank=1, world_size=2) as w:
+    with make_writer(tmp_path / "a", rank=1, world_size=2) as w:
         add_all(w, make_samples(2))  # same ids as rank 0
     with pytest.raises(StoreMismatchError, match="'s0'"):
         finalize_store(tmp_path / "a")
@@ -265,9 +277,9 @@ def test_manifest_mismatch_errors(tmp_path):
     with pytest.raises(StoreMismatchError, match="aux_layer_ids"):
         HiddenStateStore(tmp_path, aux_layer_ids=(1, 17, 32))
     with pytest.raises(StoreMismatchError, match="encoding"):
-        open_writer(tmp_path, "int8")
+        make_writer(tmp_path, "int8")
     with pytest.raises(StoreMismatchError, match="config_hash"):
-        open_writer(tmp_path, rank=1, world_size=2, config_hash="other")
+        make_writer(tmp_path, rank=1, world_size=2, config_hash="other")
     (tmp_path / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="finalize_store"):
         HiddenStateStore(tmp_path)
@@ -275,7 +287,7 @@ def test_manifest_mismatch_errors(tmp_path):
 
 def test_writer_rejects_bad_samples(tmp_path):
     s = make_samples(1)[0]
-    with open_writer(tmp_path) as w:
+    with make_writer(tmp_path) as w:
         with pytest.raises(ValueError, match="aux_hidden has shape"):
             w.add("a", s["input_ids"], s["loss_mask"], s["final_hidden"], s["final_hidden"])
         bad = s["final_hidden"].clone()
@@ -344,7 +356,7 @@ def test_threaded_writer_is_byte_identical_and_copies_inputs(tmp_path, encoding)
     samples = [{**s, "input_ids": s["input_ids"].int(), "aux_hidden": s["aux_hidden"].bfloat16(),
                 "final_hidden": s["final_hidden"].bfloat16()} for s in make_samples(8, seed=4)]
     write_store(tmp_path / "inline", samples, encoding)
-    with open_writer(tmp_path / "threaded", encoding, threads=2) as w:
+    with make_writer(tmp_path / "threaded", encoding, threads=2) as w:
         for s in samples:
             buffers = {k: v.clone() for k, v in s.items() if k != "sample_id"}
             w.add(s["sample_id"], buffers["input_ids"], buffers["loss_mask"], buffers["aux_hidden"],
@@ -353,3 +365,39 @@ def test_threaded_writer_is_byte_identical_and_copies_inputs(tmp_path, encoding)
                 v.zero_()
     finalize_store(tmp_path / "threaded")
     assert store_files(tmp_path / "threaded") == store_files(tmp_path / "inline")
+
+
+_RANK_SCRIPT = """
+import sys, torch
+from megatron_osprey.data.hidden_state_store import HiddenStateWriter
+store, rank = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(rank)
+with HiddenStateWriter(store, target_id="t", config_hash="h", aux_layer_ids=(1, 2, 3), hidden_size=16,
+                       encoding="int8", samples_per_shard=2, rank=rank, world_size=2) as w:
+    for i in range(rank, 12, 2):
+        w.add(f"id{i}", torch.full((4 + i,), i), torch.ones(4 + i, dtype=torch.bool),
+              torch.randn(4 + i, 48, generator=g), torch.full((4 + i, 16), float(i)))
+"""
+
+
+def test_two_processes_write_one_store(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    store = tmp_path / "store"
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(r)], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    manifest = json.loads(finalize_store(store).read_text())
+    assert manifest["num_samples"] == 12 and len(manifest["shards"]) == 6
+    got = {s["sample_id"]: s for s in HiddenStateStore(store, dtype=torch.float32)}
+    assert sorted(got) == sorted(f"id{i}" for i in range(12))
+    for i in range(12):
+        assert got[f"id{i}"]["input_ids"].tolist() == [i] * (4 + i)
+        # Constant rows quantize exactly (all channels equal the absmax, or are outliers).
+        assert torch.equal(got[f"id{i}"]["final_hidden"], torch.full((4 + i, 16), float(i)))
