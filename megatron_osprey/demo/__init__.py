@@ -1,0 +1,1 @@
+"""`make demo`: the pipeline at toy scale on a laptop CPU."""
