@@ -2,7 +2,7 @@
 
 from .download import ChecksumError
 from .sources import TOKENIZER_SOURCES, Distribution, TokenizerSource, available_tokenizers, tokenizer_source
-from .tokenizer_cache import default_cache_dir, get_tokenizer_dir, load_tokenizer, reference_cases
+from .tokenizer_cache import default_cache_dir, get_tokenizer_dir, load_tokenizer, reference_cases, reference_mismatches
 
 __all__ = [
     "TOKENIZER_SOURCES",
@@ -14,5 +14,6 @@ __all__ = [
     "get_tokenizer_dir",
     "load_tokenizer",
     "reference_cases",
+    "reference_mismatches",
     "tokenizer_source",
 ]

@@ -77,7 +77,7 @@ def _vocab(stem: str) -> dict[str, str]:
 TOKENIZER_SOURCES: tuple[TokenizerSource, ...] = (
     TokenizerSource(
         name="qwen3",
-        description="Qwen3 byte-level BPE (151,643 merges-based tokens + 26 Qwen3 added tokens)",
+        description="Qwen3 byte-level BPE (151,643 BPE tokens + 26 Qwen3 added tokens)",
         distribution=LLAMA_CPP_PYTHON,
         kind="byte_level_bpe",
         special_tokens="qwen3",

@@ -196,3 +196,17 @@ def reference_cases(name: str, cache_dir: str | os.PathLike | None = None) -> li
     inputs = (files / member_filename(source.reference_inputs_member)).read_text(encoding="utf-8")
     outputs = (files / member_filename(source.reference_outputs_member)).read_text(encoding="utf-8")
     return parse_reference_cases(inputs, outputs)
+
+
+def reference_mismatches(
+    name: str, cache_dir: str | os.PathLike | None = None
+) -> tuple[int, list[tuple[str, list[int], list[int]]]]:
+    """(number of reference cases, [(text, expected ids, got ids)] for those the cached tokenizer gets wrong)."""
+    tokenizer = load_tokenizer(name, cache_dir)
+    cases = reference_cases(name, cache_dir)
+    wrong = []
+    for text, expected in cases:
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if got != expected:
+            wrong.append((text, expected, got))
+    return len(cases), wrong

@@ -210,3 +210,24 @@ def test_gguf_reader_parses_scalars_and_arrays(tmp_path):
     path.write_bytes(b"GGML" + path.read_bytes()[4:])
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_metadata(path)
+
+
+def _fetch_tool():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "fetch_tokenizers.py"
+    spec = importlib.util.spec_from_file_location("fetch_tokenizers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fetch_tool_verifies_and_fails_on_mismatch(cache_dir, tokenizers, monkeypatch, capsys):
+    from megatron_osprey.assets import tokenizer_cache
+
+    tool = _fetch_tool()
+    assert tool.main(["gpt2", "--cache-dir", str(cache_dir), "--verify"]) == 0
+    assert "reference ids 46/46" in capsys.readouterr().out
+    monkeypatch.setattr(tokenizer_cache, "reference_cases", lambda name, cache_dir=None: [("Hello", [0])])
+    assert tool.main(["gpt2", "--cache-dir", str(cache_dir), "--verify"]) == 1
+    assert "expected [0], got [15496]" in capsys.readouterr().err
