@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def fsync_dir(path: Path) -> None:
@@ -48,17 +48,25 @@ def make_staging_dir(parent: Path, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".staging", dir=parent))
 
 
-def publish_dir(staging: Path, final: Path) -> None:
-    """Move a fully written staging directory to final, replacing an older copy."""
+def publish_dir(staging: Path, final: Path, is_valid: Callable[[Path], bool]) -> None:
+    """Move a fully written staging directory to final; keep a valid final another process published."""
     for child in staging.iterdir():
         if child.is_file():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir(staging)
-    if final.exists():
-        # os.replace cannot overwrite a non-empty directory: move the old one aside first.
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if not final.exists():
+            raise
+        if is_valid(final):
+            # A concurrent writer got there first; readers may already be using its copy.
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        # A stale copy: os.replace cannot overwrite a non-empty directory, so move it aside first.
         retired = final.with_name(f".{final.name}.{uuid.uuid4().hex}.retired")
         os.replace(final, retired)
         shutil.rmtree(retired, ignore_errors=True)
-    os.replace(staging, final)
+        os.replace(staging, final)
     fsync_dir(final.parent)

@@ -10,6 +10,7 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from .atomic import make_staging_dir, publish_dir, write_json_atomic
 from .sources import Distribution
@@ -83,7 +84,7 @@ def member_filename(member: str) -> str:
     return Path(member).name
 
 
-def fetch_members(dist: Distribution, members: set[str], dest: Path) -> Path:
+def fetch_members(dist: Distribution, members: set[str], dest: Path, is_valid: Callable[[Path], bool]) -> Path:
     """Download dist, verify its sha256 and atomically publish the given members as files in dest."""
     names = [member_filename(m) for m in members]
     if len(set(names)) != len(names):
@@ -105,7 +106,7 @@ def fetch_members(dist: Distribution, members: set[str], dest: Path) -> Path:
             "members": sorted(members),
         }
         write_json_atomic(staging / PROVENANCE_FILE, provenance)
-        publish_dir(staging, dest)
+        publish_dir(staging, dest, is_valid)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -47,15 +47,19 @@ def source_files_dir(dist: Distribution, cache_dir: str | os.PathLike | None = N
     dest = root / _SOURCES_SUBDIR / f"{dist.package}-{dist.version}"
     # Every member any tokenizer needs from this file, so one download serves them all.
     needed = {m for s in TOKENIZER_SOURCES if s.distribution == dist for m in s.members()}
-    provenance = _read_json(dest / PROVENANCE_FILE)
-    if (
-        provenance is not None
-        and provenance.get("sha256") == dist.sha256
-        and needed <= set(provenance.get("members", []))
-        and all((dest / member_filename(m)).is_file() for m in needed)
-    ):
+
+    def is_complete(directory: Path) -> bool:
+        provenance = _read_json(directory / PROVENANCE_FILE)
+        return (
+            provenance is not None
+            and provenance.get("sha256") == dist.sha256
+            and needed <= set(provenance.get("members", []))
+            and all((directory / member_filename(m)).is_file() for m in needed)
+        )
+
+    if is_complete(dest):
         return dest
-    return fetch_members(dist, needed, dest)
+    return fetch_members(dist, needed, dest, is_complete)
 
 
 def _added_tokens(source: TokenizerSource, metadata: dict[str, Any]):
@@ -144,12 +148,7 @@ def _build(source: TokenizerSource, files: Path, out: Path) -> None:
         tokenizer.save(str(staging / "tokenizer.json"))
         write_json_atomic(staging / "tokenizer_config.json", _tokenizer_config(source, chat_template))
         write_json_atomic(staging / INFO_FILE, _info(source, vocab_size))
-        try:
-            publish_dir(staging, out)
-        except OSError:
-            # Another process published the same build first; theirs is as good as ours.
-            if not _is_current(out, source):
-                raise
+        publish_dir(staging, out, lambda d: _is_current(d, source))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -6,6 +6,7 @@ pytest's temp dir, or reuses $OSPREY_CACHE when it is set.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -22,8 +23,9 @@ from megatron_osprey.assets import (
     tokenizer_source,
 )
 from megatron_osprey.assets import download
+from megatron_osprey.assets.atomic import make_staging_dir, publish_dir
 from megatron_osprey.assets.gguf_reader import read_gguf_metadata
-from megatron_osprey.assets.tokenizer_cache import parse_reference_cases
+from megatron_osprey.assets.tokenizer_cache import INFO_FILE, parse_reference_cases
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +147,30 @@ def test_rebuild_from_cached_source_files_needs_no_download(cache_dir, tokenizer
     import shutil
 
     shutil.copytree(cache_dir / "_sources", tmp_path / "_sources")
+    # A copy left by an older conversion must be replaced, not trusted.
+    stale = tmp_path / "llama2"
+    shutil.copytree(cache_dir / "gpt2", stale)
+    info = json.loads((stale / INFO_FILE).read_text())
+    (stale / INFO_FILE).write_text(json.dumps({**info, "build_version": info["build_version"] - 1}))
     monkeypatch.setattr(download, "pip_download", _no_network)
     tok = load_tokenizer("llama2", tmp_path)
     assert tok.encode("Hello world", add_special_tokens=False) == [15043, 3186]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_sources", "llama2"]  # no staging left behind
+
+
+def test_publish_dir_keeps_a_valid_concurrent_copy_and_replaces_a_stale_one(tmp_path):
+    final = tmp_path / "tok"
+    final.mkdir()
+    (final / "f").write_text("theirs")
+    staging = make_staging_dir(tmp_path, "tok")
+    (staging / "f").write_text("ours")
+    publish_dir(staging, final, is_valid=lambda d: True)
+    assert (final / "f").read_text() == "theirs" and not staging.exists()
+    staging = make_staging_dir(tmp_path, "tok")
+    (staging / "f").write_text("ours")
+    publish_dir(staging, final, is_valid=lambda d: False)
+    assert (final / "f").read_text() == "ours"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
 
 
 def test_sha256_mismatch_refuses_and_caches_nothing(tmp_path, monkeypatch):
@@ -196,7 +218,8 @@ def test_gguf_reader_parses_scalars_and_arrays(tmp_path):
         _gguf_string("llama.block_count") + struct.pack("<II", 4, 32),
         _gguf_string("tokenizer.ggml.add_bos_token") + struct.pack("<I?", 7, True),
         _gguf_string("tokenizer.ggml.scores") + struct.pack("<IIQff", 9, 6, 2, -1.5, 0.25),
-        _gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _gguf_string("▁a") + _gguf_string("<0x0A>"),
+        _gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2)
+        + _gguf_string("▁a") + _gguf_string("<0x0A>"),
     ]  # fmt: skip
     path = tmp_path / "v.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
