@@ -169,21 +169,27 @@ def bench_read(store_dir: Path, encoding: str, ntok: int, threads_max: int) -> d
 
 def bench_throughput(root: Path, hidden: int, tokens: int, disk_mb: int, threads_max: int, results: dict) -> None:
     """Writer and reader speed at one hidden size, next to the disk's plain sequential write speed."""
-    disk = disk_write_mb_s(root, disk_mb)
-    print(f"  disk sequential write + fsync ({disk_mb} MB): {disk:8.1f} MB/s")
+    # Best of three, and best of two writer runs below: on a shared machine the
+    # slow runs measure the neighbours, not the disk or the code.
+    disk = max(disk_write_mb_s(root, disk_mb) for _ in range(3))
+    print(f"  disk sequential write + fsync ({disk_mb} MB, best of 3): {disk:8.1f} MB/s")
     results["disk_write_mb_s"] = disk
     per_sample = 1024
     samples = synthetic_samples(max(1, tokens // per_sample), per_sample, hidden, seed=11)
     for encoding in ("bf16", "int8"):
         for threads in (0, threads_max):
             store_dir = root / f"throughput-{encoding}-{threads}"
-            manifest, elapsed, in_add = write_store(store_dir, samples, hidden, encoding, threads)
+            runs = []
+            for _ in range(2):
+                shutil.rmtree(store_dir, ignore_errors=True)
+                runs.append(write_store(store_dir, samples, hidden, encoding, threads))
+            manifest, elapsed, in_add = min(runs, key=lambda run: run[1])
             ntok = manifest["num_tokens"]
             written = manifest["num_bytes"] / elapsed / 1e6
             specforge_equiv = ntok * 8 * hidden / elapsed / 1e6
             row = {"tokens_per_s": ntok / elapsed, "disk_mb_s": written, "bf16_equivalent_mb_s": specforge_equiv,
                    "add_blocking_tokens_per_s": ntok / in_add}
-            print(f"  Ht={hidden} {encoding:4s} write, threads={threads}: {ntok / elapsed:7.0f} tokens/s, "
+            print(f"  Ht={hidden} {encoding:4s} write (best of 2), threads={threads}: {ntok / elapsed:7.0f} tokens/s, "
                   f"{written:6.1f} MB/s to disk ({written / disk:4.0%} of plain write), "
                   f"{specforge_equiv:6.1f} MB/s of bf16 hidden states; add() blocks at {ntok / in_add:7.0f} tokens/s")
             if threads == 0:
