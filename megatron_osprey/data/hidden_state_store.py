@@ -416,6 +416,16 @@ class HiddenStateWriter:
         if len(self._pending) == self.samples_per_shard:
             self._flush(complete=False)
 
+    def add_batch(self, sample_ids: Sequence[str], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  aux_hidden: torch.Tensor, final_hidden: torch.Tensor, lengths: Sequence[int]) -> None:
+        """Add the rows of a right-padded batch ([B, S, ...]), row b cut to its first lengths[b] tokens."""
+        if not len(sample_ids) == len(lengths) == input_ids.shape[0]:
+            raise ValueError(f"add_batch got {len(sample_ids)} sample ids, {len(lengths)} lengths and "
+                             f"{input_ids.shape[0]} rows; they must match.")
+        for b, (sample_id, n) in enumerate(zip(sample_ids, lengths)):
+            n = int(n)
+            self.add(sample_id, input_ids[b, :n], loss_mask[b, :n], aux_hidden[b, :n], final_hidden[b, :n])
+
     def close(self) -> None:
         """Write the last (possibly short) shard, mark this writer complete and release its lock."""
         if self._closed:
@@ -758,6 +768,16 @@ class HiddenStateStore:
 
     def __len__(self) -> int:
         return self._starts[-1]
+
+    def __getstate__(self) -> dict:
+        # Picklable for DataLoader worker processes: open handles and the lock stay behind.
+        state = dict(self.__dict__)
+        state["_open"], state["_lock"] = OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def num_tokens(self) -> int:

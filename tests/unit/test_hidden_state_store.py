@@ -401,3 +401,29 @@ def test_two_processes_write_one_store(tmp_path):
         assert got[f"id{i}"]["input_ids"].tolist() == [i] * (4 + i)
         # Constant rows quantize exactly (all channels equal the absmax, or are outliers).
         assert torch.equal(got[f"id{i}"]["final_hidden"], torch.full((4 + i, 16), float(i)))
+
+
+def test_add_batch_and_pickled_reader(tmp_path):
+    import pickle
+
+    samples = make_samples(4, seed=6)
+    width = max(s["input_ids"].numel() for s in samples)
+
+    def pad(name, value=0):
+        rows = []
+        for s in samples:
+            x = s[name]
+            rows.append(torch.cat([x, torch.full((width - x.shape[0], *x.shape[1:]), value, dtype=x.dtype)]))
+        return torch.stack(rows)
+
+    with make_writer(tmp_path) as w:
+        w.add_batch([s["sample_id"] for s in samples], pad("input_ids"), pad("loss_mask", False),
+                    pad("aux_hidden", 9.0), pad("final_hidden", 9.0), [s["input_ids"].numel() for s in samples])
+    finalize_store(tmp_path)
+    store = HiddenStateStore(tmp_path, dtype=torch.float32)
+    store[0]  # opens a handle, which pickling must leave behind
+    clone = pickle.loads(pickle.dumps(store))
+    for i, want in enumerate(samples):
+        got = clone[i]
+        assert torch.equal(got["input_ids"], want["input_ids"])  # padding was cut off
+        assert torch.equal(got["final_hidden"], want["final_hidden"].bfloat16().float())
