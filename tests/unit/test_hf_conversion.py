@@ -88,3 +88,14 @@ def test_tensor_parallel_must_divide_heads(tp, what):
 def test_parallel_layout_must_fit_world_size():
     with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
         ParallelConfig(tensor_model_parallel_size=2).validate(world_size=1)
+
+
+def test_parameter_count_of_qwen3_4b_and_its_two_layer_backbone():
+    qwen3_4b = dict(
+        model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000,
+    )
+    arch = ModelArch.from_hf_config(qwen3_4b)
+    assert arch.num_parameters() == 4_022_468_096  # Qwen3-4B's published 4.0B
+    assert arch.with_num_layers(2).num_parameters() == 590_820_352  # DESIGN.md: ~591M
