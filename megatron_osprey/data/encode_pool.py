@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List
@@ -31,6 +32,8 @@ def _worker_main(settings: EncoderSettings, tasks: mp.Queue, results: mp.Queue) 
     # Each worker is one tokenizing core: Rust-side threads on top of N worker
     # processes would oversubscribe the CPUs (and deadlock-warn after fork).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C is handled once, by the parent, which then terminates the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         encoder = BatchEncoder(
             settings.spec, settings.json_key, settings.add_special_tokens, settings.max_problems

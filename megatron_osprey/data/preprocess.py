@@ -89,10 +89,11 @@ class PreprocessStats:
 
 @dataclass
 class PreprocessResult:
-    """What a run wrote and how fast."""
+    """What a run wrote (`stats`, whole output) and what it encoded itself (`encoded`), how fast."""
 
     dataset_prefix: str
     stats: PreprocessStats
+    encoded: PreprocessStats
     seconds: float
     eod_id: int
     eod_token: str
@@ -102,8 +103,8 @@ class PreprocessResult:
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens written per second of this run (reused partitions excluded from neither)."""
-        return self.stats.tokens / max(self.seconds, 1e-9)
+        """Tokens this run encoded per second (partitions reused from a previous run excluded)."""
+        return self.encoded.tokens / max(self.seconds, 1e-9)
 
 
 def dataset_prefix(output_prefix: str, json_key: str) -> str:
@@ -213,7 +214,8 @@ class _Run:
         self.config = config
         self.source = source
         self.spec = spec
-        self.total = PreprocessStats()
+        self.total = PreprocessStats()  # with partitions: only what this run encodes
+        self.partition_stats: Dict[int, PreprocessStats] = {}
 
     def absorb(self, stats: PreprocessStats, batch: EncodedBatch) -> None:
         """Count one encoded batch into `stats`; in strict mode, fail on its first problem."""
@@ -266,6 +268,7 @@ def _encode_partitions(
         }
         write_json_atomic(prefix + MARKER_SUFFIX, marker)
         run.total.merge(stats, cfg.max_reported_problems)
+        run.partition_stats[k] = stats
         pending.remove(k)
 
     def open_writer(k: int) -> Tuple[int, AtomicIndexedWriter, PreprocessStats]:
@@ -365,17 +368,18 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
                     _encode_partitions(run, pool, progress, bounds, todo, fingerprint)
         finally:
             progress.close()
-        # Totals in input order, whichever partitions this run redid.
-        fresh = run.total
+        _merge_partitions(config, spec)
+    encoded = run.total
+    if config.partitions > 1:
+        # Output totals in input order, whichever partitions this run redid.
         run.total = PreprocessStats()
         for k in range(config.partitions):
-            if k in done_stats:
-                run.total.merge(done_stats[k], config.max_reported_problems)
-        run.total.merge(fresh, config.max_reported_problems)
-        _merge_partitions(config, spec)
+            stats = done_stats[k] if k in done_stats else run.partition_stats[k]
+            run.total.merge(stats, config.max_reported_problems)
     result = PreprocessResult(
         dataset_prefix=dataset_prefix(config.output_prefix, config.json_key),
         stats=run.total,
+        encoded=encoded,
         seconds=time.perf_counter() - start,
         eod_id=spec.eod_id,
         eod_token=spec.eod_token,
@@ -390,14 +394,13 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
 
 def summary_lines(result: PreprocessResult) -> List[str]:
     """Human-readable end-of-run summary (counts, skipped records, first problems, speed)."""
-    s = result.stats
+    s, e, dt = result.stats, result.encoded, max(result.seconds, 1e-9)
     lines = [
         f"wrote {result.dataset_prefix}.bin/.idx: {s.documents:,} documents, {s.tokens:,} tokens "
         f"({result.dtype}, EOD id {result.eod_id} {result.eod_token!r} after each document) "
         f"from {s.records:,} records, {s.input_bytes / 1e6:,.1f} MB",
-        f"speed: {s.tokens / max(result.seconds, 1e-9):,.0f} tokens/s, "
-        f"{s.documents / max(result.seconds, 1e-9):,.0f} docs/s, "
-        f"{s.input_bytes / 1e6 / max(result.seconds, 1e-9):,.2f} MB/s over {result.seconds:.1f} s",
+        f"speed: {e.tokens / dt:,.0f} tokens/s, {e.documents / dt:,.0f} docs/s, "
+        f"{e.input_bytes / 1e6 / dt:,.2f} MB/s ({e.tokens:,} tokens encoded in {result.seconds:.1f} s)",
     ]
     if result.partitions_reused or result.partitions_written:
         lines.append(

@@ -60,7 +60,7 @@ class TextSource:
         raise NotImplementedError
 
     def describe(self, record: int) -> str:
-        """Human-readable location of a record, e.g. 'data.jsonl line 12'."""
+        """Where a record is: 'data.jsonl line 12' (1-based) or 'data.parquet row 11' (0-based)."""
         return f"{self.name} {self.unit} {record + (1 if self.unit == 'line' else 0)}"
 
     def fingerprint(self) -> dict:
@@ -92,18 +92,17 @@ class JsonlSource(TextSource):
         self.compression = compression
 
     def _open(self) -> io.BufferedIOBase:
-        raw = open(self.name, "rb", buffering=_READ_BLOCK)
         if self.compression is None:
-            return raw
+            return open(self.name, "rb", buffering=_READ_BLOCK)
         if self.compression == "gzip":
-            return gzip.GzipFile(fileobj=raw, mode="rb")
+            return gzip.open(self.name, "rb")
         try:
             import zstandard
         except ImportError as err:
-            raw.close()
             raise ImportError(
                 f"--input {self.name} is zstd-compressed; install zstandard==0.25.0 to read it."
             ) from err
+        raw = open(self.name, "rb", buffering=_READ_BLOCK)
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
         return io.BufferedReader(reader, buffer_size=_READ_BLOCK)
 

@@ -170,6 +170,9 @@ def test_strict_fails_on_first_bad_line_and_leaves_no_output(tmp_path, tokenizer
 def test_partitions_equal_one_pass_and_rerun_redoes_only_missing(tmp_path, tokenizer_dir):
     docs = [f"{DOCS[i % len(DOCS)]} #{i}" for i in range(40)]
     inp = _write_jsonl(tmp_path / "in.jsonl", docs)
+    lines = inp.read_text().splitlines()
+    lines[2] = lines[35] = "{broken"  # one problem in the first and one in the last partition
+    inp.write_text("\n".join(lines) + "\n")
     _run(inp, tokenizer_dir, tmp_path / "one")
     expected = _bytes(str(tmp_path / "one_text_document"))
 
@@ -177,7 +180,7 @@ def test_partitions_equal_one_pass_and_rerun_redoes_only_missing(tmp_path, token
     assert first.partitions_written == 3 and first.partitions_reused == 0
     assert _bytes(str(tmp_path / "p_text_document")) == expected
     parts = [partition_prefix(str(tmp_path / "p"), "text", k) for k in range(3)]
-    assert [len(IndexedDataset(p)) for p in parts] == [13, 13, 14]
+    assert [len(IndexedDataset(p)) for p in parts] == [12, 13, 13]
 
     # Simulate a run that died during partition 1 and before the merge.
     os.remove(parts[1] + ".done.json")
@@ -188,7 +191,8 @@ def test_partitions_equal_one_pass_and_rerun_redoes_only_missing(tmp_path, token
     again = _run(inp, tokenizer_dir, tmp_path / "p", partitions=3, batch_bytes=200)
     assert again.partitions_written == 1 and again.partitions_reused == 2
     assert _bytes(str(tmp_path / "p_text_document")) == expected
-    assert again.stats.documents == 40  # totals include the reused partitions
+    assert again.stats.documents == 38 and again.encoded.documents == 13  # totals include reused ones
+    assert [p.split(":")[0] for p in again.stats.problems] == [f"{inp} line 3", f"{inp} line 36"]
     assert kept == {k: first_mtime for k, first_mtime in kept.items()}
     # Without --keep-partitions the merged run removes partition files.
     assert not any(os.path.exists(p + ".bin") or os.path.exists(p + ".done.json") for p in parts)
