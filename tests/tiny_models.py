@@ -52,3 +52,79 @@ def truncated_logits(model, input_ids: torch.Tensor, num_layers: int) -> torch.T
     with torch.no_grad():
         hidden = model(input_ids, output_hidden_states=True).hidden_states[num_layers]
         return model.lm_head(model.model.norm(hidden))
+
+
+def qwen3_moe_config(layers: int = 4, vocab: int = VOCAB, norm_topk_prob: bool = True):
+    """Tiny Qwen3-MoE: 8 experts, top-2, per-head qk-norm, head_dim != hidden / heads."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, vocab_size=vocab,
+        max_position_embeddings=256, tie_word_embeddings=False, rope_theta=1000000.0,
+    )
+
+
+def minimax_m2_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny MiniMax-M2: 8 experts, top-2 sigmoid routing with a bias, partial RoPE, whole-projection qk-norm."""
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, rotary_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=None, eos_token_id=None,
+        use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
+        shared_intermediate_size=0,
+    )
+
+
+def make_moe_hf_model(config, directory: str | Path, seed: int = 0):
+    """make_hf_model plus a non-zero MiniMax routing bias, so that a bias ignored by the loader shows."""
+    model = make_hf_model(config, directory, seed)
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    if biases:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for _, buf in biases:
+                # Comparable to sigmoid scores (0..1): it changes which experts are picked.
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=generator))
+        model.save_pretrained(str(directory))
+    return model
+
+
+TINY_TARGET_CONFIGS = {
+    "llama": lambda vocab: llama_config(layers=6, vocab=vocab),
+    "qwen3": lambda vocab: qwen3_config(tie=False, layers=6, vocab=vocab),
+    "qwen3_moe": lambda vocab: qwen3_moe_config(layers=6, vocab=vocab),
+    "minimax_m2": lambda vocab: minimax_m2_config(layers=6, vocab=vocab),
+}
+
+
+def write_chat_target(directory: str | Path, family: str, seed: int = 0):
+    """A 6-layer random target of `family` with a tiny chat tokenizer saved beside it; returns the HF model."""
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer("llama3" if family == "llama" else "qwen3")
+    model = make_moe_hf_model(TINY_TARGET_CONFIGS[family](len(tokenizer)), directory, seed)
+    tokenizer.save_pretrained(str(directory))
+    return model
+
+
+def write_conversations_jsonl(path: str | Path, count: int, seed: int = 0) -> Path:
+    """`count` short two-turn conversations with varied lengths, as conversations JSONL."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = "the cat sat on a mat while two dogs ran past quickly and it rained over hills".split()
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(count):
+            question = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+            answer = " ".join(rng.choice(words) for _ in range(rng.randint(3, 20)))
+            row = {"id": f"conv-{i:04d}", "conversations": [
+                {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+            handle.write(json.dumps(row) + "\n")
+    return Path(path)

@@ -1,7 +1,9 @@
-"""Load a HF Qwen3 / Llama checkpoint into this rank's Megatron-Core model stage.
+"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 checkpoint into this rank's model stage.
 
-Each rank reads only its own TP slice of its own PP stage's tensors, straight
-from the safetensors files: a 70B checkpoint is never materialized whole.
+Each rank reads only its own TP slice of its own PP stage's tensors, and of the
+experts only its EP rank's, straight from the safetensors files: a 70B or 229B
+checkpoint is never materialized whole. FP8 block-scaled tensors are dequantized
+as they are read (see safetensors_io).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.sharding import read_shard
-from megatron_osprey.convert.weight_map import match_rule, rules_for
+from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
 from megatron_osprey.models.arch import ModelArch
 
 
@@ -21,29 +23,62 @@ def global_layer_index(model, local_index: int) -> int:
     return model.decoder.layers[local_index].layer_number - 1
 
 
-def hf_names_for(model, rule, local_layer: int | None, arch: ModelArch, ckpt: SafetensorsCheckpoint) -> list[str]:
-    """The HF tensor names that make up one Megatron parameter of this stage."""
+def hf_names_for(
+    model, rule, local_layer: int | None, arch: ModelArch, ckpt: SafetensorsCheckpoint, expert: int | None = None
+) -> list[str]:
+    """The HF tensor names that make up one Megatron parameter of this stage (`expert`: global id)."""
     layer = None if local_layer is None else global_layer_index(model, local_layer)
-    names = [template.format(layer=layer) for template in rule.hf]
+    names = [template.format(layer=layer, expert=expert) for template in rule.hf]
     if names == ["lm_head.weight"] and arch.tie_word_embeddings and not ckpt.has("lm_head.weight"):
         # Tied checkpoints store the shared matrix once, as the embedding.
         names = ["model.embed_tokens.weight"]
     return names
 
 
+def expert_layout(tp_rank: int, tp_size: int) -> tuple[int, int, int, int]:
+    """(ep_rank, ep_size, etp_rank, etp_size) from Megatron-Core's groups, or a single EP rank."""
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1, tp_rank, tp_size
+    return (
+        mpu.get_expert_model_parallel_rank(),
+        mpu.get_expert_model_parallel_world_size(),
+        mpu.get_expert_tensor_parallel_rank(),
+        mpu.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def _tensors_to_load(model, rules):
+    """(name, tensor) of every parameter, and of every buffer a rule asks for (router expert bias)."""
+    yield from model.named_parameters()
+    buffer_rules = [r for r in rules if r.buffer]
+    if buffer_rules:
+        for name, buf in model.named_buffers():
+            found = match_rule_indices(name, buffer_rules)
+            if found is not None:
+                yield name, buf
+
+
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: str | Path, arch: ModelArch, tp_rank: int, tp_size: int) -> list[str]:
-    """Copy this rank's slices of the HF checkpoint into `model`; returns the parameter names set."""
+    """Copy this rank's slices of the HF checkpoint into `model`; returns the tensor names set."""
     rules = rules_for(arch, getattr(model, "transformer_impl", "local"))
+    ep_rank, ep_size, etp_rank, etp_size = expert_layout(tp_rank, tp_size)
+    experts_per_rank = arch.num_experts // ep_size if arch.is_moe else 0
     loaded = []
     with SafetensorsCheckpoint(hf_dir) as ckpt:
-        for name, param in model.named_parameters():
-            found = match_rule(name, rules)
+        for name, param in _tensors_to_load(model, rules):
+            found = match_rule_indices(name, rules)
             if found is None:
                 raise KeyError(f"no HF weight rule for Megatron parameter {name!r} ({arch.family}).")
-            rule, local_layer = found
-            names = hf_names_for(model, rule, local_layer, arch, ckpt)
-            shard = read_shard(ckpt, rule, names, arch, tp_rank, tp_size)
+            rule, indices = found
+            expert = None
+            if rule.expert:
+                expert = ep_rank * experts_per_rank + indices["expert"]
+            names = hf_names_for(model, rule, indices.get("layer"), arch, ckpt, expert)
+            rank, size = (etp_rank, etp_size) if rule.expert else (tp_rank, tp_size)
+            shard = read_shard(ckpt, rule, names, arch, rank, size)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{hf_dir}: {names} gives a shard of shape {tuple(shard.shape)} for {name} "

@@ -63,6 +63,11 @@ def export_to_hf(models: list, arch: ModelArch, output_dir: str | Path, dtype: t
     """Write `output_dir/` as a HF checkpoint; call on every rank (collective)."""
     from megatron.core import parallel_state as mpu
 
+    if arch.is_moe:
+        raise NotImplementedError(
+            f"export of {arch.family} (mixture of experts) is not supported: MoE models are "
+            f"read-only targets here; export the drafter instead."
+        )
     output_dir = Path(output_dir)
     tp_group = mpu.get_tensor_model_parallel_group()
     tensors = stage_to_hf_tensors(models, arch, tp_group, dtype)

@@ -1,4 +1,10 @@
-"""Reading slices of sharded HF safetensors checkpoints, and writing them atomically."""
+"""Reading slices of sharded HF safetensors checkpoints, and writing them atomically.
+
+FP8 block-scaled checkpoints (DeepSeek-V3 / MiniMax-M2 style: an e4m3 `X.weight`
+plus a float32 `X.weight_scale_inv` holding one scale per 128x128 block) are
+dequantized as they are read, slice by slice: only the scale blocks that cover
+the requested rows and columns are read.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,38 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_block_size(directory: Path) -> tuple[int, int]:
+    """The (rows, cols) scale block of an FP8 checkpoint, from config.json's quantization_config."""
+    config = directory / "config.json"
+    if config.is_file():
+        quant = json.loads(config.read_text()).get("quantization_config") or {}
+        block = quant.get("weight_block_size")
+        if block:
+            if len(block) != 2:
+                raise ValueError(f"{config}: quantization_config.weight_block_size must be [rows, cols], got {block}.")
+            return int(block[0]), int(block[1])
+    return DEFAULT_FP8_BLOCK
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    row_offset: int = 0,
+    col_offset: int = 0,
+) -> torch.Tensor:
+    """float32 `weight * scale` where `scale_inv` holds one scale per block, covering rows/cols from the offsets."""
+    rows, cols = weight.shape
+    br, bc = block
+    # `scale_inv` starts at the block holding (row_offset, col_offset).
+    r0, c0 = row_offset % br, col_offset % bc
+    scale = scale_inv.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    return weight.float() * scale[r0 : r0 + rows, c0 : c0 + cols]
 
 
 class SafetensorsCheckpoint:
@@ -35,6 +73,7 @@ class SafetensorsCheckpoint:
                 with safe_open(file, framework="pt") as handle:
                     weight_map.update({key: file.name for key in handle.keys()})
         self.weight_map: dict[str, str] = weight_map
+        self.fp8_block = fp8_block_size(self.directory)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
 
@@ -66,7 +105,19 @@ class SafetensorsCheckpoint:
         return list(self._handle(name).get_slice(name).get_shape())
 
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """Read `name`, or only rows [a, b) / cols [a, b) of it, from disk."""
+        """Read `name`, or only rows [a, b) / cols [a, b) of it, from disk (FP8 comes back float32)."""
+        out = self._read_raw(name, rows, cols)
+        if out.dtype in FP8_DTYPES:
+            scale_name = name + SCALE_SUFFIX
+            if not self.has(scale_name):
+                raise ValueError(
+                    f"{self.directory}: {name} is {out.dtype} but has no {scale_name}; only block-scaled "
+                    f"FP8 checkpoints (weight + weight_scale_inv) can be loaded."
+                )
+            out = self._dequantize(name, scale_name, out, rows, cols)
+        return out
+
+    def _read_raw(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
         sliced = self._handle(name).get_slice(name)
         if rows is None and cols is None:
             return sliced[:]
@@ -74,6 +125,24 @@ class SafetensorsCheckpoint:
         if cols is None:
             return sliced[r]
         return sliced[r, slice(*cols)]
+
+    def _dequantize(self, name, scale_name, weight, rows, cols) -> torch.Tensor:
+        if weight.dim() != 2:
+            raise ValueError(f"{self.directory}: FP8 tensor {name} must be 2-D, got {tuple(weight.shape)}.")
+        full = self.shape(name)
+        br, bc = self.fp8_block
+        expected = [-(-full[0] // br), -(-full[1] // bc)]
+        if self.shape(scale_name) != expected:
+            raise ValueError(
+                f"{self.directory}: {scale_name} has shape {self.shape(scale_name)}, expected {expected} for "
+                f"{name} {full} in {br}x{bc} blocks (quantization_config.weight_block_size)."
+            )
+        r0, r1 = rows if rows else (0, full[0])
+        c0, c1 = cols if cols else (0, full[1])
+        if r1 <= r0 or c1 <= c0:
+            return weight.float()
+        scale = self._read_raw(scale_name, (r0 // br, -(-r1 // br)), (c0 // bc, -(-c1 // bc)))
+        return dequantize_fp8_blocks(weight, scale, (br, bc), r0, c0)
 
 
 def write_safetensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:

@@ -53,7 +53,8 @@ def read_shard(
         )
         return fused.reshape(groups * (hpg + 2) * d, *rest)
     if split is Split.GATE_UP:
-        rows = _part(arch.ffn_hidden_size, tp_rank, tp_size)
+        # The gate's own row count: the dense FFN size, or an expert's (moe_intermediate_size).
+        rows = _part(ckpt.shape(hf_names[0])[0], tp_rank, tp_size)
         return torch.cat([ckpt.read(hf_names[0], rows=rows), ckpt.read(hf_names[1], rows=rows)], dim=0)
     raise ValueError(f"unknown split {split}")
 

@@ -1,9 +1,12 @@
-"""Declarative HF <-> Megatron-Core name maps for Qwen3 and Llama dense models.
+"""Declarative HF <-> Megatron-Core name maps: Qwen3 / Llama dense, Qwen3-MoE, MiniMax-M2.
 
 Each rule names one Megatron parameter, the HF tensor(s) it is made of, and how
 it is split across tensor-parallel ranks. The two special cases are the fused
 QKV (interleaved per query group) and the fused gate/up of SwiGLU; everything
-else is a plain copy or a split along one dimension.
+else is a plain copy or a split along one dimension. Expert rules carry an
+`{expert}` index: the Megatron name holds the rank-local expert, the HF name the
+global one (local + ep_rank x experts per rank), and their TP split is over the
+expert-tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ class WeightRule:
     hf: tuple[str, ...]  # may contain {layer}
     split: Split
     when: str | None = None  # a boolean ModelArch attribute that must be true
+    families: tuple[str, ...] | None = None  # None: every family
+    expert: bool = False  # one per routed expert; name templates carry {expert}
+    buffer: bool = False  # a module buffer (router expert bias), not a parameter
 
     def applies(self, arch: ModelArch) -> bool:
+        if self.families is not None and arch.family not in self.families:
+            return False
         return self.when is None or bool(getattr(arch, self.when))
 
     def pattern(self) -> re.Pattern:
-        return re.compile("^" + re.escape(self.megatron).replace(r"\{layer\}", r"(\d+)") + "$")
+        escaped = re.escape(self.megatron)
+        escaped = escaped.replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+        return re.compile("^" + escaped + "$")
 
 
 _ATTN = "model.layers.{layer}.self_attn"
@@ -60,10 +70,38 @@ DENSE_RULES: tuple[WeightRule, ...] = (
     WeightRule(f"{_LAYER}.self_attention.k_layernorm.weight", (f"{_ATTN}.k_norm.weight",), Split.REPLICATED, when="qk_layernorm"),
     WeightRule(f"{_LAYER}.self_attention.linear_proj.weight", (f"{_ATTN}.o_proj.weight",), Split.ROW),
     WeightRule(f"{_LAYER}.pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",), Split.REPLICATED),
-    WeightRule(f"{_LAYER}.mlp.linear_fc1.weight", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"), Split.GATE_UP),
-    WeightRule(f"{_LAYER}.mlp.linear_fc2.weight", (f"{_MLP}.down_proj.weight",), Split.ROW),
+    WeightRule(f"{_LAYER}.mlp.linear_fc1.weight", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"), Split.GATE_UP, when="is_dense"),
+    WeightRule(f"{_LAYER}.mlp.linear_fc2.weight", (f"{_MLP}.down_proj.weight",), Split.ROW, when="is_dense"),
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
     WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB),
+)
+
+_EXPERT = f"{_LAYER}.mlp.experts.local_experts.{{expert}}"
+_QWEN3_MOE = ("qwen3_moe",)
+_MINIMAX = ("minimax_m2",)
+_MOE_BLOCK = "model.layers.{layer}.block_sparse_moe"
+
+MOE_RULES: tuple[WeightRule, ...] = (
+    # Qwen3-MoE: softmax router, experts as gate/up/down projections.
+    WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MLP}.gate.weight",), Split.REPLICATED, families=_QWEN3_MOE),
+    WeightRule(
+        f"{_EXPERT}.linear_fc1.weight",
+        (f"{_MLP}.experts.{{expert}}.gate_proj.weight", f"{_MLP}.experts.{{expert}}.up_proj.weight"),
+        Split.GATE_UP, families=_QWEN3_MOE, expert=True,
+    ),
+    WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{_MLP}.experts.{{expert}}.down_proj.weight",), Split.ROW,
+               families=_QWEN3_MOE, expert=True),
+    # MiniMax-M2: Mixtral-style names (w1 gate, w3 up, w2 down), sigmoid router with a routing bias.
+    WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MOE_BLOCK}.gate.weight",), Split.REPLICATED, families=_MINIMAX),
+    WeightRule(f"{_LAYER}.mlp.router.expert_bias", (f"{_MOE_BLOCK}.e_score_correction_bias",), Split.REPLICATED,
+               families=_MINIMAX, when="moe_expert_bias", buffer=True),
+    WeightRule(
+        f"{_EXPERT}.linear_fc1.weight",
+        (f"{_MOE_BLOCK}.experts.{{expert}}.w1.weight", f"{_MOE_BLOCK}.experts.{{expert}}.w3.weight"),
+        Split.GATE_UP, families=_MINIMAX, expert=True,
+    ),
+    WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{_MOE_BLOCK}.experts.{{expert}}.w2.weight",), Split.ROW,
+               families=_MINIMAX, expert=True),
 )
 
 # The Transformer Engine spec fuses the pre-attention and pre-MLP norms into the
@@ -74,22 +112,47 @@ TE_RENAMES: dict[str, str] = {
 }
 
 
+# TE's grouped-GEMM experts keep one weight per local expert on a single module.
+TE_EXPERT_RENAMES: dict[str, str] = {
+    f"{_EXPERT}.linear_fc1.weight": f"{_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
+    f"{_EXPERT}.linear_fc2.weight": f"{_LAYER}.mlp.experts.linear_fc2.weight{{expert}}",
+}
+_QK_NORMS = (f"{_LAYER}.self_attention.q_layernorm.weight", f"{_LAYER}.self_attention.k_layernorm.weight")
+
+
 def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRule]:
     """The rules that apply to `arch`, with the spec's parameter names."""
     rules = []
-    for rule in DENSE_RULES:
+    te = transformer_impl == "transformer_engine"
+    for rule in DENSE_RULES + MOE_RULES:
         if not rule.applies(arch):
             continue
-        if transformer_impl == "transformer_engine" and rule.megatron in TE_RENAMES:
+        if rule.megatron in _QK_NORMS and arch.qk_norm_over_projection:
+            # One weight per channel of the whole projection: split by heads like q / k rows.
+            rule = dataclasses.replace(rule, split=Split.COLUMN)
+        # MoE layers keep a standalone pre-MLP norm in the TE spec (no fused fc1 to hold it).
+        fused_norm = rule.megatron in TE_RENAMES and not (arch.is_moe and "pre_mlp" in rule.megatron)
+        if te and fused_norm:
             rule = dataclasses.replace(rule, megatron=TE_RENAMES[rule.megatron])
+        if te and rule.megatron in TE_EXPERT_RENAMES:
+            rule = dataclasses.replace(rule, megatron=TE_EXPERT_RENAMES[rule.megatron])
         rules.append(rule)
     return rules
 
 
-def match_rule(name: str, rules: list[WeightRule]) -> tuple[WeightRule, int | None] | None:
-    """Find the rule for a Megatron parameter name; returns (rule, local layer index)."""
+def match_rule_indices(name: str, rules: list[WeightRule]) -> tuple[WeightRule, dict[str, int]] | None:
+    """Find the rule for a Megatron name; returns (rule, {"layer": i, "expert": j} as present)."""
     for rule in rules:
         found = rule.pattern().match(name)
         if found:
-            return rule, (int(found.group(1)) if found.groups() else None)
+            return rule, {k: int(v) for k, v in found.groupdict().items()}
     return None
+
+
+def match_rule(name: str, rules: list[WeightRule]) -> tuple[WeightRule, int | None] | None:
+    """Find the rule for a Megatron parameter name; returns (rule, local layer index)."""
+    found = match_rule_indices(name, rules)
+    if found is None:
+        return None
+    rule, indices = found
+    return rule, indices.get("layer")

@@ -1,4 +1,9 @@
-"""The architecture facts of a HF decoder-only LM, normalized across families."""
+"""The architecture facts of a HF decoder-only LM, normalized across families.
+
+Dense: Qwen3, Llama-3.x. Mixture of experts: Qwen3-MoE (softmax router, optional
+renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction bias,
+partial rotary, and q/k RMSNorm over the whole projection rather than per head).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,11 @@ import torch
 SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
+MOE_FAMILIES = ("qwen3_moe", "minimax_m2")
+QK_NORM_SCOPES = ("none", "head", "projection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,18 @@ class ModelArch:
     tie_word_embeddings: bool
     torch_dtype: str
     hf_config: dict[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
+    # Mixture of experts (num_experts == 0: dense MLP).
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_score_function: str = "softmax"  # or "sigmoid"
+    moe_norm_topk_prob: bool = True  # renormalize the top-k scores to sum to 1
+    moe_expert_bias: bool = False  # a routing-only bias added to the scores (e_score_correction_bias)
+    moe_topk_scaling_factor: float | None = None
+    # RoPE on the first rotary_dim channels of each head (0: the whole head).
+    rotary_dim: int = 0
+    # "head": one RMSNorm per head (Qwen3); "projection": over all heads at once (MiniMax-M2).
+    qk_norm_scope: str = "head"
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "config.json") -> "ModelArch":
@@ -76,6 +97,16 @@ class ModelArch:
                 for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             }
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        moe = _moe_fields(config, model_type, source)
+        rotary_dim = int(config.get("rotary_dim") or 0)
+        if not rotary_dim and rope.get("partial_rotary_factor"):
+            rotary_dim = int(head_dim * float(rope["partial_rotary_factor"]))
+        if rotary_dim in (0, head_dim):
+            rotary_dim = 0
+        elif rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"{source}: rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}.")
+        qk_layernorm, scope = _qk_norm(config, model_type, source)
         return cls(
             family=model_type,
             num_layers=int(config["num_hidden_layers"]),
@@ -83,18 +114,42 @@ class ModelArch:
             ffn_hidden_size=int(config["intermediate_size"]),
             num_attention_heads=heads,
             num_query_groups=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=int(config["vocab_size"]),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            qk_layernorm=model_type == "qwen3",
+            qk_layernorm=qk_layernorm,
             qkv_bias=bool(config.get("attention_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=config,
+            rotary_dim=rotary_dim,
+            qk_norm_scope=scope,
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_dense(self) -> bool:
+        return self.num_experts == 0
+
+    @property
+    def rotary_percent(self) -> float:
+        """Share of each head's channels that RoPE rotates (Megatron's rotary_percent)."""
+        return 1.0 if not self.rotary_dim else self.rotary_dim / self.head_dim
+
+    @property
+    def qk_norm_over_projection(self) -> bool:
+        return self.qk_layernorm and self.qk_norm_scope == "projection"
+
+    @property
+    def qk_norm_per_head(self) -> bool:
+        return self.qk_layernorm and self.qk_norm_scope == "head"
 
     @property
     def hf_architecture(self) -> str:
@@ -119,15 +174,26 @@ class ModelArch:
         multiple = divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def validate_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
-        """Raise one clear error when TP/PP do not divide heads, kv-heads, FFN or layers."""
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
+    def validate_parallel(
+        self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1
+    ) -> None:
+        """Raise one clear error when TP/PP/EP do not divide heads, kv-heads, FFN, layers or experts."""
+        tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         checks = [
             ("num_attention_heads", self.num_attention_heads, tp, "--tensor-model-parallel-size"),
             ("num_key_value_heads", self.num_query_groups, tp, "--tensor-model-parallel-size"),
-            ("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"),
             ("num_hidden_layers", self.num_layers, pp, "--pipeline-model-parallel-size"),
         ]
+        if self.is_moe:
+            checks.append(("num_experts", self.num_experts, ep, "--expert-model-parallel-size"))
+            checks.append(("moe_intermediate_size", self.moe_ffn_hidden_size, tp, "--tensor-model-parallel-size"))
+        else:
+            checks.append(("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"))
+            if ep > 1:
+                raise ValueError(
+                    f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; "
+                    f"{self.family} is dense, use 1."
+                )
         for name, value, size, flag in checks:
             if value % size:
                 raise ValueError(
@@ -140,7 +206,7 @@ class ModelArch:
 
     def rotary_inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies exactly as the HF model computes them (default or llama3)."""
-        dim = self.head_dim
+        dim = self.rotary_dim or self.head_dim
         inv_freq = 1.0 / (
             self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         )
@@ -163,8 +229,74 @@ class ModelArch:
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        attn += 2 * d if self.qk_layernorm else 0
-        layer = attn + 3 * h * f + 2 * h
+        if self.qk_norm_over_projection:
+            attn += q + kv
+        elif self.qk_layernorm:
+            attn += 2 * d
+        if self.is_moe:
+            mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router rows
+            mlp += self.num_experts if self.moe_expert_bias else 0
+        else:
+            mlp = 3 * h * f
+        layer = attn + mlp + 2 * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
+
+
+def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The MoE ModelArch fields of a HF config (empty for dense families)."""
+    if model_type == "qwen3_moe":
+        sparse_step = int(config.get("decoder_sparse_step", 1))
+        if config.get("mlp_only_layers") or sparse_step != 1:
+            raise ValueError(
+                f"{source}: Qwen3-MoE with dense layers (mlp_only_layers={config.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={sparse_step}) is not supported; every layer must be MoE."
+            )
+        return dict(
+            # Released configs say num_experts; transformers 5 writes num_local_experts.
+            num_experts=int(config.get("num_experts") or config["num_local_experts"]),
+            moe_ffn_hidden_size=int(config["moe_intermediate_size"]),
+            moe_router_topk=int(config["num_experts_per_tok"]),
+            moe_score_function="softmax",
+            moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        )
+    if model_type == "minimax_m2":
+        if int(config.get("shared_intermediate_size") or 0):
+            raise ValueError(
+                f"{source}: MiniMax-M2 with a shared expert (shared_intermediate_size="
+                f"{config['shared_intermediate_size']}) is not supported."
+            )
+        if config.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"{source}: MiniMax-M2 scoring_func {config['scoring_func']!r} is not supported (sigmoid).")
+        attn_types = config.get("attn_type_list")
+        if attn_types and any(int(t) != 1 for t in attn_types):
+            raise ValueError(f"{source}: MiniMax-M2 layers with linear attention (attn_type_list 0) are not supported.")
+        scaling = config.get("routed_scaling_factor")
+        return dict(
+            num_experts=int(config.get("num_local_experts") or config["num_experts"]),
+            moe_ffn_hidden_size=int(config["intermediate_size"]),
+            moe_router_topk=int(config["num_experts_per_tok"]),
+            moe_score_function="sigmoid",
+            moe_norm_topk_prob=True,
+            moe_expert_bias=bool(config.get("use_routing_bias", True)),
+            moe_topk_scaling_factor=None if scaling in (None, 1, 1.0) else float(scaling),
+        )
+    return {}
+
+
+def _qk_norm(config: dict[str, Any], model_type: str, source: str) -> tuple[bool, str]:
+    """Whether q/k are RMS-normalized, and over what: one head, or the whole projection."""
+    if model_type in ("qwen3", "qwen3_moe"):
+        return True, "head"
+    if model_type == "minimax_m2":
+        if not config.get("use_qk_norm", True):
+            return False, "none"
+        kind = config.get("qk_norm_type", "per_layer")
+        if kind == "per_layer":
+            # One RMS over all heads' channels with a weight per channel (not per head).
+            return True, "projection"
+        if kind == "per_head":
+            return True, "head"
+        raise ValueError(f"{source}: MiniMax-M2 qk_norm_type {kind!r} is not supported (per_layer, per_head).")
+    return False, "none"

@@ -1,4 +1,4 @@
-"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama config."""
+"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 config."""
 
 from __future__ import annotations
 
@@ -39,13 +39,59 @@ def layer_spec(arch: ModelArch, transformer_impl: str):
     """The decoder layer spec: TE or local, chosen by swapping specs."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = arch.num_experts or None
     if transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=arch.qk_layernorm
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=arch.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=arch.qk_layernorm, normalization="RMSNorm"
+    else:
+        # Grouped GEMM needs TE or the grouped_gemm CUDA kernels: SequentialMLP on the CPU.
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm,
+            normalization="RMSNorm",
+        )
+    if arch.qk_norm_over_projection:
+        spec = _with_projection_qk_norm(spec)
+    return spec
+
+
+def _with_projection_qk_norm(spec):
+    """Swap the per-head q/k norms for RMSNorms over the whole projection (MiniMax-M2)."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_osprey.models.targets.qk_norm import ProjectionRMSNorm
+
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention.submodules
+    attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"role": "query"})
+    attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"role": "key"})
+    return spec
+
+
+def moe_config_kwargs(arch: ModelArch) -> dict:
+    """TransformerConfig moe_* fields for `arch`'s router and experts (inference: no aux loss)."""
+    if not arch.is_moe:
+        return {}
+    kwargs = dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_score_function=arch.moe_score_function,
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        moe_router_topk_scaling_factor=arch.moe_topk_scaling_factor,
+        # HF routes in float32 whatever the weights' dtype.
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
     )
+    if arch.moe_score_function == "softmax":
+        # Softmax over the top-k logits equals renormalized top-k probabilities
+        # (norm_topk_prob); softmax over all experts first keeps them unnormalized.
+        kwargs["moe_router_pre_softmax"] = not arch.moe_norm_topk_prob
+    return kwargs
 
 
 def transformer_config(
@@ -60,7 +106,9 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     arch.validate_parallel(
-        parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.expert_model_parallel_size,
     )
     dtype = params_dtype or torch.float32
     on_gpu = torch.cuda.is_available()
@@ -86,6 +134,9 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=(
+            parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+        ),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -102,6 +153,7 @@ def transformer_config(
         # gloo matches isend/irecv to one peer in posting order: batching swaps activations.
         batch_p2p_comm=on_gpu,
     )
+    kwargs.update(moe_config_kwargs(arch))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -123,6 +175,8 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     impl = resolve_transformer_impl(transformer_impl)
+    if arch.is_moe and impl == "transformer_engine":
+        config_overrides.setdefault("moe_grouped_gemm", True)
     config = transformer_config(
         arch,
         parallel,
@@ -143,6 +197,7 @@ def build_gpt_model(
         post_process=post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage,
     )

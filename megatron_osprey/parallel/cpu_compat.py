@@ -11,6 +11,7 @@ upgrade moves a call site.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -59,6 +60,23 @@ TENSOR_TYPE_MODULES: dict[str, str] = {
 }
 
 _FACTORY_FUNCTIONS = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn")
+
+# Mixture-of-experts call sites (MEGATRON_CPU.md items 8, 9 and the dispatcher's
+# streams in item 6), each patched by `_patch_moe`:
+# - moe_utils imports te_general_gemm only inside its TE try-block, so without TE
+#   the router's `te_general_gemm is not None` test raises NameError: bind it to None.
+# - maybe_move_tensor_to_cpu converts split sizes only when they are CUDA tensors;
+#   on the CPU they stay tensors, which gloo's all_to_all_single rejects as split
+#   sizes: convert CPU tensors the same way (to numpy when asked).
+# - the alltoall dispatcher moves split sizes to the host on a torch.cuda.Stream
+#   and waits on its Event: on the CPU a no-op stream and event do the same job.
+MOE_CALL_SITES: dict[str, str] = {
+    "megatron.core.transformer.moe.moe_utils": "if te_general_gemm is not None and router_dtype != torch.float64:",
+    "megatron.core.transformer.moe.moe_utils ": "if torch.is_tensor(tensor) and tensor.is_cuda:",
+    "megatron.core.transformer.moe.token_dispatcher": "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()",
+    "megatron.core.transformer.moe.token_dispatcher ": "with torch.cuda.stream(self.cuda_dtoh_stream):",
+    "megatron.core.transformer.moe.token_dispatcher  ": "self.d2h_event = self.cuda_dtoh_stream.record_event()",
+}
 
 
 def cuda_available() -> bool:
@@ -149,9 +167,11 @@ def check_megatron_version() -> str:
 def check_call_sites() -> None:
     """Canary: every patched Megatron-Core call site still looks as it did when measured."""
     check_megatron_version()
-    tables = (HARDCODED_CUDA_MODULES, TORCH_CUDA_CALL_SITES, TENSOR_TYPE_MODULES)
+    tables = (HARDCODED_CUDA_MODULES, TORCH_CUDA_CALL_SITES, TENSOR_TYPE_MODULES, MOE_CALL_SITES)
     for table in tables:
-        for module_name, snippet in table.items():
+        for module_key, snippet in table.items():
+            # Trailing spaces let one module appear several times in a table (one key per snippet).
+            module_name = module_key.strip()
             source = inspect.getsource(importlib.import_module(module_name))
             if snippet not in source:
                 raise RuntimeError(
@@ -219,6 +239,7 @@ def activate() -> CompatHandle | None:
     for module_name in HARDCODED_CUDA_MODULES:
         patch_module_attr(importlib.import_module(module_name), "torch", _TorchOnCpu())
     _patch_torch_norm_sequence_parallel(patch_module_attr)
+    _patch_moe(patch_module_attr)
 
     handle.log_filter = _SameStreamWarningFilter()
     logging.getLogger(mcore_random.__name__).addFilter(handle.log_filter)
@@ -241,6 +262,86 @@ def _patch_torch_norm_sequence_parallel(patch_module_attr: Callable) -> None:
         return norm
 
     patch_module_attr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+class _CpuEvent:
+    """Stands in for a torch.cuda.Event: CPU work is already complete when recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
+class _CpuStream:
+    """Stands in for a torch.cuda.Stream: the CPU has one in-order stream."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CudaStreamsOnCpu(types.ModuleType):
+    """A stand-in for `torch.cuda` inside one module: streams and events that do nothing."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("Stream", "Event"):
+            return _CpuStream if name == "Stream" else _CpuEvent
+        if name == "current_stream":
+            return lambda device=None: _CURRENT_STREAM
+        if name == "stream":
+            return lambda stream=None: contextlib.nullcontext()
+        return getattr(torch.cuda, name)
+
+
+# Immutable: the one CPU stream every current_stream() call returns, so that
+# `current_stream() != side_stream` is True as it is on a GPU.
+_CURRENT_STREAM = _CpuStream()
+
+
+class _TorchWithCpuStreams(types.ModuleType):
+    """A stand-in for `torch` inside one module whose `torch.cuda` streams are CPU no-ops."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaStreamsOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """maybe_move_tensor_to_cpu for CPU tensors too: split sizes must leave tensor form for gloo."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _patch_moe(patch_module_attr: Callable) -> None:
+    """The MoE router, split sizes and dispatcher streams on the CPU (see MOE_CALL_SITES)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # patch_module_attr records the current value; bind a placeholder first so
+        # that deactivate() puts back exactly "absent" semantics via None.
+        moe_utils.te_general_gemm = None
+    patch_module_attr(moe_utils, "te_general_gemm", None)
+    patch_module_attr(moe_utils, "maybe_move_tensor_to_cpu", _split_sizes_to_host)
+    patch_module_attr(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host)
+    patch_module_attr(token_dispatcher, "torch", _TorchWithCpuStreams())
+    # The dispatcher caches its side stream on the class: reset it so no CPU stand-in outlives activate().
+    patch_module_attr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", None)
 
 
 def deactivate(handle: CompatHandle | None) -> None:

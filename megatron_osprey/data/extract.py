@@ -1,0 +1,264 @@
+"""The hidden-state extraction loop: conversations -> target prefill -> hidden-state store.
+
+Work split: the conversations are cut into `num_shards` contiguous slices (Slurm
+array tasks), each slice into data-parallel replicas' contiguous ranges, each
+range into fixed micro-batches. Micro-batches are fixed by sample index, so a
+resumed run pads and batches every sample exactly as an uninterrupted run does
+and writes identical bytes. One writer per replica (last pipeline stage, TP rank
+0) owns writer rank `shard_index * dp_size + dp_rank` of the store.
+
+Resume: samples already in complete shards (the writer's manifest part) are
+skipped; a micro-batch is recomputed when any of its samples is missing, and only
+the missing ones are written. With expert parallelism the replicas exchange
+tokens inside every MoE layer, so every replica runs the same number of forwards
+(idle replicas run a one-token dummy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from megatron_osprey.data.chat_template import ChatTemplateConfig, ChatTokenizer, TokenizedConversation
+from megatron_osprey.data.conversations import read_conversations
+from megatron_osprey.data.hidden_state_store import (
+    HiddenStateStoreConfig,
+    check_free_disk,
+    estimate_store_bytes,
+    finalize_store,
+    open_writer,
+)
+from megatron_osprey.models.targets.target import (
+    PrefillCapture,
+    default_aux_layer_ids,
+    load_target,
+    target_identity,
+    validate_aux_layer_ids,
+)
+from megatron_osprey.parallel import ParallelState
+
+
+@dataclasses.dataclass
+class ExtractConfig:
+    """What to extract, from which target, into which store, and which slice of the data."""
+
+    target_dir: str = ""
+    data_path: str = ""
+    store: HiddenStateStoreConfig = dataclasses.field(default_factory=HiddenStateStoreConfig)
+    aux_layer_ids: tuple[int, ...] | None = None  # None: [1, L//2 - 1, L - 4]
+    max_length: int = 4096
+    micro_batch_size: int = 1
+    shard_index: int = 0
+    num_shards: int = 1
+    params_dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    transformer_impl: str = "auto"
+    enable_thinking: bool | None = None
+    finalize: bool = True  # merge the manifest parts once every writer is complete
+
+    def validate(self) -> None:
+        """Raise one clear error on a bad field."""
+        if not self.target_dir or not Path(self.target_dir).is_dir():
+            raise FileNotFoundError(f"--target {self.target_dir!r} is not a directory (a HF checkpoint).")
+        if not self.data_path or not Path(self.data_path).is_file():
+            raise FileNotFoundError(f"--data {self.data_path!r} is not a file (conversations JSONL).")
+        if not self.store.store_dir:
+            raise ValueError("--output must name the hidden-state store directory.")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"--shard {self.shard_index}/{self.num_shards}: the index must be in [0, {self.num_shards}).")
+        if self.micro_batch_size < 1 or self.max_length < 1:
+            raise ValueError("--micro-batch-size and --max-length must be >= 1.")
+
+
+@dataclasses.dataclass
+class ExtractResult:
+    """What this rank's extraction did."""
+
+    num_samples: int  # written by this writer in this run
+    num_skipped: int  # already complete from an earlier run
+    num_tokens: int
+    seconds: float
+    store_bytes_estimate: int
+    manifest: Path | None
+
+
+def contiguous_slice(count: int, index: int, parts: int) -> range:
+    """The `index`-th of `parts` contiguous, near-equal ranges of range(count)."""
+    return range(count * index // parts, count * (index + 1) // parts)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (CPU bf16 matmuls are slow and inexact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"--params-dtype must be auto, bfloat16, float16 or float32, got {name!r}.")
+    return getattr(torch, name)
+
+
+def tokenize_slice(config: ExtractConfig, indices: range) -> list[TokenizedConversation]:
+    """Tokenize conversations `indices` through the target's chat template, with assistant loss masks."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    chat = ChatTokenizer(tokenizer, ChatTemplateConfig(max_length=config.max_length, enable_thinking=config.enable_thinking))
+    wanted = set(indices)
+    out = []
+    for i, conversation in enumerate(read_conversations(config.data_path)):
+        if i in wanted:
+            out.append(chat.tokenize(conversation))
+    return out
+
+
+def _count_conversations(path: str) -> int:
+    with open(path, encoding="utf-8") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _micro_batches(samples: Sequence[TokenizedConversation], size: int) -> list[list[int]]:
+    return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+
+
+def _pad_batch(samples: Sequence[TokenizedConversation], multiple: int, pad_id: int) -> torch.Tensor:
+    length = max(len(s) for s in samples)
+    length += -length % multiple
+    batch = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        batch[row, : len(sample)] = torch.from_numpy(np.asarray(sample.input_ids, dtype=np.int64))
+    return batch
+
+
+def _all_reduce_int(value: int, op, group=None) -> int:
+    tensor = torch.tensor([value], dtype=torch.long)
+    if torch.distributed.get_backend(group) == "nccl":
+        tensor = tensor.cuda()
+    torch.distributed.all_reduce(tensor, op=op, group=group)
+    return int(tensor.item())
+
+
+def extract_hidden_states(
+    config: ExtractConfig,
+    state: ParallelState,
+    *,
+    log: Callable[[str], None] = print,
+    on_batch: Callable[[int], None] | None = None,
+) -> ExtractResult:
+    """Extract this rank's slice into the store; collective over all ranks (call on every rank)."""
+    from megatron.core import parallel_state as mpu
+
+    config.validate()
+    start = time.perf_counter()
+    dist = torch.distributed
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    say = log if state.rank == 0 else (lambda message: None)
+
+    total = _count_conversations(config.data_path)
+    task = contiguous_slice(total, config.shard_index, config.num_shards)
+    mine = contiguous_slice(len(task), dp_rank, dp_size)
+    indices = range(task.start + mine.start, task.start + mine.stop)
+    samples = tokenize_slice(config, indices)
+    say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
+        f"{len(task)}, {dp_size} data-parallel replica(s)")
+
+    from megatron_osprey.models.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(config.target_dir)
+    aux_ids = validate_aux_layer_ids(config.aux_layer_ids or default_aux_layer_ids(arch.num_layers), arch.num_layers)
+    final_id = arch.num_layers - 1
+
+    # Disk preflight before any weight is read: this task's replicas together.
+    tokens = sum(len(s) for s in samples)
+    writer_tokens = tokens if (mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage()) else 0
+    writer_samples = len(samples) if writer_tokens else 0
+    task_tokens = _all_reduce_int(writer_tokens, dist.ReduceOp.SUM)
+    task_samples = _all_reduce_int(writer_samples, dist.ReduceOp.SUM)
+    needed = estimate_store_bytes(
+        task_tokens, arch.hidden_size, config.store.encoding, num_aux_layers=len(aux_ids),
+        outliers_per_token=config.store.outliers_per_token, num_samples=task_samples,
+    )
+    say(f"extract: {task_samples} samples, {task_tokens} tokens -> store estimate {needed / 2**30:.3f} GiB "
+        f"({needed / max(task_tokens, 1):.0f} B/token, {config.store.encoding}) in {config.store.store_dir}")
+    check_free_disk(config.store.store_dir, needed)
+
+    dtype = resolve_dtype(config.params_dtype, state.device)
+    stage = load_target(config.target_dir, state.config, state.device, params_dtype=dtype,
+                        transformer_impl=config.transformer_impl)
+    capture = PrefillCapture(stage, list(aux_ids) + [final_id])
+    target_id, config_hash = target_identity(arch, config.target_dir)
+
+    writer = None
+    if capture.is_writer:
+        writer = open_writer(
+            config.store, target_id=target_id, config_hash=config_hash, aux_layer_ids=aux_ids,
+            hidden_size=arch.hidden_size, rank=config.shard_index * dp_size + dp_rank,
+            world_size=config.num_shards * dp_size,
+        )
+    try:
+        done_ids = writer.completed_sample_ids() if writer is not None else set()
+        batches = _micro_batches(samples, config.micro_batch_size)
+        # The writer knows what is done; its TP / PP peers must run the same batches.
+        todo = torch.tensor([any(samples[i].id not in done_ids for i in b) for b in batches], dtype=torch.long)
+        if not capture.is_writer:
+            todo.zero_()
+        if torch.distributed.get_backend() == "nccl":
+            todo = todo.cuda()
+        dist.all_reduce(todo, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+        run = [b for b, flag in zip(batches, todo.tolist()) if flag]
+        steps = _all_reduce_int(len(run), dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+        skipped = sum(1 for s in samples if s.id in done_ids)
+        say(f"extract: {len(run)} micro-batches to run ({skipped} samples already complete), {steps} steps")
+        written = written_tokens = 0
+        pad_id = 0
+        for step in range(steps):
+            batch = [samples[i] for i in run[step]] if step < len(run) else []
+            ids = (_pad_batch(batch, capture.sequence_multiple, pad_id) if batch
+                   else torch.zeros(1, capture.sequence_multiple, dtype=torch.long))
+            outputs = capture(ids)
+            if writer is not None and batch:
+                for row, sample in enumerate(batch):
+                    if sample.id in done_ids:
+                        continue
+                    n = len(sample)
+                    aux = torch.cat([outputs[i][row, :n] for i in aux_ids], dim=-1)
+                    writer.add(sample.id, torch.from_numpy(np.asarray(sample.input_ids)),
+                               torch.from_numpy(np.asarray(sample.loss_mask)), aux, outputs[final_id][row, :n])
+                    written += 1
+                    written_tokens += n
+            if on_batch is not None:
+                on_batch(step)
+            if (step + 1) % 10 == 0 or step + 1 == steps:
+                elapsed = time.perf_counter() - start
+                rate = written_tokens / elapsed if elapsed else 0.0
+                eta = elapsed / (step + 1) * (steps - step - 1)
+                say(f"extract: step {step + 1}/{steps}, {written} samples, {rate:.0f} tokens/s on this writer, ETA {eta:.0f}s")
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+    finally:
+        capture.close()
+    if writer is not None:
+        writer.close()
+    dist.barrier()
+    manifest = None
+    if config.finalize and state.rank == 0:
+        manifest = _try_finalize(config, say)
+    dist.barrier()
+    return ExtractResult(written, skipped, written_tokens, time.perf_counter() - start, needed, manifest)
+
+
+def _try_finalize(config: ExtractConfig, say: Callable[[str], None]) -> Path | None:
+    """Finalize the store; with several array tasks, the last one to finish succeeds."""
+    try:
+        path = finalize_store(config.store.store_dir)
+    except RuntimeError as error:
+        if config.num_shards == 1:
+            raise
+        say(f"extract: store not finalized yet ({error}); the last array task to finish finalizes it.")
+        return None
+    say(f"extract: finalized {path}")
+    return path

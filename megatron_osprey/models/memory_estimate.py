@@ -1,0 +1,119 @@
+"""Per-GPU memory of a target model for prefill under a TP / PP / EP layout, before loading it.
+
+Weights: each rank holds 1/TP of attention and dense MLP, 1/EP of the experts
+(each 1/ETP), the replicated norms and router, and on the first / last pipeline
+stage the embedding / LM head (1/TP of the padded vocabulary). Activations: one
+prefill micro-batch without gradients, no KV cache kept; the peak is the widest
+intermediate of one layer plus the residual stream and the captured hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_osprey.models.arch import ModelArch
+
+GIB = 1 << 30
+# CUDA context, NCCL buffers and allocator fragmentation, measured as a flat
+# reserve rather than modelled.
+RUNTIME_RESERVE_BYTES = 3 * GIB
+
+
+class TargetMemoryError(ValueError):
+    """The requested layout does not fit the GPU memory it was given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU needs to hold its share of the target and run one prefill micro-batch."""
+
+    weight_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+    layout: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes + self.reserve_bytes
+
+    def summary(self) -> str:
+        """One line with the figures in GiB."""
+        return (
+            f"per-GPU memory estimate for {self.layout}: weights {self.weight_bytes / GIB:.2f} GiB + "
+            f"prefill activations {self.activation_bytes / GIB:.2f} GiB + runtime reserve "
+            f"{self.reserve_bytes / GIB:.2f} GiB = {self.total_bytes / GIB:.2f} GiB"
+        )
+
+
+def _stage_weight_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int, stage: int) -> int:
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    attn = (h * (q + 2 * kv) + q * h) // tp + ((q + 2 * kv) // tp if arch.qkv_bias else 0)
+    if arch.qk_norm_over_projection:
+        attn += (q + kv) // tp
+    elif arch.qk_layernorm:
+        attn += 2 * d
+    if arch.is_moe:
+        experts = math.ceil(arch.num_experts / ep)
+        mlp = experts * 3 * h * arch.moe_ffn_hidden_size // etp + arch.num_experts * h
+    else:
+        mlp = 3 * h * arch.ffn_hidden_size // tp
+    layer = attn + mlp + 2 * h
+    params = math.ceil(arch.num_layers / pp) * layer
+    vocab_shard = arch.padded_vocab_size(tp) // tp * h
+    if stage == 0:
+        params += vocab_shard
+    if stage == pp - 1:
+        params += h
+        if pp > 1 or not arch.tie_word_embeddings:
+            params += vocab_shard
+    return params
+
+
+def estimate_target_memory(
+    arch: ModelArch,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
+    micro_batch_size: int = 1,
+    seq_length: int = 4096,
+    num_captured_layers: int = 4,
+    bytes_per_param: int = 2,
+    bytes_per_activation: int = 2,
+    flash_attention: bool = True,
+    reserve_bytes: int = RUNTIME_RESERVE_BYTES,
+) -> MemoryEstimate:
+    """Estimate the busiest rank's bytes (max over pipeline stages) for prefill extraction."""
+    tp, pp, ep = tensor_parallel, pipeline_parallel, expert_parallel
+    etp = expert_tensor_parallel or tp
+    weights = max(_stage_weight_params(arch, tp, pp, ep, etp, s) for s in range(pp)) * bytes_per_param
+    tokens = micro_batch_size * seq_length
+    h, d = arch.hidden_size, arch.head_dim
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * d // tp
+    if arch.is_moe:
+        # Dropless routing: in the worst case every routed copy lands on this rank.
+        mlp = tokens * arch.moe_router_topk * (3 * arch.moe_ffn_hidden_size // etp + h) + tokens * arch.num_experts
+    else:
+        mlp = tokens * 3 * arch.ffn_hidden_size // tp
+    attention = tokens * (qkv + arch.num_attention_heads * d // tp)
+    if not flash_attention:
+        attention += micro_batch_size * arch.num_attention_heads // tp * seq_length * seq_length * 2
+    residual = 4 * tokens * h  # input, residual, output, one norm copy
+    captured = num_captured_layers * tokens * h
+    activations = (max(mlp, attention) + residual + captured) * bytes_per_activation
+    layout = f"TP={tp} PP={pp} EP={ep} ETP={etp}, micro-batch {micro_batch_size} x {seq_length} tokens"
+    return MemoryEstimate(weights, activations, reserve_bytes, layout)
+
+
+def check_fits(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
+    """Raise TargetMemoryError, with the numbers, when the estimate exceeds `gpu_memory_gib`."""
+    budget = gpu_memory_gib * GIB
+    if estimate.total_bytes > budget:
+        raise TargetMemoryError(
+            f"{estimate.summary()}, which exceeds --gpu-memory-gib {gpu_memory_gib:g}; raise "
+            f"--tensor-model-parallel-size, --pipeline-model-parallel-size or "
+            f"--expert-model-parallel-size, or lower --micro-batch-size / --max-length."
+        )

@@ -1,0 +1,1 @@
+"""Target models (dense and MoE) in Megatron-Core, loaded straight from HF safetensors."""
