@@ -464,6 +464,7 @@ def _atomic_write(path: Path, write) -> None:
     """Call write(tmp_path), fsync it, then rename over path."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is shared like any other output
     try:
         write(tmp)
         with open(tmp, "rb+") as fh:

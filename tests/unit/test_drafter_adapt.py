@@ -1,0 +1,178 @@
+"""Stage 3: vocabulary alignment, function preservation at init, gradients, Megatron == reference."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_osprey.config.run_config import load_run_config
+from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
+from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.vocab_alignment import align_vocabularies, view_of
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.training.checkpointing import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def alignment(real_tokenizers):
+    return align_vocabularies(view_of(real_tokenizers["qwen3"]), view_of(real_tokenizers["llama3"]), 128256)
+
+
+def test_qwen3_to_llama3_counts_match_the_paper(adapted_drafter):
+    counts = adapted_drafter["report"]["counts"]
+    assert counts["copied"] == 109_566  # Osprey reports 109,566 copied
+    assert counts["averaged"] == 18_434  # Osprey reports 18,393 averaged: 41 rows differ in class
+    assert counts["copied"] + counts["averaged"] + counts["special"] + counts["fallback"] == 128_256
+    on_disk = json.loads((adapted_drafter["drafter"] / "tokenizer_alignment.json").read_text())
+    assert on_disk["counts"] == counts
+    assert on_disk["special_tokens"]["<|eot_id|>"].startswith("<|im_end|>")
+
+
+def test_known_tokens_in_each_class(real_tokenizers, alignment):
+    qwen, llama = real_tokenizers["qwen3"], real_tokenizers["llama3"]
+    the = llama.convert_tokens_to_ids("Ġthe")
+    assert alignment.kinds[the] == "copied" and alignment.sources[the] == [qwen.convert_tokens_to_ids("Ġthe")]
+    double_zero = llama.convert_tokens_to_ids("00")  # Qwen splits digits
+    assert alignment.kinds[double_zero] == "averaged"
+    assert alignment.sources[double_zero] == [qwen.convert_tokens_to_ids("0")] * 2
+    eot = llama.convert_tokens_to_ids("<|eot_id|>")
+    assert alignment.kinds[eot] == "special" and alignment.sources[eot] == [qwen.convert_tokens_to_ids("<|im_end|>")]
+    bos = llama.convert_tokens_to_ids("<|begin_of_text|>")  # Qwen3 has no BOS
+    assert alignment.kinds[bos] == "fallback" and alignment.sources[bos] == []
+
+
+def test_identical_tokenizers_copy_every_row(real_tokenizers):
+    view = view_of(real_tokenizers["qwen3"])
+    same = align_vocabularies(view, view, 151936)
+    real = len(real_tokenizers["qwen3"])
+    assert all(same.sources[i] == [i] for i in range(real))
+    assert same.counts()["averaged"] == 0 and same.counts()["fallback"] == 0
+    assert same.counts()["unused"] == 151936 - real  # the config's padding rows
+
+
+def _copied_ids(alignment, count, generator):
+    copied = [t for t, kind in enumerate(alignment.kinds) if kind == "copied"]
+    picks = torch.randint(0, len(copied), (count,), generator=generator)
+    return torch.tensor([copied[i] for i in picks])
+
+
+def test_function_preservation_in_reference_and_megatron(adapted_drafter, alignment):
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(0)
+    target_ids = _copied_ids(alignment, 24, generator)[None]
+    backbone_ids = torch.tensor([[alignment.sources[t][0] for t in target_ids[0].tolist()]])
+    backbone = AutoModelForCausalLM.from_pretrained(adapted_drafter["backbone"] / "hf").eval()
+    reference = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf").eval()
+    aux = torch.randn(1, 24, 3 * 96, generator=generator)  # random g: W_new = 0 must ignore it
+    with torch.no_grad():
+        expected = backbone(backbone_ids).logits[0]
+        got, _ = reference(target_ids, aux_hidden=aux)
+    got = got[0]
+    copied = [t for t, k in enumerate(alignment.kinds) if k == "copied"]
+    sources = torch.tensor([alignment.sources[t][0] for t in copied])
+    torch.testing.assert_close(got[:, copied], expected[:, sources], atol=1e-5, rtol=0)
+    averaged = [t for t, k in enumerate(alignment.kinds) if k == "averaged"][:500]
+    for t in averaged:  # the averaging formula: mean of the source rows' logits
+        torch.testing.assert_close(got[:, t], expected[:, alignment.sources[t]].mean(dim=1), atol=1e-5, rtol=0)
+
+    run_config = load_run_config(adapted_drafter["drafter"])
+    arch = DrafterArch.from_dict(run_config["drafter"])
+    with parallel_context(ParallelConfig()) as state:
+        model = build_drafter_model(arch, state.config).eval()
+        loaded, _ = load_checkpoint(adapted_drafter["drafter"] / "megatron", model.sharded_state_dict())
+        model.load_state_dict(loaded)
+        with torch.no_grad():
+            megatron_logits, _ = model(target_ids, aux_hidden=aux)
+            ttt_megatron, _ = model.ttt_forward(target_ids, aux, 3)
+            ttt_reference = reference.ttt_forward(target_ids, aux, 3)
+    torch.testing.assert_close(megatron_logits[0, :, :128256], got, atol=1e-5, rtol=0)
+    for mine, theirs in zip(ttt_megatron, ttt_reference):
+        torch.testing.assert_close(mine[..., :128256], theirs, atol=1e-5, rtol=0)
+
+
+def _w_new_and_fc_grads(drafter, ids, aux, labels):
+    drafter.zero_grad()
+    logits, _ = drafter(ids, aux_hidden=aux)
+    torch.nn.functional.cross_entropy(logits[0], labels).backward()
+    h = drafter.config.hidden_size
+    w_new = drafter.layers[0].self_attn.q_proj.weight.grad[:, :h]
+    return w_new.abs().sum().item(), drafter.fc.weight.grad.abs().sum().item()
+
+
+def test_side_path_is_not_a_stationary_point(adapted_drafter):
+    drafter = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf")
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128000, (1, 16), generator=generator)
+    aux = torch.randn(1, 16, 3 * 96, generator=generator)
+    labels = torch.randint(0, 128000, (16,), generator=generator)
+    w_new, fc = _w_new_and_fc_grads(drafter, ids, aux, labels)
+    assert w_new > 0  # identity fc: W_new gets a gradient on the first backward
+    assert fc == 0  # fc is reached only through W_new, which is still zero
+    with torch.no_grad():  # one step on W_new, then fc gets its gradient too
+        for layer in drafter.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight[:, :64] -= 1e-2 * proj.weight.grad[:, :64].sign()
+    assert _w_new_and_fc_grads(drafter, ids, aux, labels)[1] > 0
+    stationary = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf")
+    with torch.no_grad():
+        stationary.fc.weight.zero_()
+    assert _w_new_and_fc_grads(stationary, ids, aux, labels) == (0.0, 0.0)  # why fc is not zero-initialized
+
+
+def test_fc_starts_as_identity_on_the_deepest_tap(adapted_drafter):
+    fc = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf").fc.weight
+    h, ht = 64, 96
+    assert torch.equal(fc[:, 2 * ht : 2 * ht + h], torch.eye(h))
+    assert fc[:, : 2 * ht].abs().sum() == 0 and fc[:, 2 * ht + h :].abs().sum() == 0
+
+
+def test_reduced_draft_vocab(adapted_drafter, tmp_path):
+    counts = [0] * 128256
+    for rank, token_id in enumerate(range(1000, 1100)):
+        counts[token_id] = 1000 - rank
+    counts[5] = 5000
+    (tmp_path / "counts.json").write_text(json.dumps(counts))
+    out = tmp_path / "reduced"
+    with parallel_context(ParallelConfig()) as state:
+        adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"], output=out,
+                                  draft_vocab_size=64, token_counts=tmp_path / "counts.json"), state)
+    reduced = ReferenceDrafter.from_pretrained(out / "hf")
+    full = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf")
+    expected_ids = torch.tensor([5] + list(range(1000, 1063)))
+    assert reduced.d2t.dtype == torch.int64 and reduced.t2d.dtype == torch.bool
+    assert torch.equal(torch.arange(64) + reduced.d2t, expected_ids)
+    assert reduced.t2d.sum() == 64 and bool(reduced.t2d[expected_ids].all())
+    assert torch.equal(reduced.lm_head.weight, full.lm_head.weight[expected_ids])
+
+
+@pytest.mark.parametrize("aux", [[1, 3, 8], [2, 2, 3]])
+def test_bad_aux_layer_ids(adapted_drafter, tmp_path, aux):
+    with parallel_context(ParallelConfig()) as state:
+        with pytest.raises(ValueError, match=r"--aux-layer-ids .* \(the target has 8 layers\)"):
+            adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"],
+                                      output=tmp_path / "o", aux_layer_ids=aux), state)
+
+
+def test_target_without_vocabulary(adapted_drafter, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    target = tmp_path / "empty_target"
+    (target).mkdir()
+    (target / "config.json").write_text((adapted_drafter["target"] / "config.json").read_text())
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(target)
+    with parallel_context(ParallelConfig()) as state:
+        with pytest.raises(ValueError, match="--target .* has no vocabulary"):
+            adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=target, output=tmp_path / "o"), state)
+
+
+def test_backbone_that_is_not_a_pruned_backbone(adapted_drafter, tmp_path):
+    with parallel_context(ParallelConfig()) as state:
+        with pytest.raises(ValueError, match="is not a pruned backbone: it has no run_config.yaml"):
+            adapt_drafter(AdaptConfig(backbone=adapted_drafter["source"], target=adapted_drafter["target"],
+                                      output=tmp_path / "o"), state)
+        with pytest.raises(ValueError, match="stage='adapt'"):
+            adapt_drafter(AdaptConfig(backbone=adapted_drafter["drafter"], target=adapted_drafter["target"],
+                                      output=tmp_path / "o"), state)
