@@ -10,9 +10,25 @@ squares is all-reduced over the TP group before the division.
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_fn
 
 _ROLES = ("query", "key")
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose gradient is the all-reduced gradient: every rank's output uses every rank's input."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class ProjectionRMSNorm(torch.nn.Module):
@@ -48,7 +64,6 @@ class ProjectionRMSNorm(torch.nn.Module):
         if self.tp_size > 1:
             from megatron.core import parallel_state as mpu
 
-            # Autograd-aware all-reduce: every rank's output depends on every rank's channels.
-            sum_sq = dist_fn.all_reduce(sum_sq, group=mpu.get_tensor_model_parallel_group())
+            sum_sq = _SumOverGroup.apply(sum_sq, mpu.get_tensor_model_parallel_group())
         normed = flat * torch.rsqrt(sum_sq / self.total_channels + self.eps)
         return (normed.to(x.dtype) * self.weight).reshape(shape)

@@ -1,0 +1,150 @@
+"""Hidden-state extraction end to end on one CPU rank: values, resume after a crash, corrupt shards, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_osprey.data import hidden_state_store
+from megatron_osprey.data.extract import ExtractConfig, contiguous_slice, extract_hidden_states
+from megatron_osprey.data.hidden_state_store import (
+    CorruptShardError,
+    HiddenStateStore,
+    HiddenStateStoreConfig,
+    InsufficientDiskError,
+)
+from megatron_osprey.models.memory_estimate import TargetMemoryError
+from megatron_osprey.models.targets.target import default_aux_layer_ids
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from tests.tiny_models import write_chat_target, write_conversations_jsonl
+from tools.extract_hidden_states import main as tool_main
+from tools.extract_hidden_states import parse_shard
+
+AUX = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("extract")
+    hf = write_chat_target(root / "qwen3_moe", "qwen3_moe")
+    data = write_conversations_jsonl(root / "conversations.jsonl", 11)
+    return root, hf, data
+
+
+def run(root, data, store, encoding="bf16", on_batch=None):
+    config = ExtractConfig(
+        target_dir=str(root / "qwen3_moe"), data_path=str(data), aux_layer_ids=AUX, micro_batch_size=2,
+        store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3, encoding=encoding),
+    )
+    with parallel_context(ParallelConfig()) as state:
+        return extract_hidden_states(config, state, log=lambda _: None, on_batch=on_batch)
+
+
+def shard_digests(store) -> dict[str, str]:
+    manifest = json.loads((store / "manifest.json").read_text())
+    return {s["file"]: s["sha256"] for s in manifest["shards"]}
+
+
+def test_store_holds_hf_hidden_states_and_the_assistant_mask(target, tmp_path):
+    root, hf, data = target
+    result = run(root, data, tmp_path / "store")
+    assert (result.num_samples, result.num_skipped) == (11, 0)
+    store = HiddenStateStore(tmp_path / "store", dtype=torch.float32)
+    assert len(store) == 11 and store.header.aux_layer_ids == AUX
+    sample = store[5]
+    captured = []
+    hook = hf.model.layers[-1].register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        hidden = hf(sample["input_ids"][None], output_hidden_states=True).hidden_states
+    hook.remove()
+    aux = torch.cat([hidden[i + 1][0] for i in AUX], dim=-1)
+    assert (aux.bfloat16().float() - sample["aux_hidden"]).abs().max().item() < 4e-3
+    # HF's last hidden state is after the final norm: the store keeps the pre-norm one.
+    pre_norm = captured[0][0]
+    assert (pre_norm.bfloat16().float() - sample["final_hidden"]).abs().max().item() < 4e-3
+    assert (hidden[-1][0] - sample["final_hidden"]).abs().max().item() > 0.1
+    assert 0 < sample["loss_mask"].sum() < len(sample["loss_mask"])
+    assert sample["sample_id"] == "conv-0005"
+
+
+def test_killed_midway_then_resumed_gives_the_same_store(target, tmp_path):
+    root, _, data = target
+    run(root, data, tmp_path / "clean")
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_step_3(step):
+        if step == 3:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        run(root, data, tmp_path / "resumed", on_batch=crash_at_step_3)
+    # A write interrupted by the kill leaves a temporary file behind.
+    (tmp_path / "resumed" / ".tmp-shard-rank00000-of-00001-000009.safetensors.1.2").write_bytes(b"partial")
+    part = json.loads((tmp_path / "resumed" / "manifest.part-rank00000-of-00001.json").read_text())
+    assert len(part["shards"]) == 2 and not part["complete"]  # 8 samples seen, 6 in complete shards
+    result = run(root, data, tmp_path / "resumed")
+    assert (result.num_samples, result.num_skipped) == (5, 6)
+    assert shard_digests(tmp_path / "resumed") == shard_digests(tmp_path / "clean")
+    assert not list((tmp_path / "resumed").glob(".tmp-*"))
+    again = run(root, data, tmp_path / "resumed")  # a complete store: nothing to do
+    assert (again.num_samples, again.num_skipped) == (0, 11)
+
+
+def test_corrupt_shard_is_detected_when_read(target, tmp_path):
+    root, _, data = target
+    run(root, data, tmp_path / "store", encoding="int8")
+    shard = sorted((tmp_path / "store").glob("shard-*.safetensors"))[1]
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    store = HiddenStateStore(tmp_path / "store")
+    store[0]  # the first shard is intact
+    with pytest.raises(CorruptShardError, match="sha256"):
+        store[4]
+
+
+def test_short_disk_is_refused_before_loading_the_target(target, tmp_path, monkeypatch):
+    root, _, data = target
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(hidden_state_store.shutil, "disk_usage", lambda path: Usage())
+    with pytest.raises(InsufficientDiskError, match="only 0.00 GiB is free"):
+        run(root, data, tmp_path / "store")
+    assert not list(tmp_path.glob("store/shard-*"))
+
+
+def test_tool_refuses_a_layout_that_cannot_fit_before_starting(target, tmp_path, capsys):
+    root, _, data = target
+    with pytest.raises(TargetMemoryError, match=r"exceeds --gpu-memory-gib 0\.001"):
+        tool_main(["--target", str(root / "qwen3_moe"), "--data", str(data), "--output", str(tmp_path / "s"),
+                   "--gpu-memory-gib", "0.001", "--aux-layer-ids", "1", "2", "4"])
+    assert "per-GPU memory estimate for TP=1 PP=1 EP=1" in capsys.readouterr().out
+    assert not (tmp_path / "s").exists()
+
+
+def test_tool_end_to_end_with_int8_and_a_shard_slice(target, tmp_path):
+    root, _, data = target
+    args = ["--target", str(root / "qwen3_moe"), "--data", str(data), "--output", str(tmp_path / "s"),
+            "--aux-layer-ids", "1", "2", "4", "--encoding", "int8", "--micro-batch-size", "3"]
+    assert tool_main(args + ["--shard", "1/2"]) == 0
+    assert not (tmp_path / "s" / "manifest.json").exists()  # waits for task 0/2
+    assert tool_main(args + ["--shard", "0/2"]) == 0
+    store = HiddenStateStore(tmp_path / "s")
+    assert len(store) == 11 and store.header.encoding == "int8"
+    assert sorted(s["sample_id"] for s in store) == [f"conv-{i:04d}" for i in range(11)]
+
+
+def test_shard_and_slice_selection():
+    assert [list(contiguous_slice(11, i, 3)) for i in range(3)] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10]]
+    assert parse_shard("2/8", {}) == (2, 8)
+    assert parse_shard(None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "16", "SLURM_ARRAY_TASK_MIN": "1"}) == (4, 16)
+    assert parse_shard(None, {}) == (0, 1)
+    with pytest.raises(ValueError, match="--shard must look like i/n"):
+        parse_shard("3", {})
+    assert default_aux_layer_ids(62) == (1, 30, 58)  # MiniMax-M2.5's published taps
