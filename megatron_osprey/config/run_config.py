@@ -14,6 +14,12 @@ from megatron_osprey.convert.safetensors_io import write_text_atomic
 
 # Keys whose values must never land on disk (API keys for servers, wandb, hubs).
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)
+# Token *ids* (eos_token_id, pad_token_id, eod_token_id) are model facts, not credentials.
+_TOKEN_ID_KEY = re.compile(r"_token_ids?$", re.IGNORECASE)
+
+
+def _is_secret_key(key: str) -> bool:
+    return bool(_SECRET_KEY.search(key)) and not _TOKEN_ID_KEY.search(key)
 
 
 def to_plain(value: Any) -> Any:
@@ -22,7 +28,7 @@ def to_plain(value: Any) -> Any:
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {
-            str(k): ("<redacted>" if _SECRET_KEY.search(str(k)) and v else to_plain(v))
+            str(k): ("<redacted>" if _is_secret_key(str(k)) and v else to_plain(v))
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):

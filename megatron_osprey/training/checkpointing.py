@@ -52,9 +52,15 @@ def save_checkpoint(
     torch.distributed.barrier()
     if rank == 0:
         save_run_config(staging / "run_config.yaml", run_config)
+        # Re-saving an iteration: move the old copy aside first so a kill leaves one of them whole.
+        stale = root / f".old_{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            if stale.exists():
+                shutil.rmtree(stale)
+            final.rename(stale)
         staging.rename(final)
+        if stale.exists():
+            shutil.rmtree(stale)
         write_text_atomic(root / LATEST_FILE, f"{iteration}\n")
     torch.distributed.barrier()
     return final
@@ -75,3 +81,176 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
     return dist_checkpointing.load(sharded_state_dict, str(path)), iteration
+
+
+# --- training checkpoints: model + optimizer + scheduler + RNG + data position -------------
+
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+def parallel_layout() -> dict[str, int]:
+    """This run's TP/PP/DP sizes; RNG states only make sense reloaded into the same layout."""
+    from megatron.core import parallel_state as mpu
+
+    return {
+        "tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": mpu.get_data_parallel_world_size(),
+    }
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch (and CUDA) generators and Megatron's RNG-tracker streams."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of capture_rng_state."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(data: Any):
+    """One RNG state per (PP, TP, DP) rank: a ShardedObject that no other rank replicates."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    layout = parallel_layout()
+    shape = (layout["pipeline_model_parallel_size"], layout["tensor_model_parallel_size"],
+             layout["data_parallel_size"])
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+              mpu.get_data_parallel_rank())
+    return ShardedObject("rng_state", data, shape, offset, replica_id=0)
+
+
+def _model_sharded_state_dict(model_chunks: list, metadata: dict) -> dict:
+    # The bare GPTModel's keys, as Stage 1 writes them: wrappers (DDP, Float16Module) are run-time only.
+    if len(model_chunks) == 1:
+        return {"model": unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": unwrap(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model_chunks)}
+
+
+def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_samples: int, model_chunks: list,
+                             optimizer, scheduler, run_config: dict[str, Any], metadata: dict) -> Path:
+    """Collectively save everything a bit-exact resume needs; the latest pointer moves last."""
+    state = _model_sharded_state_dict(model_chunks, metadata)
+    model_state = state["model"] if len(model_chunks) == 1 else state
+    state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=False, metadata=metadata)
+    state.update(
+        opt_param_scheduler=scheduler.state_dict(),
+        iteration=iteration,
+        consumed_train_samples=consumed_train_samples,
+        layout=parallel_layout(),
+        optimizer_format={"distributed": metadata.get("use_distributed_optimizer", False),
+                          "sharding": metadata["distrib_optim_sharding_type"]},
+        checkpoint_version=CHECKPOINT_FORMAT_VERSION,
+        rng_state=_rng_sharded_object(capture_rng_state()),
+    )
+    return save_checkpoint(root, iteration, state, run_config)
+
+
+@torch.no_grad()  # fp32 main params of the distributed optimizer are views of leaf parameters
+def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, scheduler, metadata: dict, *,
+                             iteration: int | None = None, load_optim: bool = True,
+                             load_rng: bool = True) -> dict[str, Any]:
+    """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_osprey.training.optimizer import prepare_for_load, restore_adam_steps
+
+    root = Path(root)
+    if iteration is None:
+        iteration = read_latest_iteration(root)
+        if iteration is None:
+            raise FileNotFoundError(f"--load {root}: no complete checkpoint there ({LATEST_FILE} is missing).")
+    path = iteration_dir(root, iteration)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    same_layout = common.get("layout") == parallel_layout()
+    notes = []
+    distributed = metadata.get("use_distributed_optimizer", False)
+    saved = common.get("optimizer_format", {})
+    if load_optim and saved.get("distributed", False) != distributed:
+        raise ValueError(
+            f"--load {root}: its optimizer state was saved {'with' if saved.get('distributed') else 'without'} "
+            f"--use-distributed-optimizer; match it, or pass --no-load-optim."
+        )
+    if load_optim and distributed and saved.get("sharding") == "dp_reshardable" and not _same_model_split(
+            common.get("layout"), parallel_layout()):
+        raise ValueError(
+            f"--load {root}: its distributed-optimizer state (dp_reshardable) cannot move to a different "
+            f"TP/PP layout; pass --no-load-optim (the model weights still reshard)."
+        )
+
+    state = _model_sharded_state_dict(model_chunks, metadata)
+    model_state = state["model"] if len(model_chunks) == 1 else state
+    if load_optim:
+        prepare_for_load(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True, metadata=metadata)
+    if load_rng and same_layout:
+        state["rng_state"] = _rng_sharded_object(None)
+    elif load_rng:
+        notes.append("RNG states not restored: the parallel layout changed since the save")
+    loaded = dist_checkpointing.load(state, str(path))
+
+    if len(model_chunks) == 1:
+        unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model_chunks):
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_steps(optimizer, loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if "rng_state" in loaded:
+        restore_rng_state(loaded["rng_state"])
+    return {
+        "iteration": int(loaded["iteration"]),
+        "consumed_train_samples": int(loaded["consumed_train_samples"]),
+        "notes": notes,
+    }
+
+
+def _same_model_split(saved: dict | None, current: dict) -> bool:
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    return saved is not None and all(saved.get(k) == current[k] for k in keys)
+
+
+def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
+    """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
+    iteration = None
+    for chunk in model_chunks:
+        module = unwrap(chunk)
+        loaded, iteration = load_checkpoint(megatron_dir, module.sharded_state_dict())
+        module.load_state_dict(loaded)
+    return iteration
+
+
+def unwrap(chunk):
+    """The GPTModel inside a DDP / Float16Module wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

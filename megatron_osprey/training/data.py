@@ -1,0 +1,127 @@
+"""GPT pretraining data: Megatron-Core's GPTDataset + BlendedMegatronDatasetBuilder, and a resumable sampler.
+
+The sampler is a pure function of `consumed_samples`: a resumed run that starts
+from the checkpoint's consumed sample count sees exactly the batches the
+uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_osprey.config.pretrain import DataSection
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetTokenizer:
+    """The two facts GPTDataset needs from a tokenizer: the vocabulary size and the end-of-document id."""
+
+    vocab_size: int
+    eod: int
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def unique_identifiers(self) -> dict:
+        # Part of GPTDataset's cache key: a different vocabulary means different indices.
+        return {"class": "DatasetTokenizer", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+def eod_token_id(hf_config: dict, override: int | None) -> int:
+    """--eod-token-id, else the model config's eos_token_id (the first one when it is a list)."""
+    if override is not None:
+        return int(override)
+    eos = hf_config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if not isinstance(eos, int):
+        raise ValueError(f"the model config's eos_token_id is {eos!r}, not a token id; pass --eod-token-id.")
+    return eos
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """`--data-path PREFIX` or `--data-path W1 P1 W2 P2 ...` -> (prefixes, weights or None)."""
+    if len(data_path) == 1:
+        return [data_path[0]], None
+    if len(data_path) % 2:
+        raise ValueError(
+            f"--data-path {' '.join(data_path)}: expected one PREFIX or WEIGHT PREFIX pairs "
+            f"(an even count), got {len(data_path)} values."
+        )
+    weights, prefixes = [], []
+    for weight, prefix in zip(data_path[::2], data_path[1::2]):
+        try:
+            weights.append(float(weight))
+        except ValueError:
+            raise ValueError(f"--data-path: {weight!r} should be a blend weight before {prefix!r}.") from None
+        if weights[-1] <= 0:
+            raise ValueError(f"--data-path: blend weight {weight} for {prefix} must be > 0.")
+        prefixes.append(prefix)
+    return prefixes, weights
+
+
+def check_prefixes(prefixes: list[str]) -> None:
+    """Every prefix has its PREFIX.bin and PREFIX.idx (tools/preprocess_data.py writes both)."""
+    for prefix in prefixes:
+        missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"--data-path {prefix}: {' and '.join(prefix + s for s in missing)} not found; a prefix "
+                f"names PREFIX.bin + PREFIX.idx as written by tools/preprocess_data.py "
+                f"(e.g. OUT_text_document)."
+            )
+
+
+def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_interval: int) -> list[int]:
+    """Samples to draw per split: every evaluation re-reads the same first `eval_iters` batches."""
+    valid = eval_iters * global_batch_size if eval_iters > 0 and eval_interval > 0 else 0
+    return [train_iters * global_batch_size, valid, 0]
+
+
+def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_length: int, seed: int,
+                       sizes: list[int]):
+    """Train / valid / test GPTDatasets (blended when weighted); collective: call on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    prefixes, weights = parse_blend(data.data_path)
+    check_prefixes(prefixes)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=data.split,
+        path_to_cache=data.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # The model applies the causal mask itself; a [s, s] mask per sample is waste.
+        create_attention_mask=False,
+    )
+    # Every rank reads its own batches (no TP broadcast): each must hold the datasets.
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack GPTDataset samples into a batch dict."""
+    return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                  device: torch.device | str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches from sample `consumed_samples` on, as Megatron's pretraining sampler orders them."""
+    stride = micro_batch_size * dp_size
+    index = consumed_samples
+    size = len(dataset)
+    while True:
+        start = index + dp_rank * micro_batch_size
+        batch = collate([dataset[(start + i) % size] for i in range(micro_batch_size)])
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        index += stride

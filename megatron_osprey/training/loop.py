@@ -1,0 +1,140 @@
+"""The training loop shared by Stage 2 and Stage 4: a step function and the loop around it.
+
+Whatever trains plugs in `forward_step(data_iterator, model) -> (output, loss_func)`
+(Megatron-LM's pretrain_gpt contract); logging, checkpointing and metrics are
+the TrainRun's collaborators, not the loop's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+
+from megatron_osprey.config.pretrain import CheckpointSection, LoggingSection, TrainingSection
+from megatron_osprey.training.metrics import MetricsLogger
+from megatron_osprey.training.scheduler import current_lr
+from megatron_osprey.training.signals import Deadline, SignalFlag, any_rank
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where a run is: restored from, and saved into, every checkpoint."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grad_norm: float | None
+    lr: float
+    skipped: bool
+
+
+@dataclasses.dataclass
+class TrainRun:
+    """What the loop drives: model chunks, optimizer, scheduler and the collaborators around them."""
+
+    model: list
+    optimizer: object
+    scheduler: object
+    training: TrainingSection
+    checkpoint: CheckpointSection
+    logging: LoggingSection
+    metrics: MetricsLogger
+    save: Callable[[TrainState], None] | None  # None: no --save
+    dp_size: int
+    device: torch.device
+
+
+def num_microbatches(training: TrainingSection, dp_size: int) -> int:
+    return training.global_batch_size // (training.micro_batch_size * dp_size)
+
+
+def global_mean_loss(losses_reduced: list[dict], device: torch.device) -> float:
+    """Token-weighted mean over micro-batches and DP ranks, known on every rank (PP included)."""
+    from megatron.core import parallel_state as mpu
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in losses_reduced:  # empty on all but the last pipeline stage
+        total += report["lm loss"].to(device=device, dtype=torch.float64)
+    torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group())
+    torch.distributed.all_reduce(total, group=mpu.get_pipeline_model_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResult:
+    """Forward and backward over one global batch (Megatron's PP schedules), then the optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=run.model,
+        num_microbatches=num_microbatches(run.training, run.dp_size),
+        seq_length=run.training.seq_length,
+        micro_batch_size=run.training.micro_batch_size,
+        forward_only=False,
+    )
+    lr = current_lr(run.optimizer)
+    ok, grad_norm, _ = run.optimizer.step()
+    if ok:
+        run.scheduler.step(increment=1)
+    norm = None if grad_norm is None else float(grad_norm)
+    return StepResult(global_mean_loss(losses, run.device), norm, lr, not ok)
+
+
+@torch.no_grad()
+def evaluate(forward_step: Callable, data_iterator, run: TrainRun) -> float:
+    """Mean validation loss over --eval-iters global batches (forward only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in run.model:
+        chunk.eval()
+    reports = []
+    for _ in range(run.logging.eval_iters):
+        reports += get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=run.model,
+            num_microbatches=num_microbatches(run.training, run.dp_size), seq_length=run.training.seq_length,
+            micro_batch_size=run.training.micro_batch_size, forward_only=True,
+        )
+    for chunk in run.model:
+        chunk.train()
+    return global_mean_loss(reports, run.device)
+
+
+def train(run: TrainRun, state: TrainState, forward_step: Callable, train_iterator,
+          valid_iterator: Callable[[], Iterator] | None = None) -> TrainState:
+    """Train until --train-iters, --exit-interval, --exit-duration-in-mins or a signal; save as configured."""
+    total = run.training.num_train_iters()
+    deadline = Deadline(run.training.exit_duration_in_mins)
+    saved_at = state.iteration
+    with SignalFlag(enabled=run.training.exit_signal_handler) as signal_flag:
+        while state.iteration < total:
+            result = train_step(forward_step, train_iterator, run)
+            state.iteration += 1
+            state.consumed_train_samples += run.training.global_batch_size
+            run.metrics.step(state.iteration, result.loss, result.lr, result.grad_norm)
+            if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
+                run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
+                run.metrics.reset_window()
+            # One all-reduce per step: every rank sees the same decision at the same iteration.
+            stop = any_rank(signal_flag.received or deadline.passed(), run.device)
+            stop = stop or state.iteration == run.training.exit_interval
+            interval = run.checkpoint.save_interval
+            if run.save and ((interval and state.iteration % interval == 0) or stop):
+                run.save(state)
+                saved_at = state.iteration
+                run.metrics.reset_window()
+            if stop:
+                run.metrics.note(f"stopping at iteration {state.iteration} (signal, time limit or --exit-interval)")
+                return state
+    if run.save and saved_at != state.iteration:
+        run.save(state)
+    return state

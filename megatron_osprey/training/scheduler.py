@@ -1,0 +1,37 @@
+"""Megatron-Core's OptimizerParamScheduler, counted in iterations."""
+
+from __future__ import annotations
+
+from megatron_osprey.config.pretrain import OptimizerSection
+
+
+def build_scheduler(optimizer, section: OptimizerSection, train_iters: int):
+    """Linear warmup, then constant / linear / cosine / inverse-sqrt / WSD decay to --min-lr."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_iters = section.lr_decay_iters or train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=section.lr,
+        min_lr=section.min_lr,
+        lr_warmup_steps=section.lr_warmup_iters,
+        lr_decay_steps=decay_iters,
+        lr_decay_style=section.lr_decay_style,
+        start_wd=section.weight_decay,
+        end_wd=section.weight_decay,
+        wd_incr_steps=decay_iters,
+        wd_incr_style="constant",
+        # The checkpoint's schedule wins on resume, so a resumed run follows the same curve.
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+        wsd_decay_steps=section.lr_wsd_decay_iters,
+        lr_wsd_decay_style=section.lr_wsd_decay_style,
+    )
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate of the first parameter group (all groups share the schedule)."""
+    for group in optimizer.param_groups:
+        return float(group["lr"])
+    return 0.0

@@ -1,0 +1,61 @@
+"""Build what the loop drives: DDP model chunks, optimizer and scheduler, wired for Megatron's schedules."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_osprey.config.pretrain import OptimizerSection
+from megatron_osprey.parallel import ParallelConfig
+
+
+def build_model_chunks(model_provider: Callable, parallel: ParallelConfig, *, bf16: bool,
+                       use_distributed_optimizer: bool, initialize: Callable[[list], None] | None = None) -> list:
+    """model_provider(pre_process, post_process, vp_stage) per virtual stage, loaded by `initialize`, DDP-wrapped."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    vp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp) if vp else [None]:
+        chunk = model_provider(
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        # The loss is a sum over tokens; finalize_model_grads divides by the step's token count.
+        get_model_config(chunk).calculate_per_token_loss = True
+        chunks.append(chunk)
+    if initialize is not None:
+        # Before the optimizer exists: its fp32 master copies are taken from these weights.
+        initialize(chunks)
+    if bf16:
+        chunks = [Float16Module(get_model_config(c), c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bf16,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return [
+        # Only the first chunk buckets: Megatron-LM's choice for interleaved pipelines.
+        DistributedDataParallel(config=get_model_config(c), ddp_config=ddp_config, module=c,
+                                disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def build_optimizer_and_scheduler(model: list, section: OptimizerSection, *, bf16: bool, train_iters: int):
+    """get_megatron_optimizer + OptimizerParamScheduler, and the hooks the schedules call."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from megatron_osprey.training.optimizer import build_optimizer
+    from megatron_osprey.training.scheduler import build_scheduler
+
+    optimizer = build_optimizer(model, section, bf16)
+    scheduler = build_scheduler(optimizer, section, train_iters)
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    return optimizer, scheduler
