@@ -11,10 +11,15 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 # Run against this checkout's library even where another copy is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# megatron.core's package import warns about training-only extras (TE, apex) that
+# tokenization never uses; keep the log to what this tool does.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
 
 from megatron_osprey.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
 

@@ -258,3 +258,20 @@ def test_missing_column_names_the_flag(tmp_path):
     pq.write_table(pa.table({"content": ["a"]}), tmp_path / "t.parquet")
     with pytest.raises(KeyError, match="--json-key 'text' is not a column"):
         open_text_source(str(tmp_path / "t.parquet"), "text")
+
+
+def test_hub_name_without_reachable_hub_gives_clear_error():
+    import subprocess
+
+    # A fresh interpreter, because datasets reads HF_HUB_OFFLINE at import time.
+    code = (
+        "from megatron_osprey.data.text_sources import open_text_source\n"
+        "try:\n    open_text_source('someuser/somedataset', 'text')\n"
+        "except ConnectionError as err:\n    print(err)\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith(
+        "--input someuser/somedataset is not a local file or directory, and loading it as a "
+        "Hugging Face Hub dataset failed"
+    ), out.stdout + out.stderr
