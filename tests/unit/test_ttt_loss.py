@@ -1,0 +1,72 @@
+"""The vocab-parallel TTT loss on the Megatron drafter equals a plain step-by-step reference."""
+
+import pytest
+import torch
+
+from megatron_osprey.losses.ttt import (
+    TTTLossConfig, drafter_inputs, reference_ttt_loss, step_mask, ttt_loss, vocab_parallel_argmax,
+)
+from megatron_osprey.models.drafter import build_drafter_model
+from megatron_osprey.models.drafter_convert import load_reference_state
+from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from tests.ttt_fixtures import TARGET_VOCAB, make_batch, make_drafter, make_target
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ttt_target")
+    return directory, make_target(directory)
+
+
+@pytest.mark.parametrize("draft_vocab,steps", [(200, 5), (TARGET_VOCAB, 3)], ids=["reduced_k5", "full_k3"])
+def test_megatron_ttt_loss_equals_step_by_step_reference(target, draft_vocab, steps):
+    target_dir, hf = target
+    arch, reference = make_drafter(draft_vocab)
+    batch = make_batch()
+    config = TTTLossConfig(ttt_steps=steps)
+    ids = drafter_inputs(batch["input_ids"])
+
+    with torch.no_grad():
+        full_target = hf.lm_head(hf.model.norm(batch["final_hidden"]))
+    expected, expected_steps = reference_ttt_loss(
+        reference.ttt_forward(ids, batch["aux_hidden"], steps), full_target, batch["loss_mask"], reference.t2d, config)
+
+    with parallel_context(ParallelConfig()):
+        model = build_drafter_model(arch, ParallelConfig())
+        load_reference_state(model, reference.state_dict(), 0, 1)
+        head = TargetHead.from_hf(target_dir, reference.t2d)
+        draft_logits, in_draft = head(batch["final_hidden"])
+        logits, _ = model.ttt_forward(ids, batch["aux_hidden"], steps)
+        loss, metrics = ttt_loss(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, config)
+        loss.backward()
+    assert abs(loss.item() - expected.item()) < 1e-5
+    for k in range(steps):
+        assert abs(metrics[f"ploss/{k}"].item() - expected_steps[k]) < 1e-5
+    if draft_vocab < TARGET_VOCAB:  # the argmax-in-draft mask removed some rows
+        assert not bool(in_draft.all()) and bool(in_draft.any())
+    assert model.fusion_fc.weight.grad.abs().sum() > 0
+
+
+def test_masks_follow_the_shift_convention():
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    in_draft = torch.tensor([[1, 1, 0, 1, 1, 1]], dtype=torch.bool)
+    # step 0, row t: needs loss_mask[t+2] and in_draft[t+1]
+    assert step_mask(loss_mask, in_draft, 0).tolist() == [[True, False, True, False, False, False]]
+    # step 1, row t: loss_mask[t+3], in_draft[t+2]
+    assert step_mask(loss_mask, in_draft, 1).tolist() == [[False, True, False, False, False, False]]
+
+
+def test_metrics_for_a_perfect_drafter():
+    target = torch.randn(1, 8, 50)
+    loss_mask = torch.ones(1, 8, dtype=torch.bool)
+    drafter = [torch.cat([target[:, 1:], target[:, :1]], dim=1)]  # row t carries target row t+1
+    _, metrics = ttt_loss(drafter, target, loss_mask, torch.ones_like(loss_mask), 50, TTTLossConfig(ttt_steps=1))
+    assert metrics["acc/0"].item() == 1.0
+    assert abs(metrics["accept/0"].item() - 1.0) < 1e-6
+    assert metrics["tokens/0"].item() == 6
+
+
+def test_argmax_respects_padding_columns():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])  # column 3 is TP padding of a 3-token vocab
+    assert vocab_parallel_argmax(logits, 3).item() == 2
