@@ -1,0 +1,62 @@
+"""Golden losses of a tiny fixed Stage 2 run, single process; plus exact resume with the plain optimizer."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
+from megatron_osprey.config.run_config import load_run_config
+from megatron_osprey.parallel import parallel_context
+from megatron_osprey.training.pretraining import run_pretrain
+from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus
+
+GOLDEN = Path(__file__).with_name("test_training_golden_losses.json")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("golden")
+    make_corpus(root / "data" / "corpus_text_document")
+    make_backbone(root)
+    return root
+
+
+def tiny(work, **checkpoint):
+    cfg = tiny_pretrain_cpu_fp32()
+    cfg.model.backbone = str(work / "backbone")
+    cfg.data.data_path = [str(work / "data" / "corpus_text_document")]
+    cfg.training.train_iters = 10
+    cfg.logging.progress_bar = False
+    cfg.logging.eval_interval, cfg.logging.eval_iters = 10, 1
+    for key, value in checkpoint.items():
+        section = cfg.training if key == "exit_interval" else cfg.checkpoint
+        setattr(section, key, value)
+    with parallel_context(cfg.parallel) as state:
+        result = run_pretrain(cfg, state)
+    return result
+
+
+def losses(result, key="loss/train"):
+    return [h[key] for h in result.history if key in h]
+
+
+def test_first_ten_losses_match_the_golden_file(work):
+    result = tiny(work)
+    got = losses(result)
+    if os.environ.get("OSPREY_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps({"config": "tiny_pretrain_cpu_fp32, 10 iterations", "losses": got}, indent=1))
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert got == pytest.approx(golden, abs=1e-4)
+    assert len(losses(result, "loss/valid")) == 1
+
+
+def test_resume_is_exact_with_the_plain_optimizer(work):
+    straight = tiny(work, save=str(work / "ck_plain"), save_interval=5)
+    resumed = tiny(work, load=str(work / "ck_plain"), ckpt_step=5)
+    assert losses(resumed) == losses(straight)[5:]
+    assert losses(resumed, "optim/lr") == losses(straight, "optim/lr")[5:]
+    saved = load_run_config(work / "ck_plain" / "iter_0000005")
+    assert saved["stage"] == "pretrain" and saved["hf_config"]["num_hidden_layers"] == 2
+    assert saved["config"]["training"]["train_iters"] == 10

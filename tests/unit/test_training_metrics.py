@@ -1,0 +1,82 @@
+"""FLOPs formula (LM head included), MFU, wandb run ids, the scheduler's WSD shape, signal agreement."""
+
+import signal
+
+import pytest
+
+from megatron_osprey.training.flops import ModelShape, forward_flops_per_sequence, mfu, training_flops_per_sequence
+from megatron_osprey.training.metrics import WANDB_ID_FILE, format_line, wandb_run_id
+from megatron_osprey.training.signals import SignalFlag
+
+QWEN3_4B_2L = ModelShape(num_layers=2, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32,
+                         num_query_groups=8, head_dim=128, vocab_size=151936)
+
+
+def test_forward_flops_by_hand():
+    shape = ModelShape(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
+                       num_query_groups=1, head_dim=2, vocab_size=10)
+    s = 3
+    qkv = 2 * s * 4 * (4 + 2 * 2)        # 192
+    proj = 2 * s * 4 * 4                 # 96
+    attn = 2 * 2 * s * 4 * (s + 1) / 2   # 96: causal half
+    mlp = 2 * s * 4 * 8 * 3              # 576: gate, up, down
+    head = 2 * s * 4 * 10                # 240
+    assert forward_flops_per_sequence(shape, s) == qkv + proj + attn + mlp + head
+    assert training_flops_per_sequence(shape, s) == 3 * (qkv + proj + attn + mlp + head)
+
+
+def test_lm_head_dominates_the_two_layer_backbone():
+    s = 4096
+    total = forward_flops_per_sequence(QWEN3_4B_2L, s)
+    head = 2 * s * 2560 * 151936
+    assert head / total > 0.5
+    # 6 x (GEMM parameters, head included: ~591M) x tokens, plus causal attention: ~15.3 TFLOP.
+    gemm_params = 2 * (2560 * (4096 + 2 * 1024) + 4096 * 2560 + 3 * 2560 * 9728) + 2560 * 151936
+    attention = 3 * 2 * (2 * 2 * s * 4096 * (s + 1) / 2)
+    assert training_flops_per_sequence(QWEN3_4B_2L, s) == pytest.approx(6 * gemm_params * s + attention, rel=1e-12)
+    assert training_flops_per_sequence(QWEN3_4B_2L, s) == pytest.approx(15.34e12, rel=0.01)
+
+
+def test_mfu_is_na_without_a_peak():
+    assert mfu(100.0, None) is None
+    assert mfu(247.25, 989.0) == pytest.approx(0.25)
+    assert "n/a" in format_line(1, 10, {"loss/train": 1.0})
+
+
+def test_wandb_run_id_is_stable_and_stored_id_wins(tmp_path):
+    first = wandb_run_id(str(tmp_path), "exp", "proj")
+    assert first == wandb_run_id(str(tmp_path), "exp", "proj")
+    assert first != wandb_run_id(str(tmp_path), "other", "proj")
+    (tmp_path / WANDB_ID_FILE).write_text("abc123\n")
+    assert wandb_run_id(str(tmp_path), "exp", "proj") == "abc123"
+
+
+def test_signal_flag_catches_sigterm_and_restores_the_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with SignalFlag() as flag:
+        signal.raise_signal(signal.SIGTERM)
+        assert flag.received
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_wsd_schedule_holds_then_decays():
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_osprey.config.pretrain import OptimizerSection
+    from megatron_osprey.training.scheduler import build_scheduler
+
+    class Opt:
+        param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]}]
+
+    section = OptimizerSection(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_style="WSD",
+                               lr_wsd_decay_iters=4, lr_wsd_decay_style="linear")
+    sched = build_scheduler(Opt(), section, train_iters=10)
+    assert isinstance(sched, OptimizerParamScheduler)
+    lrs = []
+    for _ in range(11):
+        lrs.append(Opt.param_groups[0]["lr"])
+        sched.step(1)
+    assert lrs[:3] == [0.0, 0.5, 1.0]
+    assert lrs[3:7] == [1.0] * 4          # stable until the last 4 iterations
+    assert lrs[7:] == pytest.approx([0.775, 0.55, 0.325, 0.1])
