@@ -1,0 +1,137 @@
+"""Training throughput of the Stage 2 backbone shape: tokens/s, TFLOP/s, MFU and peak memory.
+
+The model is Qwen3-4B's first 2 layers (hidden 2560, 32 heads, 8 kv heads, head_dim
+128, ffn 9728, vocab 151,936, tied) with random weights, trained through the real
+stack (DDP, Megatron optimizer, pipeline schedules, the Stage 2 forward step).
+
+    python benchmarks/train_throughput.py                      # CPU: seq 256, batch 1 (say so)
+    torchrun --nproc_per_node=8 benchmarks/train_throughput.py --bf16 --micro-batch-size 4
+    python benchmarks/train_throughput.py --bf16 --fp8-format hybrid   # GPU with Transformer Engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+QWEN3_4B_2LAYER = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2,
+    "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--num-microbatches", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 GPU, 3 CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5 GPU, 1 CPU)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
+    parser.add_argument("--fp8-recipe", default="delayed")
+    parser.add_argument("--transformer-impl", default="auto")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
+    parser.add_argument("--json-out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    seq = args.seq_length or (4096 if on_gpu else 256)
+    steps = args.steps or (20 if on_gpu else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
+
+    from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
+    from megatron_osprey.models.arch import ModelArch
+    from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
+    from megatron_osprey.training.gpt_step import gpt_forward_step
+    from megatron_osprey.training.loop import TrainRun, train_step
+    from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel, peak_memory_gib
+    from megatron_osprey.training.pretraining import model_provider
+    from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler
+
+    cfg = PretrainConfig()
+    cfg.model.bf16, cfg.model.transformer_impl = args.bf16, args.transformer_impl
+    cfg.model.fp8_format, cfg.model.fp8_recipe = args.fp8_format, args.fp8_recipe
+    validate_numerics(cfg.model)
+    cfg.parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    arch = ModelArch.from_hf_config(QWEN3_4B_2LAYER)
+    with parallel_context(cfg.parallel) as state:
+        gbs = args.micro_batch_size * args.num_microbatches * state.dp_size
+        cfg.training.micro_batch_size, cfg.training.global_batch_size = args.micro_batch_size, gbs
+        cfg.training.seq_length, cfg.training.train_iters = seq, warmup + steps
+        section = OptimizerSection(lr=1e-4, min_lr=1e-5, lr_decay_style="constant",
+                                   use_distributed_optimizer=args.use_distributed_optimizer)
+        model = build_model_chunks(model_provider(arch, cfg), cfg.parallel, bf16=args.bf16,
+                                   use_distributed_optimizer=args.use_distributed_optimizer)
+        optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=args.bf16,
+                                                             train_iters=warmup + steps)
+        shape = ModelShape.from_arch(arch, arch.padded_vocab_size(args.tensor_model_parallel_size))
+        flops_per_iter = gbs * training_flops_per_sequence(shape, seq)
+        peak = device_peak_tflops(args.peak_tflops, fp8=bool(args.fp8_format))
+        metrics = MetricsLogger(cfg.logging, ThroughputModel(gbs * seq, flops_per_iter, state.world_size, peak),
+                                is_writer=False, total_iters=warmup + steps, start_iter=0)
+        run = TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics, None,
+                       state.dp_size, state.device)
+        generator = torch.Generator().manual_seed(state.dp_rank)
+
+        def batches():
+            while True:
+                tokens = torch.randint(0, arch.vocab_size, (args.micro_batch_size, seq + 1), generator=generator)
+                yield {"tokens": tokens[:, :-1].to(state.device), "labels": tokens[:, 1:].to(state.device),
+                       "loss_mask": torch.ones(args.micro_batch_size, seq, device=state.device),
+                       "position_ids": torch.arange(seq, device=state.device).expand(args.micro_batch_size, seq)}
+
+        data = batches()
+        for _ in range(warmup):
+            train_step(gpt_forward_step, data, run)
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            result = train_step(gpt_forward_step, data, run)
+        if on_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        memory, memory_source = peak_memory_gib()
+        tflops = flops_per_iter * steps / elapsed / state.world_size / 1e12
+        report = {
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "world_size": state.world_size, "seq_length": seq, "global_batch_size": gbs,
+            "precision": ("fp8-" + args.fp8_format) if args.fp8_format else ("bf16" if args.bf16 else "fp32"),
+            "transformer_impl": unwrap_impl(model), "params": arch.num_parameters(),
+            "step_time_s": elapsed / steps,
+            "tokens_per_sec_per_device": gbs * seq * steps / elapsed / state.world_size,
+            "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
+            "peak_memory_gib": memory, "peak_memory_source": memory_source, "last_loss": result.loss,
+        }
+        if state.rank == 0:
+            for key, value in report.items():
+                print(f"{key:>28}: {value}")
+            if not on_gpu:
+                print("note: CPU run with a short sequence and batch (--seq-length to change); "
+                      "MFU needs --peak-tflops on CPU.")
+            if args.json_out:
+                with open(args.json_out, "w") as f:
+                    json.dump(report, f, indent=1)
+    return report
+
+
+def unwrap_impl(model) -> str:
+    from megatron_osprey.training.gpt_step import unwrap
+
+    return getattr(unwrap(model[0]), "transformer_impl", "?")
+
+
+if __name__ == "__main__":
+    main()
