@@ -80,3 +80,43 @@ def test_wsd_schedule_holds_then_decays():
     assert lrs[:3] == [0.0, 0.5, 1.0]
     assert lrs[3:7] == [1.0] * 4          # stable until the last 4 iterations
     assert lrs[7:] == pytest.approx([0.775, 0.55, 0.325, 0.1])
+
+
+def test_tensorboard_and_offline_wandb_get_the_metrics_and_no_secret(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_osprey.config.pretrain import LoggingSection
+    from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
+
+    cfg = LoggingSection(log_interval=1, wandb_project="p", wandb_exp_name="e", progress_bar=False,
+                         tensorboard_dir=str(tmp_path / "tb"), peak_tflops=1.0)
+    save = tmp_path / "save"
+    logger = MetricsLogger(cfg, ThroughputModel(1000, 1e12, 2, cfg.peak_tflops), is_writer=True, total_iters=2,
+                           start_iter=0, save_dir=str(save), run_config={"wandb_api_key": "SECRET-123"})
+    logger.step(1, 2.0, 1e-3, 0.5)
+    written = logger.step(2, 1.0, 5e-4, 0.25)
+    logger.validation(2, 1.5)
+    logger.close()
+    assert written["loss/train"] == 1.0 and written["optim/lr"] == 5e-4 and written["optim/grad_norm"] == 0.25
+    assert written["throughput/mfu"] == pytest.approx(written["throughput/tflops_per_gpu"])
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/train", "loss/valid", "optim/lr", "optim/grad_norm", "throughput/tokens_per_sec_per_gpu",
+            "throughput/tflops_per_gpu", "throughput/mfu", "memory/max_allocated_gib"} <= tags
+    assert [e.value for e in events.Scalars("loss/train")] == [2.0, 1.0]
+    run_id = (save / "wandb_run_id.txt").read_text().strip()
+    assert run_id == wandb_run_id(str(save), "e", "p")
+    assert list((save / "wandb").rglob(f"offline-run-*-{run_id}"))
+    for path in save.rglob("*"):
+        if path.is_file():
+            assert b"SECRET-123" not in path.read_bytes()
+
+
+def test_run_config_redacts_keys_but_keeps_token_ids():
+    from megatron_osprey.config.run_config import to_plain
+
+    plain = to_plain({"wandb_api_key": "k", "hf_token": "t", "eos_token_id": 7, "eod_token_id": 3,
+                      "bad_words_token_ids": [1]})
+    assert plain == {"wandb_api_key": "<redacted>", "hf_token": "<redacted>", "eos_token_id": 7,
+                     "eod_token_id": 3, "bad_words_token_ids": [1]}
