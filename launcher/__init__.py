@@ -1,0 +1,1 @@
+"""The `osprey` command: recipes -> local torchrun / python, or sbatch jobs from slurm/."""

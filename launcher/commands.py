@@ -1,0 +1,212 @@
+"""Recipe + stage -> the entry point's argv (Megatron-LM flag names), locally or for a Slurm task."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+from launcher.recipe import Recipe
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryPoint:
+    """How a stage starts: a module (`-m`) or a script, and whether it runs one process per GPU."""
+
+    program: tuple[str, ...]  # ("-m", "megatron_osprey.pretrain") or ("tools/prune_backbone.py",)
+    distributed: bool
+
+
+ENTRY_POINTS = {
+    "prune": EntryPoint(("tools/prune_backbone.py",), False),
+    "preprocess": EntryPoint(("tools/preprocess_data.py",), False),
+    "pretrain": EntryPoint(("-m", "megatron_osprey.pretrain"), True),
+    "adapt": EntryPoint(("tools/adapt_drafter.py",), False),
+    "regenerate": EntryPoint(("tools/regenerate.py",), False),
+    "extract": EntryPoint(("tools/extract_hidden_states.py",), True),
+    "distill": EntryPoint(("-m", "megatron_osprey.distill"), True),
+    "eval": EntryPoint(("-m", "megatron_osprey.eval"), False),
+    "export": EntryPoint(("tools/export_checkpoint.py",), False),
+    "demo": EntryPoint(("-m", "megatron_osprey.demo"), False),
+}
+
+
+def _num(value: float) -> str:
+    """A number as a flag value; whole floats without the trailing .0."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _need(recipe: Recipe, stage: str, what: str) -> None:
+    if getattr(recipe, what) is None:
+        raise ValueError(f"recipe {recipe.name} has no {what} model; `osprey {stage}` needs one (set {what}=<shape>).")
+
+
+def pretrain_data_prefixes(recipe: Recipe) -> list[str]:
+    """The indexed-dataset prefixes Stage 2 reads: one per preprocessing array task."""
+    prefix = recipe.resolved_paths()["pretrain_data"]
+    key = recipe.data.tokenizer_json_key
+    if recipe.data.preprocess_files == 1:
+        return [f"{prefix}_{key}_document"]
+    return [f"{prefix}_{i:05d}_{key}_document" for i in range(recipe.data.preprocess_files)]
+
+
+def training_flags(recipe: Recipe) -> list[str]:
+    """Megatron-LM's parallel, batch, optimizer, precision, checkpoint and logging flags."""
+    lay, t, paths = recipe.layout, recipe.training, recipe.resolved_paths()
+    flags = [
+        "--tensor-model-parallel-size", str(lay.tensor_model_parallel_size),
+        "--pipeline-model-parallel-size", str(lay.pipeline_model_parallel_size),
+    ]
+    if lay.expert_model_parallel_size > 1:
+        flags += ["--expert-model-parallel-size", str(lay.expert_model_parallel_size)]
+    if lay.context_parallel_size > 1:
+        flags += ["--context-parallel-size", str(lay.context_parallel_size)]
+    if lay.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if t.use_distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
+    flags += [
+        "--micro-batch-size", str(t.micro_batch_size),
+        "--global-batch-size", str(t.global_batch_size),
+        "--seq-length", str(t.seq_length),
+        "--train-iters", str(t.iterations()),
+        "--lr", _num(t.lr), "--min-lr", _num(t.min_lr),
+        "--lr-warmup-iters", str(t.warmup_iters()),
+        "--lr-decay-style", t.lr_decay_style,
+        "--weight-decay", _num(t.weight_decay),
+        "--clip-grad", _num(t.clip_grad),
+    ]
+    if t.bf16:
+        flags.append("--bf16")
+    if t.fp8_format:
+        flags += ["--fp8-format", t.fp8_format, "--fp8-recipe", t.fp8_recipe or "delayed"]
+    # --load is the --save directory: a requeued job resumes from its own latest checkpoint.
+    flags += [
+        "--transformer-impl", t.transformer_impl,
+        "--save", paths["save"], "--load", paths["save"],
+        "--save-interval", str(t.save_interval), "--exit-signal-handler",
+        "--eval-interval", str(t.eval_interval), "--log-interval", str(t.log_interval),
+        "--tensorboard-dir", f"{paths['save']}/tensorboard",
+        "--seed", str(t.seed),
+    ]
+    if t.wandb_project:
+        flags += ["--wandb-project", t.wandb_project, "--wandb-exp-name", recipe.run_name]
+    return flags
+
+
+def target_parallel_flags(recipe: Recipe, prefix: str) -> list[str]:
+    """The frozen target's TP/PP/EP (prefix '--target-' for distill, '--' for extraction)."""
+    lay = recipe.layout
+    flags = [
+        f"{prefix}tensor-model-parallel-size", str(lay.target_tensor_model_parallel_size),
+        f"{prefix}pipeline-model-parallel-size", str(lay.target_pipeline_model_parallel_size),
+        f"{prefix}expert-model-parallel-size", str(lay.target_expert_model_parallel_size),
+    ]
+    if lay.target_expert_tensor_parallel_size is not None:
+        flags += [f"{prefix}expert-tensor-parallel-size", str(lay.target_expert_tensor_parallel_size)]
+    return flags
+
+
+def _aux(recipe: Recipe) -> list[str]:
+    ids = recipe.drafter.aux_layer_ids
+    return ["--aux-layer-ids", *map(str, ids)] if ids else []
+
+
+def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = None) -> list[str]:
+    """The entry point's flags for `stage`, built from the recipe (without the interpreter)."""
+    p, d, dr = recipe.resolved_paths(), recipe.data, recipe.drafter
+    if stage == "prune":
+        _need(recipe, stage, "model")
+        return ["--source", p["source"], "--num-layers", str(recipe.model.num_layers), "--output", p["backbone"]]
+    if stage == "preprocess":
+        return ["--input", p["pretrain_text"], "--json-key", d.tokenizer_json_key, "--tokenizer", p["tokenizer"],
+                "--output-prefix", p["pretrain_data"], "--workers", str(d.preprocess_workers)]
+    if stage == "pretrain":
+        _need(recipe, stage, "model")
+        return ["--backbone", p["backbone"], *training_flags(recipe),
+                "--data-path", *pretrain_data_prefixes(recipe), "--split", d.split]
+    if stage == "adapt":
+        _need(recipe, stage, "target")
+        flags = ["--backbone", p["backbone"], "--target", p["target"], "--output", p["drafter_init"], *_aux(recipe)]
+        if dr.draft_vocab_size:
+            flags += ["--draft-vocab-size", str(dr.draft_vocab_size), "--token-counts", p["token_counts"]]
+        return flags
+    if stage == "regenerate":
+        _need(recipe, stage, "target")
+        flags = ["--input", p["prompts"], "--output", p["conversations"], "--backend", "server"]
+        for url in server_urls if server_urls is not None else d.regenerate_server_urls:
+            flags += ["--server-url", url]
+        return flags + ["--temperature", _num(d.regenerate_temperature), "--max-tokens", str(d.regenerate_max_tokens),
+                        "--concurrency", str(d.regenerate_concurrency)]
+    if stage == "extract":
+        _need(recipe, stage, "target")
+        flags = ["--target", p["target"], "--data", p["conversations"], "--output", p["hidden_states"], *_aux(recipe),
+                 "--encoding", d.hidden_state_encoding, *target_parallel_flags(recipe, "--")]
+        if recipe.target.num_experts and recipe.layout.target_tensor_model_parallel_size > 1:
+            flags.append("--sequence-parallel")  # the extraction tool requires it for MoE at TP > 1
+        return flags + ["--max-length", str(recipe.training.seq_length), "--micro-batch-size", "1"]
+    if stage == "distill":
+        _need(recipe, stage, "target")
+        flags = ["--target", p["target"]]
+        if dr.method == "eagle3":
+            flags += ["--baseline", "eagle3", "--num-layers", str(dr.num_layers)]
+            if dr.draft_vocab_size:
+                flags += ["--draft-vocab-size", str(dr.draft_vocab_size), "--token-counts", p["token_counts"]]
+        else:
+            flags += ["--drafter-init", p["drafter_init"]]
+        flags += ["--mode", dr.mode]
+        flags += ["--data-path", p["conversations"]] if dr.mode == "online" else ["--hidden-states", p["hidden_states"]]
+        flags += ["--ttt-steps", str(dr.ttt_steps), *_aux(recipe), *target_parallel_flags(recipe, "--target-")]
+        if dr.target_fp8_format:
+            flags += ["--target-fp8-format", dr.target_fp8_format, "--target-fp8-recipe", dr.target_fp8_recipe or "tensorwise"]
+        return flags + training_flags(recipe)
+    if stage == "eval":
+        _need(recipe, stage, "target")
+        data = [recipe.domain_path("eval_data", domain) for domain in dr.eval_domains]
+        return ["--target", p["target"], "--drafter", p["export"], "--data", *data, "--output", p["eval_output"],
+                "--steps", str(d.eval_steps), "--topk", str(d.eval_topk), "--draft-tokens", str(d.eval_draft_tokens)]
+    if stage == "export":
+        return ["--checkpoint", p["save"], "--format", d.export_format, "--output", p["export"]]
+    if stage == "demo":
+        return ["--output", p["demo_output"]]
+    raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(ENTRY_POINTS)}.")
+
+
+def entry_args(recipe: Recipe, stage: str, extra: list[str] | None = None, **kwargs) -> list[str]:
+    """Program and flags, without the interpreter: what each Slurm task runs after `python`."""
+    return [*ENTRY_POINTS[stage].program, *stage_flags(recipe, stage, **kwargs), *recipe.extra_args, *(extra or [])]
+
+
+def _torchrun() -> str:
+    """The torchrun beside this interpreter (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("torchrun")
+    return str(beside) if beside.exists() else (shutil.which("torchrun") or "torchrun")
+
+
+def local_argv(recipe: Recipe, stage: str, extra: list[str] | None = None, *, python: str | None = None,
+               torchrun: str | None = None) -> list[str]:
+    """The full local command: torchrun (one process per GPU of one node) or python."""
+    python = python or sys.executable
+    args = entry_args(recipe, stage, extra)
+    if not ENTRY_POINTS[stage].distributed:
+        if stage == "regenerate" and not any(a == "--server-url" for a in args):
+            raise ValueError(f"`osprey regenerate {recipe.name}` needs servers: pass --set "
+                             "data.regenerate_server_urls=[http://HOST:PORT] or use `osprey submit` to start a pool.")
+        if stage == "preprocess" and recipe.data.preprocess_files > 1:
+            raise ValueError(
+                f"recipe {recipe.name} preprocesses {recipe.data.preprocess_files} files as a Slurm array; run "
+                f"`osprey submit {recipe.name} --stage preprocess`, or --set data.preprocess_files=1 "
+                "with paths.pretrain_text=<one input>."
+            )
+        return [python, *args]
+    if recipe.layout.nodes > 1:
+        raise ValueError(
+            f"recipe {recipe.name} spans {recipe.layout.nodes} nodes; run it with `osprey submit {recipe.name}`, "
+            "or shrink it for one machine with --set layout.nodes=1."
+        )
+    return [torchrun or _torchrun(), "--standalone", f"--nproc-per-node={recipe.layout.gpus_per_node}", *args]

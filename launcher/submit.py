@@ -1,0 +1,43 @@
+"""`osprey submit`: render a recipe's sbatch script, write it beside the logs, and hand it to sbatch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from megatron_osprey.convert.safetensors_io import write_text_atomic
+from launcher.commands import REPO_ROOT
+from launcher.recipe import Recipe
+from launcher.render import SubmitOptions, render
+
+
+def script_path(recipe: Recipe, stage: str) -> Path:
+    """Where the rendered script is kept: <paths.logs>/sbatch/<job>-<time>.sbatch (relative paths: the repo)."""
+    logs = Path(recipe.resolved_paths()["logs"])
+    logs = logs if logs.is_absolute() else REPO_ROOT / logs
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return logs / "sbatch" / f"osprey-{stage}-{recipe.run_name}-{stamp}.sbatch"
+
+
+def submit(recipe: Recipe, stage: str, options: SubmitOptions | None = None, extra: list[str] | None = None,
+           *, dry_run: bool = False, say=print) -> int:
+    """Print the script (dry run) or write it and run `sbatch` on it; returns sbatch's exit code."""
+    script = render(recipe, stage, options, extra)
+    if dry_run:
+        say(script)
+        return 0
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise FileNotFoundError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run to see the script.")
+    path = script_path(recipe, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (REPO_ROOT / recipe.resolved_paths()["logs"]).mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, script)
+    os.chmod(path, 0o755)
+    say(f"osprey: wrote {path}")
+    say(f"osprey: sbatch {path}")
+    # From the repo root, so the relative recipe paths in #SBATCH --output resolve as in the job.
+    return subprocess.run([sbatch, str(path)], cwd=REPO_ROOT, check=False).returncode
