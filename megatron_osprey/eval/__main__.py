@@ -1,0 +1,122 @@
+"""python -m megatron_osprey.eval: acceptance length of drafters x eval splits against a HF target.
+
+    python -m megatron_osprey.eval --target TARGET --drafter [NAME=]PATH [--drafter ...] \
+        --data SPLIT.jsonl [--data ...] --output DIR [--steps 5 --topk 1 --draft-tokens 6 \
+        --temperature 0 --max-new-tokens 256 --limit N --verify-lossless] \
+        [--names A B ...] [--train-domain [NAME=]DOMAIN ...] [--method [NAME=]METHOD ...]
+
+Each split is named by its file stem; each drafter by NAME=, --names, or its directory. A drafter's
+training domain comes from --train-domain or its run_config.yaml (train_domain); its method
+(matrix group) from --method or its variant (osprey / eagle3). Writes DIR/results.json,
+DIR/matrix.md and DIR/matrix.png. Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_osprey.eval.run import DTYPES, DrafterSpec, EvalConfig
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_osprey.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, type=Path, help="HF model directory of the target")
+    parser.add_argument("--drafter", required=True, action="append", help="[NAME=]PATH, repeatable")
+    parser.add_argument("--data", required=True, action="append", type=Path, help="conversations JSONL, repeatable")
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--names", nargs="+", default=None, help="drafter names, in --drafter order")
+    parser.add_argument("--train-domain", action="extend", nargs="+", default=[], help="[NAME=]DOMAIN, in --drafter order")
+    parser.add_argument("--method", action="extend", nargs="+", default=[], help="[NAME=]METHOD, in --drafter order")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--draft-tokens", type=int, default=None, help="default steps + 1 (6 at steps 5)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of each split")
+    parser.add_argument("--verify-lossless", action="store_true", help="also decode with the target alone and compare")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--enable-thinking", choices=("true", "false"), default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _keyed(values: list[str], names: list[str], flag: str) -> dict[str, str]:
+    """NAME=VALUE items by name, bare items by position."""
+    out, bare = {}, []
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if sep and key in names:
+            out[key] = rest
+        elif sep:
+            raise ValueError(f"{flag} {value}: {key!r} is not a drafter name (names: {names}).")
+        else:
+            bare.append(value)
+    if bare and len(bare) != len(names):
+        raise ValueError(f"{flag} given {len(bare)} bare values for {len(names)} drafters; use NAME=VALUE.")
+    out.update({n: v for n, v in zip(names, bare) if n not in out})
+    return out
+
+
+def _default_name(path: Path) -> str:
+    # OUT/hf, OUT/megatron: the run directory names the drafter.
+    return path.parent.name if path.name in ("hf", "megatron") else path.name
+
+
+def build_config(args: argparse.Namespace) -> EvalConfig:
+    """EvalConfig from parsed flags (one clear error per bad flag)."""
+    paths, names = [], []
+    for item in args.drafter:
+        name, sep, path = item.partition("=")
+        paths.append(Path(path if sep else item))
+        names.append(name if sep else None)
+    if args.names is not None:
+        if len(args.names) != len(paths):
+            raise ValueError(f"--names has {len(args.names)} names for {len(paths)} --drafter entries.")
+        names = list(args.names)
+    names = [n or _default_name(p) for n, p in zip(names, paths)]
+    domains = _keyed(args.train_domain, names, "--train-domain")
+    methods = _keyed(args.method, names, "--method")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}.")
+    return EvalConfig(
+        target=args.target, data=list(args.data), output=args.output,
+        drafters=[DrafterSpec(n, p, domains.get(n), methods.get(n)) for n, p in zip(names, paths)],
+        steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, limit=args.limit, verify_lossless=args.verify_lossless,
+        dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
+        enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_osprey.eval.run import run_eval
+
+    try:
+        results = run_eval(build_config(args))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for name, m in results["matrices"].items():
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"{name}: mean AL {fmt(m['mean'])}, ID {fmt(m['id_mean'])}, OOD {fmt(m['ood_mean'])}")
+    mismatches = results["lossless"]["mismatches"]
+    if mismatches:
+        for m in mismatches[:10]:
+            print(f"LOSSLESS MISMATCH: drafter {m['drafter']} split {m['split']} request {m['id']} "
+                  f"differs from target-only greedy at token {m['index']}", file=sys.stderr)
+        print(f"error: {len(mismatches)} request(s) differ from target-only greedy decoding.", file=sys.stderr)
+        return 1
+    if args.verify_lossless:
+        print("lossless: every request matched target-only greedy decoding token for token")
+    print(f"wrote {args.output}/results.json, matrix.md, matrix.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Run speculative decoding over an eval split and record per-request acceptance and speed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megatron_osprey.eval.prompts import EvalPrompt
+from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.speculative import (
+    DraftSession,
+    ReferenceDraftSession,
+    SpecConfig,
+    TargetModel,
+    speculative_generate,
+    target_generate,
+)
+
+
+@dataclass
+class RequestResult:
+    """One request's figures; AL = completion_tokens / verify_count (SGLang's spec_verify_ct)."""
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    verify_count: int
+    seconds: float
+    accept_lengths: list[int] = field(default_factory=list)
+    # --verify-lossless: index of the first token that differs from target-only greedy decoding.
+    mismatch_at: int | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.completion_tokens / max(self.verify_count, 1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "acceptance_length": self.acceptance_length,
+                "tokens_per_s": self.completion_tokens / self.seconds if self.seconds > 0 else None}
+
+
+def make_session(drafter: ReferenceDrafter) -> DraftSession:
+    """The draft session the benchmark drives (one per drafter)."""
+    return ReferenceDraftSession(drafter)
+
+
+def first_mismatch(got: list[int], expected: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None when equal."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return i
+    return None if len(got) == len(expected) else min(len(got), len(expected))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalPrompt], spec: SpecConfig,
+                 verify_lossless: bool = False, progress=None) -> list[RequestResult]:
+    """Decode every prompt speculatively (batch 1); optionally compare with target-only greedy decoding."""
+    results = []
+    for prompt in prompts:
+        _sync()
+        start = time.perf_counter()
+        out = speculative_generate(target, session, prompt.input_ids, spec)
+        _sync()
+        seconds = time.perf_counter() - start
+        result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
+                               seconds, list(out.accept_lengths))
+        if verify_lossless:
+            expected = target_generate(target, prompt.input_ids, spec.max_new_tokens, eos_token_ids=spec.eos_token_ids)
+            result.mismatch_at = first_mismatch(out.tokens, expected)
+        results.append(result)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(al=f"{result.acceptance_length:.2f}")
+    return results

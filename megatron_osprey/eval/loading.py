@@ -1,0 +1,111 @@
+"""Load any drafter this repo writes as a ReferenceDrafter (the model the eval engine runs).
+
+Accepted directories, detected from their contents:
+
+* a reference drafter (``config.json`` tagged ``megatron_osprey.reference_drafter/1``, e.g. Stage 3's ``OUT/hf``);
+* a Megatron drafter checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/run_config.yaml``
+  naming a ``drafter``), as Stage 3 (``OUT/megatron``) and Stage 4 write it;
+* a Stage 3 output directory (``OUT/`` holding ``megatron/``; its Megatron weights win over ``hf/``);
+* an export from ``tools/export_checkpoint.py`` (``sglang`` or ``speculators`` layout), read back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.models.reference_drafter import CONFIG_NAME, FORMAT_TAG, ReferenceDrafter
+
+
+@dataclass
+class LoadedDrafter:
+    """A drafter plus what its directory says about how it was made."""
+
+    drafter: ReferenceDrafter
+    source: str  # "reference", "megatron" or an export format name
+    run_config: dict = field(default_factory=dict)
+
+
+def is_megatron_checkpoint(path: Path) -> bool:
+    """True for a directory with a latest-iteration pointer (a Megatron checkpoint root)."""
+    from megatron_osprey.training.checkpointing import LATEST_FILE
+
+    return (Path(path) / LATEST_FILE).is_file()
+
+
+def megatron_run_config(root: Path) -> dict:
+    """run_config.yaml of the latest iteration of a Megatron checkpoint root."""
+    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.training.checkpointing import iteration_dir, read_latest_iteration
+
+    iteration = read_latest_iteration(root)
+    config_dir = iteration_dir(root, iteration)
+    if not (config_dir / "run_config.yaml").is_file():
+        raise FileNotFoundError(f"{root}: {config_dir}/run_config.yaml is missing, so the drafter shape is unknown.")
+    run_config = load_run_config(config_dir)
+    if not isinstance(run_config, dict) or "drafter" not in run_config:
+        raise ValueError(f"{config_dir}/run_config.yaml has no 'drafter' section; is {root} a drafter checkpoint?")
+    return run_config
+
+
+@torch.no_grad()
+def load_megatron_drafter(root: Path) -> LoadedDrafter:
+    """Load a Megatron drafter checkpoint (TP=1 here; dist checkpoints reshard) into a ReferenceDrafter."""
+    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.models.drafter_convert import reference_state
+    from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.training.checkpointing import load_checkpoint
+
+    run_config = megatron_run_config(root)
+    arch = DrafterArch.from_dict(run_config["drafter"])
+    with parallel_context(ParallelConfig()) as state:
+        model = build_drafter_model(arch, state.config, params_dtype=arch.body.torch_dtype_obj(),
+                                    perform_initialization=False)
+        loaded, _ = load_checkpoint(root, model.sharded_state_dict())
+        model.load_state_dict(loaded)
+        state_dict = reference_state(model)
+    drafter = ReferenceDrafter(arch.reference_config())
+    drafter.to(state_dict["embed_tokens.weight"].dtype)
+    drafter.load_state_dict(state_dict, strict=True)
+    return LoadedDrafter(drafter.eval(), "megatron", run_config)
+
+
+def _stage_run_config(directory: Path) -> dict:
+    """run_config.yaml beside a reference dir (Stage 3 writes it one level up), or {}."""
+    from megatron_osprey.config.run_config import load_run_config
+
+    for candidate in (directory, directory.parent):
+        if (candidate / "run_config.yaml").is_file():
+            return load_run_config(candidate) or {}
+    return {}
+
+
+def load_drafter(path: str | Path) -> LoadedDrafter:
+    """Load a drafter from any of the layouts in the module docstring; one clear error otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--drafter {path}: no such directory.")
+    if is_megatron_checkpoint(path):
+        return load_megatron_drafter(path)
+    if is_megatron_checkpoint(path / "megatron"):
+        loaded = load_megatron_drafter(path / "megatron")
+        return LoadedDrafter(loaded.drafter, loaded.source, loaded.run_config or _stage_run_config(path))
+    config_path = path / CONFIG_NAME
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if config.get("format") == FORMAT_TAG:
+            return LoadedDrafter(ReferenceDrafter.from_pretrained(path).eval(), "reference", _stage_run_config(path))
+        from megatron_osprey.export.formats import detect_format, read_export
+
+        fmt = detect_format(config)
+        if fmt is not None:
+            return LoadedDrafter(read_export(path).eval(), fmt, config.get("megatron_osprey", {}).get("run_config", {}))
+    if (path / "hf" / CONFIG_NAME).is_file():
+        return load_drafter(path / "hf")
+    raise ValueError(
+        f"--drafter {path} is not a drafter directory: expected a reference drafter config.json, a Megatron "
+        f"checkpoint (latest_checkpointed_iteration.txt), a Stage 3 output or an exported drafter."
+    )

@@ -1,0 +1,167 @@
+"""The AL benchmark: every drafter on every eval split against one HF target; writes results and the matrix."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.eval import benchmark
+from megatron_osprey.eval.loading import load_drafter
+from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
+from megatron_osprey.eval.prompts import load_prompts
+from megatron_osprey.speculative import HFTargetModel, SpecConfig
+
+RESULTS_TAG = "megatron_osprey.eval/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class DrafterSpec:
+    """A drafter to evaluate: its name, directory, training domain and method (None: from its run_config)."""
+
+    name: str
+    path: Path
+    train_domain: str | None = None
+    method: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """python -m megatron_osprey.eval settings (defaults: the paper's serving config)."""
+
+    target: Path
+    drafters: list[DrafterSpec]
+    data: list[Path]
+    output: Path
+    steps: int = 5
+    topk: int = 1
+    draft_tokens: int | None = 6
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    limit: int | None = None
+    verify_lossless: bool = False
+    dtype: str = "float32"
+    device: str = "auto"
+    enable_thinking: bool | None = None
+    seed: int = 0
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def split_names(paths: list[Path]) -> list[str]:
+    """Each split is named by its file stem (``code.jsonl`` -> ``code``); names must be distinct."""
+    names = [Path(p).name.split(".")[0] for p in paths]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--data files must have distinct stems (split names), got {names}.")
+    return names
+
+
+def _domain_from_run_config(run_config: dict) -> str | None:
+    for key in ("train_domain", "domain"):
+        if isinstance(run_config.get(key), str):
+            return run_config[key]
+    data = run_config.get("data")
+    if isinstance(data, dict) and isinstance(data.get("domain"), str):
+        return data["domain"]
+    return None
+
+
+def _eos_ids(target_dir: Path, model, tokenizer) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _load_target(config: EvalConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = Path(config.target)
+    if not (target / "config.json").is_file():
+        raise FileNotFoundError(f"--target {target}: no config.json there (a HF model directory is expected).")
+    if config.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}.")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[config.dtype]).to(device).eval()
+    return model, tokenizer, device
+
+
+def run_eval(config: EvalConfig) -> dict:
+    """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
+    if config.verify_lossless and config.temperature != 0:
+        raise ValueError("--verify-lossless compares greedy outputs token by token; it needs --temperature 0.")
+    spec_kwargs = dict(steps=config.steps, topk=config.topk, draft_tokens=config.draft_tokens,
+                       temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed)
+    SpecConfig(**spec_kwargs)  # validate the draft shape before any loading
+    splits = split_names(config.data)
+    names = [d.name for d in config.drafters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--drafter names must be distinct, got {names}.")
+    model, tokenizer, device = _load_target(config)
+    spec = SpecConfig(**spec_kwargs, eos_token_ids=_eos_ids(config.target, model, tokenizer))
+    prompts = {name: load_prompts(path, tokenizer, config.limit, config.enable_thinking)
+               for name, path in zip(splits, config.data)}
+    drafters = []
+    for item in config.drafters:
+        loaded = load_drafter(item.path)
+        cfg = loaded.drafter.config
+        if cfg.vocab_size != model.config.vocab_size:
+            raise ValueError(f"--drafter {item.path}: its vocabulary ({cfg.vocab_size}) is not the target's "
+                             f"({model.config.vocab_size}); was it adapted to --target {config.target}?")
+        drafters.append((item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config),
+                         item.method or cfg.variant))
+
+    from tqdm import tqdm
+
+    total = len(drafters) * sum(len(p) for p in prompts.values())
+    cells, cell_records, mismatches = [], [], []
+    with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress:
+        for item, loaded, domain, method in drafters:
+            drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
+            target = HFTargetModel(model, list(drafter.config.aux_layer_ids))
+            session = benchmark.make_session(drafter)
+            for split in splits:
+                progress.set_description(f"{item.name} on {split}")
+                results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless, progress)
+                requests = [r.to_dict() for r in results]
+                summary = summarize(requests)
+                cells.append(Cell(item.name, method, domain, split, summary))
+                cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
+                                     "split": split, "summary": summary, "requests": requests})
+                mismatches += [{"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at}
+                               for r in results if r.mismatch_at is not None]
+            loaded.drafter.to("cpu")
+    matrices = build_matrices(cells, splits)
+    results = {
+        "format": RESULTS_TAG,
+        "config": {**{k: v for k, v in asdict(config).items() if k not in ("drafters", "data", "extra")},
+                   "target": str(config.target), "output": str(config.output), "eos_token_ids": list(spec.eos_token_ids),
+                   "draft_tokens": spec.draft_tokens, **config.extra},
+        "drafters": [{"name": item.name, "path": str(item.path), "method": method, "train_domain": domain,
+                      "variant": loaded.drafter.config.variant, "source": loaded.source}
+                     for item, loaded, domain, method in drafters],
+        "splits": [{"name": s, "path": str(p), "requests": len(prompts[s])} for s, p in zip(splits, config.data)],
+        "cells": cell_records,
+        "matrices": matrices,
+        "lossless": {"checked": config.verify_lossless, "mismatches": mismatches},
+    }
+    write_results(results, Path(config.output))
+    return results
+
+
+def write_results(results: dict, output: Path) -> None:
+    """results.json, matrix.md and matrix.png under `output` (each written atomically)."""
+    output.mkdir(parents=True, exist_ok=True)
+    cfg = results["config"]
+    header = (f"Target `{cfg['target']}`; steps {cfg['steps']}, topk {cfg['topk']}, draft tokens "
+              f"{cfg['draft_tokens']}, temperature {cfg['temperature']}, max new tokens {cfg['max_new_tokens']}; "
+              + ", ".join(f"{s['name']}: {s['requests']} prompts" for s in results["splits"]) + ".")
+    write_text_atomic(output / "results.json", json.dumps(results, indent=2) + "\n")
+    write_text_atomic(output / "matrix.md", matrix_markdown(results["matrices"], header))
+    plot_matrices(results["matrices"], output / "matrix.png")

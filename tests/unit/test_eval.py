@@ -1,0 +1,168 @@
+"""AL evaluation: CLI losslessness, AL extremes at the eval level, aggregation and the train x eval matrix."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_osprey.eval import benchmark
+from megatron_osprey.eval.__main__ import main
+from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, summarize
+from megatron_osprey.eval.prompts import load_prompts
+from megatron_osprey.eval.run import write_results
+from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
+from tests.unit.test_speculative import OracleSession
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A 4-layer Llama target with a small Llama-3-style chat tokenizer, a random drafter, two splits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("eval")
+    tok = build_tiny_tokenizer("llama3")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.convert_tokens_to_ids("<|eot_id|>"))
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked outputs: greedy text is not one repeated token
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    torch.manual_seed(1)
+    drafter = ReferenceDrafter(DrafterConfig(
+        hidden_size=32, target_hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=32, vocab_size=len(tok), aux_layer_ids=[0, 1, 2]))
+    drafter.save_pretrained(root / "drafter")
+    for split in ("code", "math"):
+        rows = [{"id": f"{split}-{i}", "conversations": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"{split} question {i}: what is two plus {i}?"},
+            {"role": "assistant", "content": "four"}, {"role": "user", "content": "never part of the prompt"}]}
+            for i in range(2)]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _cli(root, out, *extra):
+    return main(["--target", str(root / "target"), "--drafter", f"a={root / 'drafter'}",
+                 "--drafter", f"b={root / 'drafter'}", "--train-domain", "code", "math",
+                 "--data", str(root / "code.jsonl"), "--data", str(root / "math.jsonl"), "--output", str(out),
+                 "--steps", "2", "--max-new-tokens", "7", "--no-progress", *extra])
+
+
+def test_prompts_stop_at_the_first_assistant_turn_in_file_order(tiny_setup):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_setup / "target"))
+    prompts = load_prompts(tiny_setup / "math.jsonl", tok)
+    assert [p.id for p in prompts] == ["math-0", "math-1"]
+    text = tok.decode(prompts[1].input_ids)
+    assert text.startswith("<|begin_of_text|>") and text.count("<|begin_of_text|>") == 1
+    assert "two plus 1?" in text and "never part" not in text and "four" not in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert [p.id for p in load_prompts(tiny_setup / "math.jsonl", tok, limit=1)] == ["math-0"]
+
+
+def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup, tmp_path):
+    assert _cli(tiny_setup, tmp_path, "--verify-lossless") == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["lossless"] == {"checked": True, "mismatches": []}
+    assert [(c["drafter"], c["split"]) for c in results["cells"]] == [
+        ("a", "code"), ("a", "math"), ("b", "code"), ("b", "math")]
+    for cell in results["cells"]:
+        assert [r["id"] for r in cell["requests"]] == [f"{cell['split']}-0", f"{cell['split']}-1"]
+        for r in cell["requests"]:
+            assert r["acceptance_length"] == r["completion_tokens"] / r["verify_count"]
+            assert r["completion_tokens"] == 1 + sum(r["accept_lengths"]) and r["mismatch_at"] is None
+    matrix = results["matrices"]["osprey"]
+    assert matrix["train_domains"] == ["code", "math"] and matrix["id_cells"] == 2 and matrix["ood_cells"] == 2
+    assert (tmp_path / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| code (a) |" in (tmp_path / "matrix.md").read_text()
+
+
+def test_cli_reports_a_broken_verifier_and_exits_nonzero(tiny_setup, tmp_path, monkeypatch, capsys):
+    def accept_every_draft(tree, target_logits):  # ignores the target: not lossless
+        path, node = [], -1
+        while tree.children(node):
+            node = tree.children(node)[0]
+            path.append(node)
+        return path, int(torch.argmax(target_logits[len(path)]))
+
+    monkeypatch.setattr("megatron_osprey.speculative.generate.accept_greedy", accept_every_draft)
+    assert _cli(tiny_setup, tmp_path, "--verify-lossless") == 1
+    assert "LOSSLESS MISMATCH" in capsys.readouterr().err
+    mismatches = json.loads((tmp_path / "results.json").read_text())["lossless"]["mismatches"]
+    assert len(mismatches) == 8 and all(m["index"] >= 1 for m in mismatches)  # token 0 comes from prefill
+
+
+@pytest.mark.parametrize("mode", ["exact", "wrong"])
+def test_identical_drafter_gives_al_draft_tokens_and_wrong_drafter_al_one(tiny_setup, tmp_path, monkeypatch, mode):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_setup / "target")).eval()
+    monkeypatch.setattr(benchmark, "make_session", lambda drafter: OracleSession(model, mode))
+    assert _cli(tiny_setup, tmp_path, "--max-new-tokens", "10", "--verify-lossless") == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    for cell in results["cells"]:
+        for r in cell["requests"]:
+            if mode == "exact":  # every verify but the last gains all 3 tokens (steps 2 -> draft tokens 3)
+                assert r["accept_lengths"][:-1] == [3] * (r["verify_count"] - 1)
+            else:
+                assert r["accept_lengths"] == [1] * r["verify_count"]
+                assert r["acceptance_length"] == r["completion_tokens"] / (r["completion_tokens"] - 1)
+    if mode == "exact":
+        al = results["matrices"]["osprey"]["mean"]
+        assert al > 2.5  # 10 tokens in 3 verifies (3 + 3 + 3 after the prefill token) unless EOS cut it short
+
+
+def test_bad_flags_name_the_flag(tiny_setup, tmp_path, capsys):
+    assert _cli(tiny_setup, tmp_path, "--temperature", "0.7", "--verify-lossless") == 2
+    assert "--verify-lossless" in capsys.readouterr().err
+    assert main(["--target", str(tmp_path / "nope"), "--drafter", str(tiny_setup / "drafter"), "--data",
+                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def _requests(pairs, seconds=1.0):
+    return [{"completion_tokens": t, "verify_count": v, "seconds": seconds} for t, v in pairs]
+
+
+def test_aggregation_per_request_mean_differs_from_pooled_and_both_are_right(tmp_path):
+    # A short request with high AL and a long one with low AL: the two definitions disagree.
+    summary = summarize(_requests([(8, 2), (30, 20)], seconds=2.0))
+    assert summary["mean_acceptance_length"] == pytest.approx((4.0 + 1.5) / 2)  # 2.75
+    assert summary["pooled_acceptance_length"] == pytest.approx(38 / 22)  # 1.727...
+    assert summary["tokens_per_s"] == pytest.approx(38 / 4.0)
+
+    cells = [
+        Cell("osp-code", "osprey", "code", "code", summarize(_requests([(8, 2), (30, 20)]))),   # 2.75
+        Cell("osp-code", "osprey", "code", "math", summarize(_requests([(10, 5)]))),             # 2.0
+        Cell("osp-math", "osprey", "math", "code", summarize(_requests([(9, 6), (3, 3)]))),      # 1.25
+        Cell("osp-math", "osprey", "math", "math", summarize(_requests([(12, 3)]))),             # 4.0
+        Cell("e3-code", "eagle3", "code", "code", summarize(_requests([(6, 3)]))),               # 2.0
+        Cell("e3-code", "eagle3", "code", "math", summarize(_requests([(6, 6)]))),               # 1.0
+    ]
+    matrices = build_matrices(cells, ["code", "math"])
+    osprey = matrices["osprey"]
+    assert osprey["acceptance_length"] == [[2.75, 2.0], [1.25, 4.0]]
+    assert osprey["pooled_acceptance_length"][1][0] == pytest.approx(12 / 9)
+    assert osprey["id_mean"] == pytest.approx((2.75 + 4.0) / 2)
+    assert osprey["ood_mean"] == pytest.approx((2.0 + 1.25) / 2)
+    assert osprey["mean"] == pytest.approx((2.75 + 2.0 + 1.25 + 4.0) / 4)
+    assert (matrices["eagle3"]["id_mean"], matrices["eagle3"]["ood_mean"], matrices["eagle3"]["mean"]) == (2.0, 1.0, 1.5)
+
+    results = {"config": {"target": "T", "steps": 5, "topk": 1, "draft_tokens": 6, "temperature": 0.0,
+                          "max_new_tokens": 8}, "splits": [{"name": "code", "requests": 2}, {"name": "math", "requests": 1}],
+               "matrices": matrices, "cells": [], "lossless": {"checked": False, "mismatches": []}}
+    write_results(results, tmp_path)
+    text = (tmp_path / "matrix.md").read_text()
+    assert "| osprey | 2.500 | 3.375 | 1.625 | 2/2 |" in text
+    assert "| eagle3 | 1.500 | 2.000 | 1.000 | 1/1 |" in text
+    assert "| code (osp-code) | **2.750 (1.727)** | 2.000 (2.000) |" in text
+    assert "| math (osp-math) | 1.250 (1.333) | **4.000 (4.000)** |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["matrices"]["osprey"]["mean"] == 2.5
+    assert (tmp_path / "matrix.png").stat().st_size > 1000
