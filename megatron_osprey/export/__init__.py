@@ -1,0 +1,1 @@
+"""Export drafters to serving layouts: SGLang (plus a model plugin), HF reference, vLLM speculators."""

@@ -1,0 +1,138 @@
+"""Write a drafter in a serving layout (sglang, hf, speculators) and read it back exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.export import layouts
+from megatron_osprey.models.reference_drafter import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter, _atomic_write
+
+FORMATS = ("sglang", "hf", "speculators")
+# Used when the checkpoint does not say (a bare reference dir): Llama-3's context.
+DEFAULT_MAX_POSITIONS = 131072
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+@dataclass
+class ExportConfig:
+    """tools/export_checkpoint.py settings."""
+
+    checkpoint: Path
+    format: str
+    output: Path
+    overwrite: bool = False
+
+
+def detect_format(config: dict) -> str | None:
+    """Which exported layout a config.json describes (None: not one of ours)."""
+    archs = config.get("architectures") or []
+    if layouts.SPECULATORS_ARCH in archs or config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if any(a in layouts.SGLANG_ARCHS for a in archs):
+        return "sglang"
+    return None
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"--output {output} is a file, not a directory.")
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}  # no shared storage
+    _atomic_write(path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
+    _atomic_write(path, lambda p: Path(p).write_text(text))
+
+
+def _max_positions(run_config: dict) -> int:
+    body = (run_config.get("drafter") or {}).get("body_hf_config") or {}
+    return int(body.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
+
+
+def _verifier(run_config: dict) -> dict:
+    """Target name and architectures from the run's target directory, when it is still there."""
+    target = run_config.get("target")
+    info = {"name_or_path": str(target) if target else None, "architectures": []}
+    if target and (Path(target) / "config.json").is_file():
+        info["architectures"] = json.loads((Path(target) / "config.json").read_text()).get("architectures", [])
+    return info
+
+
+def export_drafter(drafter: ReferenceDrafter, fmt: str, output: Path, run_config: dict | None = None,
+                   overwrite: bool = False, tokenizer_dir: Path | None = None) -> Path:
+    """Write `drafter` to `output` in layout `fmt`; config.json is written last."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}.")
+    cfg, run_config = drafter.config, run_config or {}
+    if fmt == "speculators" and layouts.speculators_refusal(cfg):
+        raise ValueError(layouts.speculators_refusal(cfg))  # before touching --output
+    output = Path(output)
+    _check_output(output, overwrite)
+    state = {k: v for k, v in drafter.state_dict().items()}
+    dtype = state["embed_tokens.weight"].dtype
+    provenance = {"stage": run_config.get("stage"), "target": run_config.get("target")}
+    if fmt == "hf":
+        drafter.save_pretrained(output)
+    elif fmt == "sglang":
+        _save_tensors(output / WEIGHTS_NAME, layouts.sglang_state(state, cfg))
+        _write_json(output / CONFIG_NAME, layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance))
+    else:
+        _save_tensors(output / WEIGHTS_NAME, layouts.speculators_state(state, cfg))
+        _write_json(output / CONFIG_NAME, layouts.speculators_config(
+            cfg, dtype, _max_positions(run_config), _verifier(run_config), extra=provenance))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file() and not (output / name).exists():
+                shutil.copy2(Path(tokenizer_dir) / name, output / name)
+    return output
+
+
+def read_export(directory: str | Path) -> ReferenceDrafter:
+    """Load an sglang or speculators export back into a ReferenceDrafter (bit-exact inverse of export)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_NAME).read_text())
+    fmt = detect_format(config)
+    if fmt is None:
+        raise ValueError(f"{directory / CONFIG_NAME} is neither an SGLang nor a speculators EAGLE-3 draft config.")
+    cfg = layouts.drafter_config_from_export(config)
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    state = layouts.reference_state_from_sglang(tensors, cfg) if fmt == "sglang" else dict(tensors)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    drafter = ReferenceDrafter(cfg).to(state["embed_tokens.weight"].dtype)
+    drafter.load_state_dict(state, strict=True)
+    return drafter
+
+
+def export_checkpoint(config: ExportConfig) -> Path:
+    """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
+    from megatron_osprey.eval.loading import load_drafter
+
+    if config.format not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {config.format!r}.")
+    output = Path(config.output)
+    if output.exists() and output.is_dir() and any(output.iterdir()) and not config.overwrite:
+        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+    loaded = load_drafter(config.checkpoint)
+    target = loaded.run_config.get("target")
+    tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
+    return export_drafter(loaded.drafter, config.format, output, loaded.run_config, config.overwrite, tokenizer_dir)

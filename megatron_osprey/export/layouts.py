@@ -1,0 +1,222 @@
+"""Weight names and config.json of the serving layouts, as pure functions of a reference drafter.
+
+Layouts (all HF-style, no ``model.`` prefix; ``d2t`` int64 [Vd] and ``t2d`` bool [V] buffers in each):
+
+* ``sglang`` (Osprey): architecture ``Qwen3ForCausalLMEagle3`` (q/k-norm bodies) or
+  ``LlamaForCausalLMEagle3``; ``swap_h_and_emb: true``; its own ``embed_tokens``; one-layer drafters
+  name their layer ``midlayer``, deeper ones ``layers.{i}``. SGLang's fused layer computes
+  ``cat(input_layernorm(a), hidden_norm(b))`` with residual ``b``; in swap mode ``a = g`` and ``b`` is
+  the embedding stream, so the reference ``hidden_norm`` (on g) is SGLang's ``input_layernorm`` and
+  the reference ``input_layernorm`` (on the stream) is SGLang's ``hidden_norm``. QKV column order
+  is unchanged (first H columns read g).
+* ``sglang`` (EAGLE-3): ``LlamaForCausalLMEagle3``, ``midlayer.*`` for the published one-layer
+  drafter; the reference names already match SGLang's (``input_layernorm`` on the embedding,
+  ``hidden_norm`` on g). Deeper EAGLE-3 drafters write ``layers.{i}`` with plain extra layers and
+  need the plugin (``megatron_osprey.export.sglang_plugin``), which reads ``eagle3_extra_layers``.
+* ``speculators``: vLLM speculators' ``Eagle3Speculator`` (one fused Llama layer, ``layers.0.*``,
+  ``transformer_layer_config``); only the one-layer EAGLE-3 drafter fits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_osprey.models.reference_drafter import DrafterConfig
+
+EXPORT_TAG = "megatron_osprey.export/1"
+SGLANG_ARCHS = ("Qwen3ForCausalLMEagle3", "LlamaForCausalLMEagle3")
+SPECULATORS_ARCH = "Eagle3Speculator"
+_SWAP = {"hidden_norm": "input_layernorm", "input_layernorm": "hidden_norm"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _split_layer_name(name: str) -> tuple[int, str] | None:
+    """("layers.3.self_attn.q_proj.weight") -> (3, "self_attn.q_proj.weight"); None for non-layer names."""
+    if not name.startswith("layers."):
+        return None
+    _, index, rest = name.split(".", 2)
+    return int(index), rest
+
+
+def _swap_norm(rest: str) -> str:
+    head, _, tail = rest.partition(".")
+    return f"{_SWAP[head]}.{tail}" if head in _SWAP else rest
+
+
+def _body_config(cfg: DrafterConfig, max_position_embeddings: int) -> dict:
+    """The Llama/Qwen3-style fields every serving config shares."""
+    body = {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+    return body
+
+
+def _reference_fields(cfg: DrafterConfig) -> dict:
+    """Fields that make the export read back into exactly this DrafterConfig."""
+    return {"format": EXPORT_TAG, **dataclasses.asdict(cfg)}
+
+
+# ----------------------------------------------------------------------------- sglang
+
+
+def sglang_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Reference state dict -> SGLang draft checkpoint names."""
+    out = {}
+    for name, tensor in state.items():
+        layer = _split_layer_name(name)
+        if layer is None:
+            out[name] = tensor
+            continue
+        index, rest = layer
+        prefix = "midlayer" if cfg.num_layers == 1 else f"layers.{index}"
+        out[f"{prefix}.{_swap_norm(rest) if cfg.variant == 'osprey' else rest}"] = tensor
+    if "lm_head.weight" not in out:  # tied drafters: serving layouts always carry the head
+        out["lm_head.weight"] = state["embed_tokens.weight"]
+    return out
+
+
+def reference_state_from_sglang(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Inverse of sglang_state."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("midlayer."):
+            name = "layers.0." + name[len("midlayer."):]
+        layer = _split_layer_name(name)
+        if layer is not None and cfg.variant == "osprey":
+            name = f"layers.{layer[0]}.{_swap_norm(layer[1])}"
+        out[name] = tensor
+    return out
+
+
+def sglang_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None) -> dict:
+    """config.json for SGLang's EAGLE-3 draft loader (and the plugin)."""
+    qwen = cfg.qk_layernorm
+    config = {
+        "architectures": [SGLANG_ARCHS[0] if qwen else SGLANG_ARCHS[1]],
+        "model_type": "qwen3" if qwen else "llama",
+        **_body_config(cfg, max_position_embeddings),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "torch_dtype": _dtype_name(dtype),
+        "use_cache": True,
+        "pretraining_tp": 1,
+        # SGLang reads the taps (0-based target layer ids) from here.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+    }
+    if cfg.variant == "osprey":
+        config["swap_h_and_emb"] = True
+    elif cfg.num_layers > 1:
+        config["eagle3_extra_layers"] = cfg.eagle3_extra_layers
+    config["megatron_osprey"] = {**_reference_fields(cfg), **(extra or {})}
+    return config
+
+
+# ----------------------------------------------------------------------------- speculators
+
+
+def speculators_refusal(cfg: DrafterConfig) -> str | None:
+    """Why this drafter does not fit speculators' Eagle3 format, or None when it does."""
+    if cfg.variant == "osprey":
+        return (
+            "--format speculators: an Osprey drafter keeps its own embedding as the residual stream in every "
+            f"layer ({cfg.num_layers} layers), which speculators' one-layer Eagle3Speculator cannot express; "
+            "use --format sglang (with the megatron_osprey SGLang plugin) or --format hf."
+        )
+    if cfg.num_layers != 1:
+        return f"--format speculators: Eagle3Speculator has exactly one layer, this EAGLE-3 drafter has {cfg.num_layers}; use --format sglang."
+    if cfg.qk_layernorm:
+        return "--format speculators: Eagle3Speculator is a Llama layer without q/k norms; this drafter has them (Qwen3 body)."
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        return "--format speculators: Eagle3Speculator derives head_dim = hidden_size / heads, which this drafter does not satisfy."
+    return None
+
+
+def speculators_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Reference state -> speculators names (identical for the one-layer EAGLE-3 drafter)."""
+    reason = speculators_refusal(cfg)
+    if reason:
+        raise ValueError(reason)
+    out = dict(state)
+    out.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    return out
+
+
+def speculators_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int,
+                       verifier: dict | None = None, speculative_tokens: int = 5, extra: dict | None = None) -> dict:
+    """config.json of a speculators Eagle3 checkpoint."""
+    reason = speculators_refusal(cfg)
+    if reason:
+        raise ValueError(reason)
+    layer = {"model_type": "llama", **_body_config(cfg, max_position_embeddings)}
+    return {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": False,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{
+                "proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1, "accept_tolerance": 0.0,
+            }],
+            "verifier": verifier or {"name_or_path": None, "architectures": []},
+        },
+        "torch_dtype": _dtype_name(dtype),
+        "megatron_osprey": {**_reference_fields(cfg), **(extra or {})},
+    }
+
+
+# ----------------------------------------------------------------------------- reading back
+
+
+def drafter_config_from_export(config: dict) -> DrafterConfig:
+    """DrafterConfig of an exported config.json (ours carry it exactly; others are read from their fields)."""
+    ours = config.get("megatron_osprey", {})
+    if ours.get("format") == EXPORT_TAG:
+        names = {f.name for f in dataclasses.fields(DrafterConfig)}
+        return DrafterConfig(**{k: v for k, v in ours.items() if k in names})
+    body = config.get("transformer_layer_config", config)
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids", [])
+    return DrafterConfig(
+        hidden_size=body["hidden_size"],
+        target_hidden_size=config.get("target_hidden_size") or body["hidden_size"],
+        num_layers=body["num_hidden_layers"],
+        num_attention_heads=body["num_attention_heads"],
+        num_key_value_heads=body.get("num_key_value_heads", body["num_attention_heads"]),
+        head_dim=body.get("head_dim") or body["hidden_size"] // body["num_attention_heads"],
+        intermediate_size=body["intermediate_size"],
+        vocab_size=body["vocab_size"],
+        draft_vocab_size=config.get("draft_vocab_size") or body["vocab_size"],
+        rms_norm_eps=body.get("rms_norm_eps", 1e-6),
+        rope_theta=body.get("rope_theta", 10000.0),
+        rope_scaling=body.get("rope_scaling"),
+        qk_layernorm=config.get("architectures", [""])[0] == SGLANG_ARCHS[0],
+        aux_layer_ids=list(aux),
+        variant="osprey" if config.get("swap_h_and_emb") else "eagle3",
+        eagle3_extra_layers=config.get("eagle3_extra_layers", "fused" if body["num_hidden_layers"] > 1 else "plain"),
+    )

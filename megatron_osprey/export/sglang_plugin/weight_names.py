@@ -1,0 +1,63 @@
+"""Checkpoint tensor name -> SGLang plugin parameter (pure Python; the plugin's loader and the tests share it)."""
+
+from __future__ import annotations
+
+import torch
+
+# SGLang fuses q/k/v into qkv_proj and gate/up into gate_up_proj; the shard id tells the loader where.
+STACKED = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+BUFFERS = ("d2t", "t2d")
+
+
+def needs_plugin(config) -> bool:
+    """True when SGLang's stock EAGLE-3 draft class would serve this config wrongly."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    return bool(get("swap_h_and_emb", False)) or int(get("num_hidden_layers", 1)) > 1
+
+
+def layer_kinds(config) -> list[str]:
+    """"fused" (reads cat(side, stream), width 2H) or "plain" per layer, as the export wrote them."""
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    n = int(get("num_hidden_layers", 1))
+    if get("swap_h_and_emb", False) or get("eagle3_extra_layers", "fused") == "fused":
+        return ["fused"] * n
+    return ["fused"] + ["plain"] * (n - 1)
+
+
+def plugin_param_name(name: str) -> tuple[str, object] | None:
+    """(parameter name, shard id or None) for a checkpoint tensor; None for the d2t/t2d buffers."""
+    if name in BUFFERS:
+        return None
+    if name == "lm_head.weight":
+        return name, None
+    if name.startswith("midlayer."):
+        name = "layers.0." + name[len("midlayer."):]
+    for source, fused, shard in STACKED:
+        if f".{source}." in name:
+            return "model." + name.replace(f".{source}.", f".{fused}."), shard
+    return "model." + name, None
+
+
+def fused_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the plugin's parameters hold after loading at TP=1 (shards concatenated in loader order)."""
+    order = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+    parts: dict[str, list] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        mapped = plugin_param_name(name)
+        if mapped is None:
+            continue
+        param, shard = mapped
+        if shard is None:
+            out[param] = tensor
+        else:
+            parts.setdefault(param, []).append((order[shard], tensor))
+    for param, pieces in parts.items():
+        out[param] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=0)
+    return out
