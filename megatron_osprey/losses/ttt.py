@@ -125,6 +125,47 @@ def step_mask(loss_mask: Tensor, target_in_draft: Tensor, k: int) -> Tensor:
     return shift_rows(loss_mask.bool(), 2 + k, False) & shift_rows(target_in_draft.bool(), 1 + k, False)
 
 
+@dataclasses.dataclass
+class TTTStepTerms:
+    """Sums over the counted rows of one TTT step (loss differentiable, the rest detached)."""
+
+    loss_sum: Tensor
+    count: Tensor
+    agree_sum: Tensor
+    accept_sum: Tensor
+
+
+def ttt_step_terms(
+    drafter_logits: list[Tensor],
+    target_logits: Tensor,
+    loss_mask: Tensor,
+    target_in_draft: Tensor,
+    draft_vocab_size: int,
+    group=None,
+) -> list[TTTStepTerms]:
+    """Per-step sums of the soft CE, the argmax agreement and sum min(p, q) over counted rows.
+
+    drafter_logits[k] [b, s, Vd/TP]: step k of the unroll; target_logits [b, s, Vd/TP]:
+    the target's logits restricted to the draft vocabulary at every position;
+    loss_mask [b, s]: assistant tokens x_j; target_in_draft [b, s]: the target's
+    (full-vocabulary) argmax at j lies in the draft vocabulary.
+    """
+    terms = []
+    for k, logits in enumerate(drafter_logits):
+        mask = step_mask(loss_mask, target_in_draft, k).reshape(-1)
+        target_k = shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1])
+        result = vocab_parallel_soft_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target_k, draft_vocab_size, group
+        )
+        terms.append(TTTStepTerms(
+            loss_sum=(result.loss * mask).sum(),
+            count=mask.sum().detach(),
+            agree_sum=(result.agree & mask).sum().detach(),
+            accept_sum=(result.accept * mask).sum().detach(),
+        ))
+    return terms
+
+
 def ttt_loss(
     drafter_logits: list[Tensor],
     target_logits: Tensor,
@@ -134,29 +175,18 @@ def ttt_loss(
     config: TTTLossConfig,
     group=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted TTT loss and per-step metrics (ploss_k, acc_k, accept_k, tokens_k).
-
-    drafter_logits[k] [b, s, Vd/TP]: step k of the unroll; target_logits [b, s, Vd/TP]:
-    the target's logits restricted to the draft vocabulary at every position;
-    loss_mask [b, s]: assistant tokens x_j; target_in_draft [b, s]: the target's
-    (full-vocabulary) argmax at j lies in the draft vocabulary.
-    """
+    """sum_k decay^k * (mean soft CE of step k), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k)."""
+    terms = ttt_step_terms(drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group)
     total = drafter_logits[0].new_zeros((), dtype=torch.float32)
     metrics: dict[str, Tensor] = {}
-    for k, (weight, logits) in enumerate(zip(config.weights(), drafter_logits)):
-        mask = step_mask(loss_mask, target_in_draft, k).reshape(-1)
-        target_k = shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1])
-        result = vocab_parallel_soft_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target_k, draft_vocab_size, group
-        )
-        count = mask.sum()
-        denominator = count.clamp(min=1).to(torch.float32)
-        step_loss = (result.loss * mask).sum() / denominator
+    for k, (weight, term) in enumerate(zip(config.weights(), terms)):
+        denominator = term.count.clamp(min=1).to(torch.float32)
+        step_loss = term.loss_sum / denominator
         total = total + weight * step_loss
         metrics[f"ploss/{k}"] = step_loss.detach()
-        metrics[f"acc/{k}"] = (result.agree & mask).sum() / denominator
-        metrics[f"accept/{k}"] = (result.accept * mask).sum() / denominator
-        metrics[f"tokens/{k}"] = count.detach()
+        metrics[f"acc/{k}"] = term.agree_sum / denominator
+        metrics[f"accept/{k}"] = term.accept_sum / denominator
+        metrics[f"tokens/{k}"] = term.count
     return total, metrics
 
 

@@ -277,6 +277,9 @@ def _drafter_model_class():
 
         def __init__(self, config, arch: DrafterArch, transformer_impl: str):
             super().__init__(config=config)
+            from megatron.core.enums import ModelType
+
+            self.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules look for
             self.arch = arch
             self.transformer_impl = transformer_impl
             tp = config.tensor_model_parallel_size

@@ -32,6 +32,7 @@ class StepResult:
     grad_norm: float | None
     lr: float
     skipped: bool
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -66,6 +67,23 @@ def global_mean_loss(losses_reduced: list[dict], device: torch.device) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def extra_means(losses_reduced: list[dict], device: torch.device) -> dict[str, float]:
+    """Means of the other [sum, count] reports (e.g. per-TTT-step acc/ploss) over micro-batches and DP.
+
+    Only without pipeline parallelism: every rank then holds the same report keys.
+    """
+    from megatron.core import parallel_state as mpu
+
+    keys = sorted(k for k in (losses_reduced[0] if losses_reduced else {}) if k != "lm loss")
+    if not keys or mpu.get_pipeline_model_parallel_world_size() > 1:
+        return {}
+    total = torch.zeros(len(keys), 2, dtype=torch.float64, device=device)
+    for report in losses_reduced:
+        total += torch.stack([report[k].to(device=device, dtype=torch.float64) for k in keys])
+    torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group())
+    return {k: (total[i, 0] / total[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
+
+
 def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResult:
     """Forward and backward over one global batch (Megatron's PP schedules), then the optimizer step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -87,7 +105,7 @@ def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResu
     if ok:
         run.scheduler.step(increment=1)
     norm = None if grad_norm is None else float(grad_norm)
-    return StepResult(global_mean_loss(losses, run.device), norm, lr, not ok)
+    return StepResult(global_mean_loss(losses, run.device), norm, lr, not ok, extra_means(losses, run.device))
 
 
 @torch.no_grad()
@@ -120,7 +138,7 @@ def train(run: TrainRun, state: TrainState, forward_step: Callable, train_iterat
             result = train_step(forward_step, train_iterator, run)
             state.iteration += 1
             state.consumed_train_samples += run.training.global_batch_size
-            run.metrics.step(state.iteration, result.loss, result.lr, result.grad_norm)
+            run.metrics.step(state.iteration, result.loss, result.lr, result.grad_norm, result.extra)
             if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
                 run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
                 run.metrics.reset_window()

@@ -54,7 +54,8 @@ class MetricsLogger:
     """Accumulates steps between log lines and writes averaged metrics on rank 0."""
 
     def __init__(self, cfg: LoggingSection, throughput: ThroughputModel, *, is_writer: bool, total_iters: int,
-                 start_iter: int, save_dir: str | None = None, run_config: dict[str, Any] | None = None) -> None:
+                 start_iter: int, save_dir: str | None = None, run_config: dict[str, Any] | None = None,
+                 desc: str = "pretrain") -> None:
         self.cfg = cfg
         self.throughput = throughput
         self.is_writer = is_writer
@@ -65,6 +66,7 @@ class MetricsLogger:
         self._bar = None
         self._window_start = time.perf_counter()
         self._window: list[tuple[float, float | None]] = []
+        self._extra: list[dict[str, float]] = []
         if not is_writer:
             return
         if cfg.tensorboard_dir:
@@ -76,16 +78,19 @@ class MetricsLogger:
         if cfg.progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_iters, initial=start_iter, desc="pretrain", unit="it", dynamic_ncols=True)
+            self._bar = tqdm(total=total_iters, initial=start_iter, desc=desc, unit="it", dynamic_ncols=True)
 
     def reset_window(self) -> None:
         """Start timing afresh (after evaluation or a checkpoint save, which are not training time)."""
         self._window_start = time.perf_counter()
         self._window.clear()
+        self._extra.clear()
 
-    def step(self, iteration: int, loss: float, lr: float, grad_norm: float | None) -> dict[str, float] | None:
+    def step(self, iteration: int, loss: float, lr: float, grad_norm: float | None,
+             extra: dict[str, float] | None = None) -> dict[str, float] | None:
         """Record one iteration; every --log-interval iterations write and return the metrics."""
         self._window.append((loss, grad_norm))
+        self._extra.append(extra or {})
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -106,6 +111,9 @@ class MetricsLogger:
             "throughput/iteration_time_s": elapsed / n,
             "memory/max_allocated_gib": memory,
         }
+        for key in sorted({k for extra in self._extra for k in extra}):
+            values = [extra[key] for extra in self._extra if key in extra]
+            metrics[key] = sum(values) / len(values)
         achieved = mfu(tflops, tp.peak_tflops)
         if achieved is not None:
             metrics["throughput/mfu"] = achieved

@@ -1,0 +1,69 @@
+"""`python -m megatron_osprey.distill` flags: Stage 2's Megatron-named groups plus the drafter and target.
+
+Precedence as in Stage 2: dataclass defaults (the paper's) < `--recipe` < typed flags < `--set`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_osprey.config.args import ARGUMENT_GROUPS, STORE_TRUE
+from megatron_osprey.config.distill import BASELINES, MODES, DistillConfig
+from megatron_osprey.config.distill_recipes import DISTILL_RECIPES, distill_recipe
+from megatron_osprey.config.overrides import apply_overrides
+
+SHARED_GROUPS = ("distributed", "training", "learning rate", "checkpointing", "logging")
+
+DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
+    "drafter": [
+        ("--drafter-init", "drafter.drafter_init", {"help": "Stage 3 output (tools/adapt_drafter.py --output)"}),
+        ("--baseline", "drafter.baseline", {"choices": list(BASELINES), "help": "train EAGLE-3 from scratch instead"}),
+        ("--eagle3-num-layers", "drafter.eagle3_num_layers", {"type": int}),
+        ("--draft-vocab-size", "drafter.draft_vocab_size", {"type": int, "help": "EAGLE-3's reduced vocabulary"}),
+        ("--aux-layer-ids", "drafter.aux_layer_ids", {"type": int, "nargs": 3}),
+        ("--transformer-impl", "drafter.transformer_impl", {"choices": ["auto", "local", "transformer_engine"]}),
+        ("--bf16", "drafter.bf16", STORE_TRUE),
+        ("--ttt-steps", "ttt.ttt_steps", {"type": int, "help": "training-time-test length (Osprey 5, EAGLE-3 7)"}),
+        ("--ttt-decay", "ttt.decay", {"type": float, "help": "step k weighs decay**k (0.8)"}),
+    ],
+    "target and data": [
+        ("--target", "target.target", {"help": "the target's HF directory (config, tokenizer, weights)"}),
+        ("--mode", "target.mode", {"choices": list(MODES)}),
+        ("--hidden-states", "target.hidden_states", {"help": "offline: the store from tools/extract_hidden_states.py"}),
+        ("--data-path", "data.data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
+        ("--enable-thinking", "data.enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
+        ("--no-shuffle", "data.shuffle", {"action": "store_false"}),
+        ("--lr-warmup-fraction", "lr_warmup_fraction", {"type": float, "help": "warmup as a fraction of the run (0.04)"}),
+    ],
+}
+
+
+def build_parser(prog: str = "python -m megatron_osprey.distill") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS,
+                                     description="Stage 4: distill an Osprey (or EAGLE-3) drafter with the TTT loss.")
+    parser.add_argument("--recipe", choices=sorted(DISTILL_RECIPES), help="start from a named recipe")
+    parser.add_argument("--set", dest="overrides", action="append", metavar="SECTION.KEY=VALUE",
+                        help="override any config key (repeatable; applied last)")
+    groups = {name: ARGUMENT_GROUPS[name] for name in SHARED_GROUPS} | DISTILL_GROUPS
+    for title, flags in groups.items():
+        group = parser.add_argument_group(title)
+        for flag, dest, kwargs in flags:
+            if flag in ("--transformer-impl", "--bf16") and title != "drafter":
+                continue
+            group.add_argument(flag, dest=dest, **kwargs)
+    return parser
+
+
+def distill_config_from_args(argv: list[str] | None) -> DistillConfig:
+    """Parse argv into a resolved DistillConfig (recipe, then flags, then --set)."""
+    namespace = vars(build_parser().parse_args(argv))
+    cfg = distill_recipe(namespace.pop("recipe", None))
+    overrides = namespace.pop("overrides", [])
+    for dest, value in namespace.items():
+        if "." in dest:
+            section, field = dest.split(".")
+            setattr(getattr(cfg, section), field, value)
+        else:
+            setattr(cfg, dest, value)
+    return apply_overrides(cfg, overrides)

@@ -1,0 +1,29 @@
+"""Stage 4 entry point: `python -m megatron_osprey.distill` (see --help)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_osprey.config.distill_args import distill_config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, bring up the process groups, distill; returns the exit code."""
+    cfg = distill_config_from_args(argv)
+    cfg.logging.wandb_mode = os.environ.get("WANDB_MODE", "offline")
+    from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.training.distillation import run_distill
+
+    with parallel_context(cfg.parallel) as state:
+        try:
+            run_distill(cfg, state)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # The guard matters: every checkpoint save starts a multiprocessing Manager with spawn.
+    sys.exit(main())
