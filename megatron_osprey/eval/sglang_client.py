@@ -1,0 +1,75 @@
+"""Measure AL and throughput of a running SGLang server from its per-request meta info.
+
+Requests go one at a time (batch 1, the paper's setting) to SGLang's native ``/generate`` with the
+prompt's token ids, so the prompt is exactly the one ``python -m megatron_osprey.eval`` decodes.
+AL per request = ``completion_tokens / spec_verify_ct`` from ``meta_info``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from megatron_osprey.eval.prompts import EvalPrompt
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the server is and how to sample."""
+
+    url: str = "http://127.0.0.1:30000"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+
+
+def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: float) -> dict:
+    """One request's figures from SGLang's meta_info (raises when speculative decoding was off)."""
+    if "spec_verify_ct" not in meta:
+        raise ValueError("the server's meta_info has no spec_verify_ct: was it started with --speculative-algorithm?")
+    completion, verifies = int(meta["completion_tokens"]), int(meta["spec_verify_ct"])
+    return {
+        "id": prompt_id, "prompt_tokens": prompt_tokens, "completion_tokens": completion, "verify_count": verifies,
+        "seconds": seconds, "acceptance_length": completion / max(verifies, 1),
+        "tokens_per_s": completion / seconds if seconds > 0 else None,
+        "finish_reason": meta.get("finish_reason"),
+    }
+
+
+def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
+    """POST one request to /generate; returns (meta_info, wall seconds)."""
+    body = json.dumps({"input_ids": input_ids, "sampling_params": {
+        "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}}).encode()
+    request = urllib.request.Request(config.url.rstrip("/") + "/generate", data=body,
+                                     headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
+        payload = json.loads(response.read())
+    return payload["meta_info"], time.perf_counter() - start
+
+
+def bench_prompts(config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate) -> list[dict]:
+    """Send every prompt in order and record each request."""
+    records = []
+    for prompt in prompts:
+        meta, seconds = send(config, prompt.input_ids.tolist())
+        records.append(request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds))
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(al=f"{records[-1]['acceptance_length']:.2f}")
+    return records
+
+
+def wait_for_server(url: str, timeout_s: float) -> None:
+    """Poll /health until the server answers (a clear error after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=10):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"--url {url}: the SGLang server did not answer /health within {timeout_s:.0f}s.") from None
+            time.sleep(5)

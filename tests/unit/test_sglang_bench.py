@@ -1,0 +1,61 @@
+"""tools/sglang_bench.py against a fake SGLang /generate on loopback: AL from meta_info, results layout."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_osprey.eval.sglang_client import request_record
+from tools.sglang_bench import main
+
+
+def test_request_record_uses_completion_tokens_over_spec_verify_ct():
+    record = request_record("a", 12, {"completion_tokens": 50, "spec_verify_ct": 20, "finish_reason": "length"}, 2.0)
+    assert (record["acceptance_length"], record["tokens_per_s"], record["verify_count"]) == (2.5, 25.0, 20)
+    with pytest.raises(ValueError, match="--speculative-algorithm"):
+        request_record("a", 12, {"completion_tokens": 50}, 1.0)
+
+
+def test_bench_tool_against_a_fake_server(tmp_path):
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+
+    build_tiny_tokenizer("qwen3").save_pretrained(tmp_path / "target")
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            # Request i: 10 tokens in (i + 2) verifies.
+            meta = {"completion_tokens": 10, "spec_verify_ct": len(seen) + 1, "finish_reason": "stop"}
+            data = json.dumps({"text": "x", "meta_info": meta}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        rc = main(["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
+                   "--data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
+                   "--train-domain", "chat", "--max-new-tokens", "64", "--wait", "30"])
+    finally:
+        server.shutdown()
+    assert rc == 0
+    assert [b["sampling_params"] for b in seen] == [{"temperature": 0.0, "max_new_tokens": 64}] * 3
+    assert seen[0]["input_ids"][:1] != [] and isinstance(seen[0]["input_ids"][0], int)
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())["cells"][0]["summary"]
+    assert summary["mean_acceptance_length"] == pytest.approx((10 / 2 + 10 / 3 + 10 / 4) / 3)
+    assert summary["pooled_acceptance_length"] == pytest.approx(30 / 9)
+    assert "| chat (d) | **" in (tmp_path / "out" / "matrix.md").read_text()
