@@ -1,0 +1,129 @@
+"""Stage 4: online == offline on the same batch, a short run raises acc_0, the EAGLE-3 baseline, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_osprey.config.distill import DistillConfig
+from megatron_osprey.config.distill_recipes import tiny_distill_cpu_fp32
+from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, collate, micro_batches
+from megatron_osprey.models.online_target import OnlineTarget
+from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.training.distillation import distill_forward_step, run_distill
+from tests.distill_fixtures import build_distill_setup
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return build_distill_setup(tmp_path_factory.mktemp("distill"))
+
+
+def tiny_config(setup, **changes) -> DistillConfig:
+    cfg = tiny_distill_cpu_fp32()
+    cfg.target.target = str(setup["target"])
+    cfg.drafter.drafter_init = str(setup["drafter"])
+    cfg.data.data_path = [str(setup["data"])]
+    cfg.training.seq_length = 64
+    cfg.logging.log_interval = 1
+    cfg.logging.progress_bar = False
+    for key, value in changes.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+def test_short_distillation_raises_acc0(setup):
+    cfg = tiny_config(setup, training__train_iters=30)
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    acc = [entry["acc/0"] for entry in result.history]
+    accept = [entry["accept/0"] for entry in result.history]
+    assert len(acc) == 30
+    assert acc[0] < 0.05
+    assert sum(acc[-5:]) / 5 > 0.2  # far above the start
+    assert sum(accept[-5:]) / 5 > accept[0] + 0.3
+    assert result.history[-1]["loss/train"] < result.history[0]["loss/train"]
+
+
+def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
+    from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
+    from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
+    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.training.checkpointing import load_backbone_weights
+    from transformers import AutoTokenizer
+
+    cfg = tiny_config(setup)
+    arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
+    store_dir = tmp_path / "store"
+    with parallel_context(ParallelConfig()) as state:
+        extract_hidden_states(ExtractConfig(
+            target_dir=str(setup["target"]), data_path=str(setup["data"]),
+            store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
+            max_length=64, params_dtype="float32"), state, log=lambda _: None)
+        model = build_drafter_model(arch, state.config)
+        load_backbone_weights(setup["drafter"] / "megatron", [model])
+        head = TargetHead.from_hf(setup["target"], model.t2d)
+        target = OnlineTarget(setup["target"], state.config, state.device, arch.aux_layer_ids)
+        online_source = ConversationSamples([str(setup["data"])], AutoTokenizer.from_pretrained(setup["target"]), 64)
+        offline_source = StoreSamples(store_dir)
+        by_id = {offline_source[i]["sample_id"]: i for i in range(len(offline_source))}
+        picks = [0, 3]
+        online = collate([online_source[i] for i in picks], 64, 0)
+        offline = collate([offline_source[by_id[online_source[i]["sample_id"]]] for i in picks], 64, 0)
+        assert torch.equal(online["input_ids"], offline["input_ids"])
+        assert torch.equal(online["loss_mask"], offline["loss_mask"])
+
+        def rounded_target(ids):  # the store keeps bf16: round the online states the same way
+            aux, final = target(ids)
+            return aux.bfloat16().float(), final.bfloat16().float()
+
+        losses = {}
+        for name, batch, fn in (("online", online, rounded_target), ("offline", offline, None),
+                                ("online_fp32", online, target)):
+            step = distill_forward_step(fn, head, cfg, arch.draft_vocab_size, None)
+            with torch.no_grad():
+                losses[name] = step(iter([batch]), model)[0].item()
+    assert losses["offline"] > 0
+    assert abs(losses["online"] - losses["offline"]) < 1e-5 * losses["offline"]
+    assert abs(losses["online_fp32"] - losses["offline"]) < 1e-2 * losses["offline"]  # bf16 storage only
+
+
+def test_eagle3_baseline_through_the_same_entry(setup):
+    cfg = tiny_config(setup, training__train_iters=3, drafter__baseline="eagle3", drafter__draft_vocab_size=64)
+    cfg.drafter.drafter_init = None
+    from safetensors.torch import load_file
+
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    assert result.arch.variant == "eagle3" and result.arch.draft_vocab_size == 64
+    assert result.arch.body.hidden_size == 64 and result.arch.body.num_layers == 1  # the target's layer shape
+    assert len(result.history) == 3
+    target_embedding = load_file(setup["target"] / "model.safetensors")["model.embed_tokens.weight"]
+    assert target_embedding.shape[0] == result.arch.vocab_size
+
+
+def test_data_order_is_a_function_of_consumed_samples(setup):
+    from transformers import AutoTokenizer
+
+    source = ConversationSamples([str(setup["data"])], AutoTokenizer.from_pretrained(setup["target"]), 64)
+    straight = micro_batches(source, 0, 2, 0, 1, 64, 0, seed=3)
+    batches = [next(straight)["input_ids"] for _ in range(30)]  # crosses an epoch (48 samples)
+    resumed = micro_batches(source, 2 * 20, 2, 0, 1, 64, 0, seed=3)
+    assert all(torch.equal(batches[20 + i], next(resumed)["input_ids"]) for i in range(10))
+    rank1 = micro_batches(source, 0, 2, 1, 2, 64, 0, seed=3)  # DP rank 1 takes the second micro-batch
+    assert torch.equal(next(rank1)["input_ids"], batches[1])
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"drafter__baseline": "eagle3"}, "exactly one of --drafter-init"),
+    ({"target__mode": "offline"}, "--mode offline needs --hidden-states"),
+    ({"data__data_path": ["/no/such.jsonl"]}, "--data-path /no/such.jsonl does not exist"),
+    ({"parallel__pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+])
+def test_clear_errors(setup, change, message):
+    cfg = tiny_config(setup, **change)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        cfg.validate(world_size=2)
