@@ -139,7 +139,8 @@ def plot_matrices(matrices: dict, path: str | Path) -> None:
             for j in range(grid.shape[1]):
                 if np.isfinite(grid[i, j]):
                     bold = m["train_domains"][i] == m["splits"][j]
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="white",
+                    light = (grid[i, j] - vmin) / max(vmax - vmin, 1e-6) > 0.6  # dark text on the bright end
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="black" if light else "white",
                             fontweight="bold" if bold else "normal", fontsize=8)
     fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="acceptance length")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
