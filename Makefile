@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-distributed clean
+.PHONY: venv demo demo-full test test-unit test-distributed clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m megatron_osprey.demo --output demo_out
 
+demo-full: $(STAMP)
+	$(PY) -m megatron_osprey.demo --full --output demo_out_full
+
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
@@ -29,4 +32,4 @@ test-distributed: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed
 
 clean:
-	rm -rf demo_out .pytest_cache
+	rm -rf demo_out demo_out_full .pytest_cache

@@ -47,6 +47,7 @@ class DistillDataSection:
     """Conversations JSONL (target-regenerated), tokenized through the target's chat template."""
 
     data_path: list[str] = dataclasses.field(default_factory=list)
+    domain: str | None = None  # the training domain's name, recorded for the train x eval matrix
     enable_thinking: bool | None = None
     shuffle: bool = True
 

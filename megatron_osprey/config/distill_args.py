@@ -32,6 +32,7 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--mode", "target.mode", {"choices": list(MODES)}),
         ("--hidden-states", "target.hidden_states", {"help": "offline: the store from tools/extract_hidden_states.py"}),
         ("--data-path", "data.data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
+        ("--domain", "data.domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
         ("--enable-thinking", "data.enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
         ("--no-shuffle", "data.shuffle", {"action": "store_false"}),
         ("--lr-warmup-fraction", "lr_warmup_fraction", {"type": float, "help": "warmup as a fraction of the run (0.04)"}),

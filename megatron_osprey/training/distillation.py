@@ -159,7 +159,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
     train_iters = cfg.training.num_train_iters()
     run_config = {"stage": "distill", "config": cfg, "drafter": arch.to_dict(), "target": cfg.target.target,
-                  "world_size": parallel.world_size}
+                  "train_domain": cfg.data.domain, "world_size": parallel.world_size}
     if is_writer:
         print("resolved configuration:\n" + yaml.safe_dump(to_plain(cfg), sort_keys=False), flush=True)
 

@@ -159,4 +159,25 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
         state = train(run, state, forward_step, train_iterator, valid_iterator)
     finally:
         metrics.close()
+    if cfg.checkpoint.save and state.iteration >= train_iters:
+        export_backbone(cfg, arch, model, run_config | {"iteration": state.iteration}, parallel)
     return PretrainResult(state, metrics.history, notes)
+
+
+def export_backbone(cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
+    """A finished run also leaves SAVE/hf/ and SAVE/run_config.yaml: the layout Stage 3 reads as --backbone."""
+    import shutil
+
+    from megatron_osprey.config.run_config import save_run_config
+    from megatron_osprey.convert.megatron_to_hf import export_to_hf
+    from megatron_osprey.models.prune import TOKENIZER_FILES
+
+    save = Path(cfg.checkpoint.save)
+    export_to_hf([checkpointing.unwrap(chunk) for chunk in model], arch, save / "hf")
+    if parallel.rank == 0:
+        source = Path(cfg.model.backbone) / "hf" if cfg.model.backbone else Path(cfg.model.hf_model)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, save / "hf" / name)
+        save_run_config(save / "run_config.yaml", run_config)
+    torch.distributed.barrier()

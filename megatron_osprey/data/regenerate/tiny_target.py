@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Sequence
 
 # Qwen3 (ChatML). Reasoning of turns up to the last user message is dropped; the final
 # assistant turn (and later turns that carry reasoning) are written with a think block.
@@ -123,8 +123,11 @@ _CORPUS = (
 )
 
 
-def build_tiny_tokenizer(family: str, vocab_size: int = 400) -> Any:
-    """Train a small byte-level BPE tokenizer carrying ``family``'s chat template and control tokens."""
+def build_tiny_tokenizer(family: str, vocab_size: int = 400, corpus: Sequence[str] | None = None) -> Any:
+    """Train a small byte-level BPE tokenizer carrying ``family``'s chat template and control tokens.
+
+    ``corpus`` defaults to a few built-in lines (tests); the demo trains on its own text.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -140,7 +143,7 @@ def build_tiny_tokenizer(family: str, vocab_size: int = 400) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    backend.train_from_iterator(list(corpus) if corpus is not None else list(_CORPUS) * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=spec.bos_token,
