@@ -169,8 +169,13 @@ def _megatron_cmd(mlm: str, inp: str, tok: str, prefix: str, workers: int) -> Li
             "--tokenizer-model", tok, "--workers", str(workers), "--append-eod"]
 
 
-def measure(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_bytes: int) -> Timing:
-    """Time one tool on an empty input (start-up) and on the real one."""
+def measure(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_bytes: int, repeat: int = 1) -> Timing:
+    """Time one tool on an empty input (start-up) and on the real one; the fastest of `repeat` runs."""
+    runs = [_measure_once(name, build_cmd, inp, workdir, env, input_bytes) for _ in range(repeat)]
+    return min(runs, key=lambda t: t.wall_s)
+
+
+def _measure_once(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_bytes: int) -> Timing:
     empty = workdir / "empty.jsonl"
     empty.write_text("")
     overhead, overhead_cpu = _run(build_cmd(str(empty), str(workdir / f"{name}_empty")), env,
@@ -190,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--megatron-pythonpath", default=None,
                    help="extra PYTHONPATH for Megatron-LM's imports (e.g. six, triton), after the checkout")
     p.add_argument("--workdir", default=None, help="where outputs and logs go (default: a temp dir)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per tool; the fastest is reported")
     p.add_argument("--make-corpus", type=Path, help="write a benchmark JSONL here first")
     p.add_argument("--corpus-mb", type=float, default=20.0)
     p.add_argument("--train-tokenizer", type=Path, help="train a byte-level BPE on the corpus into this dir")
@@ -215,12 +221,12 @@ def main(argv=None) -> int:
     input_bytes = os.path.getsize(a.input)
     print(f"input {a.input} ({input_bytes / 1e6:.1f} MB), tokenizer {a.tokenizer}, workers {a.workers}")
     ours = measure("ours", lambda i, o: _ours_cmd(i, a.tokenizer, o, a.workers), a.input, workdir,
-                   _env(), input_bytes)
+                   _env(), input_bytes, a.repeat)
     print(ours.line())
     if a.megatron_lm:
         mlm_path = os.pathsep.join(filter(None, [a.megatron_lm, a.megatron_pythonpath]))
         theirs = measure("megatron-lm", lambda i, o: _megatron_cmd(a.megatron_lm, i, a.tokenizer, o, a.workers),
-                         a.input, workdir, _env(mlm_path), input_bytes)
+                         a.input, workdir, _env(mlm_path), input_bytes, a.repeat)
         print(theirs.line())
         same = all(
             (workdir / f"ours_text_document{ext}").read_bytes()
