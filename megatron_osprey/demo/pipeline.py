@@ -44,12 +44,13 @@ class DemoConfig:
     target: ModelSize = dataclasses.field(default_factory=lambda: ModelSize(6, 128, 4, 2, 384, 1024))
     small_lm: ModelSize = dataclasses.field(default_factory=lambda: ModelSize(4, 96, 4, 2, 256, 768))
     seq_length: int = 192
-    target_iters: int = 200
-    small_lm_iters: int = 120
-    backbone_iters: int = 80
-    distill_iters: int = 60
+    target_iters: int = 400
+    small_lm_iters: int = 150
+    backbone_iters: int = 120
+    distill_iters: int = 80
     regenerate_tokens: int = 64
     eval_tokens: int = 40
+    aux_layer_ids: tuple[int, int, int] = (1, 3, 4)  # low / mid / high taps of the 6-layer target
     seed: int = 0
 
     @classmethod
@@ -59,7 +60,7 @@ class DemoConfig:
     @classmethod
     def full(cls) -> "DemoConfig":
         return cls(train_domains=("chat", "code", "math", "prose", "multilingual"), n_train=160, n_eval=16,
-                   target_iters=400, small_lm_iters=200, backbone_iters=160, distill_iters=120)
+                   target_iters=600, small_lm_iters=200, backbone_iters=160, distill_iters=100)
 
 
 class StepRunner:
@@ -247,7 +248,8 @@ def run_demo(cfg: DemoConfig, output: Path) -> dict:
 
     steps.header("Stage 3: adapt the backbone to the target (vocabulary alignment, QKV expansion)")
     steps.run("adapt", ["tools/adapt_drafter.py", "--backbone", output / "backbone", "--target", target,
-                        "--output", output / "drafter_init", "--overwrite"])
+                        "--output", output / "drafter_init", "--overwrite",
+                        "--aux-layer-ids", *map(str, cfg.aux_layer_ids)])
 
     steps.header("regenerate the training conversations with the target (tools/regenerate.py)")
     regenerated = {}
@@ -263,7 +265,8 @@ def run_demo(cfg: DemoConfig, output: Path) -> dict:
     drafters = []
     for domain in cfg.train_domains:
         for method, flags in (("osprey", ["--drafter-init", output / "drafter_init"]),
-                              ("eagle3", ["--baseline", "eagle3", "--draft-vocab-size", "512"])):
+                              ("eagle3", ["--baseline", "eagle3", "--draft-vocab-size", "512",
+                                          "--aux-layer-ids", *map(str, cfg.aux_layer_ids)])):
             save = output / "drafters" / f"{method}_{domain}"
             steps.run(f"distill_{method}_{domain}", [
                 "-m", "megatron_osprey.distill", *flags, "--target", target, "--mode", "online",

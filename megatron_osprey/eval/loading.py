@@ -57,15 +57,14 @@ def load_megatron_drafter(root: Path) -> LoadedDrafter:
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
     from megatron_osprey.models.drafter_convert import reference_state
     from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.training.checkpointing import load_checkpoint
+    from megatron_osprey.training.checkpointing import load_model_weights
 
     run_config = megatron_run_config(root)
     arch = DrafterArch.from_dict(run_config["drafter"])
     with parallel_context(ParallelConfig()) as state:
         model = build_drafter_model(arch, state.config, params_dtype=arch.body.torch_dtype_obj(),
                                     perform_initialization=False)
-        loaded, _ = load_checkpoint(root, model.sharded_state_dict())
-        model.load_state_dict(loaded)
+        load_model_weights(root, model)
         state_dict = reference_state(model)
     drafter = ReferenceDrafter(arch.reference_config())
     drafter.to(state_dict["embed_tokens.weight"].dtype)

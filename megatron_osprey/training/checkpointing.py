@@ -239,13 +239,23 @@ def _same_model_split(saved: dict | None, current: dict) -> bool:
     return saved is not None and all(saved.get(k) == current[k] for k in keys)
 
 
+def load_model_weights(root: str | Path, module, iteration: int | None = None) -> int:
+    """A model's weights from any of our checkpoints (Stage 1/3 or training), resharded to this layout.
+
+    Training checkpoints also hold the optimizer, scheduler and counters as common
+    state; only the model's own keys are taken.
+    """
+    wanted = module.sharded_state_dict()
+    loaded, iteration = load_checkpoint(root, wanted, iteration)
+    module.load_state_dict({key: loaded[key] for key in wanted})
+    return iteration
+
+
 def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None
     for chunk in model_chunks:
-        module = unwrap(chunk)
-        loaded, iteration = load_checkpoint(megatron_dir, module.sharded_state_dict())
-        module.load_state_dict(loaded)
+        iteration = load_model_weights(megatron_dir, unwrap(chunk))
     return iteration
 
 
