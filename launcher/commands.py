@@ -117,6 +117,20 @@ def _aux(recipe: Recipe) -> list[str]:
     return ["--aux-layer-ids", *map(str, ids)] if ids else []
 
 
+def _shared_tensor_parallel(recipe: Recipe, flags: list[str]) -> list[str]:
+    """Online distillation runs drafter and target on one TP group: the target's size wins.
+
+    A MoE target at TP > 1 also needs sequence parallelism (Megatron-Core's MoE with TP).
+    """
+    lay = recipe.layout
+    size = max(lay.tensor_model_parallel_size, lay.target_tensor_model_parallel_size)
+    flags = list(flags)
+    flags[flags.index("--tensor-model-parallel-size") + 1] = str(size)
+    if recipe.target.num_experts and size > 1 and "--sequence-parallel" not in flags:
+        flags.append("--sequence-parallel")
+    return flags
+
+
 def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = None) -> list[str]:
     """The entry point's flags for `stage`, built from the recipe (without the interpreter)."""
     p, d, dr = recipe.resolved_paths(), recipe.data, recipe.drafter
@@ -154,17 +168,20 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         _need(recipe, stage, "target")
         flags = ["--target", p["target"]]
         if dr.method == "eagle3":
-            flags += ["--baseline", "eagle3", "--num-layers", str(dr.num_layers)]
+            # The draft vocabulary is the training data's top-K assistant tokens, counted by distill itself.
+            flags += ["--baseline", "eagle3", "--eagle3-num-layers", str(dr.num_layers)]
             if dr.draft_vocab_size:
-                flags += ["--draft-vocab-size", str(dr.draft_vocab_size), "--token-counts", p["token_counts"]]
+                flags += ["--draft-vocab-size", str(dr.draft_vocab_size)]
         else:
             flags += ["--drafter-init", p["drafter_init"]]
         flags += ["--mode", dr.mode]
         flags += ["--data-path", p["conversations"]] if dr.mode == "online" else ["--hidden-states", p["hidden_states"]]
-        flags += ["--ttt-steps", str(dr.ttt_steps), *_aux(recipe), *target_parallel_flags(recipe, "--target-")]
-        if dr.target_fp8_format:
-            flags += ["--target-fp8-format", dr.target_fp8_format, "--target-fp8-recipe", dr.target_fp8_recipe or "tensorwise"]
-        return flags + training_flags(recipe)
+        flags += ["--ttt-steps", str(dr.ttt_steps), *target_parallel_flags(recipe, "--target-")]
+        if dr.method == "eagle3":
+            flags += _aux(recipe)  # Osprey's aux taps come with its Stage 3 output
+        if dr.domain:
+            flags += ["--domain", dr.domain]
+        return flags + _shared_tensor_parallel(recipe, training_flags(recipe))
     if stage == "eval":
         _need(recipe, stage, "target")
         data = [recipe.domain_path("eval_data", domain) for domain in dr.eval_domains]

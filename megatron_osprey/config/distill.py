@@ -40,6 +40,12 @@ class TargetSection:
     target: str | None = None
     mode: str = "online"
     hidden_states: str | None = None  # offline: the store written by tools/extract_hidden_states.py
+    # The online target shares the job's model-parallel groups: its TP must be the drafter's, and
+    # it is not pipelined. EP applies to MoE targets only (the drafter is dense).
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = None
 
 
 @dataclasses.dataclass
@@ -99,10 +105,30 @@ class DistillConfig:
                 "--pipeline-model-parallel-size 1 (extract hidden states with PP and train --mode offline "
                 "for targets that need it)."
             )
+        self.resolve_target_layout()
         if self.ttt.ttt_steps < 1:
             raise ValueError(f"--ttt-steps must be >= 1, got {self.ttt.ttt_steps}.")
         validate_training(self.training, self.parallel, world_size)
         validate_optimizer(self.optimizer, self.training)
+
+    def resolve_target_layout(self) -> None:
+        """Fold the --target-* parallel sizes into the job's layout, refusing what one job cannot run."""
+        target, parallel = self.target, self.parallel
+        if target.tensor_model_parallel_size not in (None, parallel.tensor_model_parallel_size):
+            raise ValueError(
+                f"--target-tensor-model-parallel-size {target.tensor_model_parallel_size} differs from "
+                f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size}: the online target and the "
+                f"drafter share one tensor-parallel group; set both to the same size (or train --mode offline)."
+            )
+        if target.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                "--target-pipeline-model-parallel-size must be 1 for online distillation; extract hidden states "
+                "with pipeline parallelism (tools/extract_hidden_states.py) and train --mode offline."
+            )
+        if target.expert_model_parallel_size is not None:
+            parallel.expert_model_parallel_size = target.expert_model_parallel_size
+        if target.expert_tensor_parallel_size is not None:
+            parallel.expert_tensor_parallel_size = target.expert_tensor_parallel_size
 
     def warmup_iters(self) -> int:
         """--lr-warmup-iters, else the warmup fraction of the run (4% in the paper)."""

@@ -30,6 +30,10 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "target and data": [
         ("--target", "target.target", {"help": "the target's HF directory (config, tokenizer, weights)"}),
         ("--mode", "target.mode", {"choices": list(MODES)}),
+        ("--target-tensor-model-parallel-size", "target.tensor_model_parallel_size", {"type": int}),
+        ("--target-pipeline-model-parallel-size", "target.pipeline_model_parallel_size", {"type": int}),
+        ("--target-expert-model-parallel-size", "target.expert_model_parallel_size", {"type": int}),
+        ("--target-expert-tensor-parallel-size", "target.expert_tensor_parallel_size", {"type": int}),
         ("--hidden-states", "target.hidden_states", {"help": "offline: the store from tools/extract_hidden_states.py"}),
         ("--data-path", "data.data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
         ("--domain", "data.domain", {"help": "name of the training domain (eval's train x eval matrix)"}),

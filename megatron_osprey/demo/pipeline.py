@@ -58,6 +58,14 @@ class DemoConfig:
         return cls()
 
     @classmethod
+    def smoke(cls) -> "DemoConfig":
+        """Every stage in a few minutes (the end-to-end test): one training domain, two eval domains."""
+        return cls(train_domains=("chat",), eval_domains=("chat", "math"), n_train=12, n_eval=2,
+                   general_chars=6000, target=ModelSize(6, 64, 4, 2, 128, 512),
+                   small_lm=ModelSize(4, 64, 4, 2, 128, 384), seq_length=128, target_iters=12, small_lm_iters=8,
+                   backbone_iters=6, distill_iters=4, regenerate_tokens=12, eval_tokens=10)
+
+    @classmethod
     def full(cls) -> "DemoConfig":
         return cls(train_domains=("chat", "code", "math", "prose", "multilingual"), n_train=160, n_eval=16,
                    target_iters=600, small_lm_iters=200, backbone_iters=160, distill_iters=100)
@@ -280,7 +288,7 @@ def run_demo(cfg: DemoConfig, output: Path) -> dict:
     steps.header("evaluate the train x eval acceptance-length matrix (megatron_osprey.eval)")
     eval_dir = output / "eval"
     argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
-            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens)]
+            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress"]
     for method, domain, save in drafters:
         argv += ["--drafter", f"{method}_{domain}={save}"]
     argv += ["--train-domain", *[d for _, d, _ in drafters]]

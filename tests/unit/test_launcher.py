@@ -56,21 +56,23 @@ def test_distill_recipes_carry_the_paper_settings():
     assert _flag(argv, "--load") == _flag(argv, "--save")
 
     eagle = entry_args(get_recipe("qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16"), "distill")
-    assert (_flag(eagle, "--baseline"), _flag(eagle, "--num-layers"), _flag(eagle, "--ttt-steps"),
+    assert (_flag(eagle, "--baseline"), _flag(eagle, "--eagle3-num-layers"), _flag(eagle, "--ttt-steps"),
             _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "7", "32000")
     assert "--drafter-init" not in eagle
 
     llama = entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_fp8"), "distill")
     assert _flag(llama, "--target-tensor-model-parallel-size") == "4"
-    assert (_flag(llama, "--target-fp8-format"), _flag(llama, "--target-fp8-recipe")) == ("hybrid", "tensorwise")
+    # One job, one TP group: the drafter runs at the target's TP size.
+    assert _flag(llama, "--tensor-model-parallel-size") == "4"
 
     minimax = get_recipe("minimax_m25_osprey_distill_4gpu_b200_mxfp8")
     argv = entry_args(minimax, "distill")
     assert minimax.layout.world_size == 4
-    assert argv[argv.index("--aux-layer-ids") + 1:argv.index("--aux-layer-ids") + 4] == ["1", "30", "58"]
+    adapt = entry_args(minimax, "adapt")  # Osprey's aux taps are fixed when adapting
+    assert adapt[adapt.index("--aux-layer-ids") + 1:adapt.index("--aux-layer-ids") + 4] == ["1", "30", "58"]
     assert (_flag(argv, "--target-tensor-model-parallel-size"), _flag(argv, "--target-expert-model-parallel-size"),
             _flag(argv, "--target-expert-tensor-parallel-size")) == ("4", "4", "1")
-    assert _flag(argv, "--target-fp8-recipe") == "mxfp8"
+    assert _flag(argv, "--tensor-model-parallel-size") == "4" and "--sequence-parallel" in argv
     extract = entry_args(minimax, "extract")
     assert _flag(extract, "--expert-model-parallel-size") == "4" and "--sequence-parallel" in extract
 
@@ -219,3 +221,22 @@ def test_stage_commands_print_then_run_or_only_print(monkeypatch, capsys):
     assert cli.main(["pretrain", "tiny_cpu_backbone_pretrain_2proc_fp32", "--set", "layout.gpus_per_node=3",
                      "--dry-run"]) == 2
     assert "does not divide the global batch size (4)" in capsys.readouterr().err
+
+
+def test_every_recipe_argv_parses_with_its_entry_point():
+    """The launcher's flags are exactly the entry points' flags (distill and pretrain parse them)."""
+    from megatron_osprey.config.args import config_from_args
+    from megatron_osprey.config.distill_args import distill_config_from_args
+
+    checked = 0
+    for name in RECIPES:
+        recipe = get_recipe(name)
+        if recipe.stage == "distill":
+            cfg = distill_config_from_args(entry_args(recipe, "distill")[2:])
+            cfg.resolve_target_layout()  # one TP group for drafter and online target
+            assert cfg.parallel.tensor_model_parallel_size >= recipe.layout.target_tensor_model_parallel_size
+            checked += 1
+        elif recipe.stage == "pretrain":
+            config_from_args(entry_args(recipe, "pretrain")[2:])
+            checked += 1
+    assert checked > 10
