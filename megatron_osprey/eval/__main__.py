@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enable-thinking", choices=("true", "false"), default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--target-backend", choices=("hf", "megatron"), default="hf",
+                        help="run the target as a HF model (default) or as a Megatron-Core model (chain drafting)")
     return parser.parse_args(argv)
 
 
@@ -89,6 +91,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
+        target_backend=args.target_backend,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ class EvalConfig:
     enable_thinking: bool | None = None
     seed: int = 0
     progress: bool = True
+    target_backend: str = "hf"  # or "megatron": the Megatron-Core model (chain drafting, recompute)
     extra: dict = field(default_factory=dict)
 
 
@@ -70,8 +73,8 @@ def _domain_from_run_config(run_config: dict) -> str | None:
     return None
 
 
-def _eos_ids(target_dir: Path, model, tokenizer) -> tuple[int, ...]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+def _eos_ids(target_dir: Path, generation_config, tokenizer) -> tuple[int, ...]:
+    ids = generation_config.eos_token_id if generation_config is not None else None
     ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -88,8 +91,42 @@ def _load_target(config: EvalConfig):
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}.")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
     tokenizer = AutoTokenizer.from_pretrained(str(target))
+    if config.target_backend == "megatron":
+        if config.topk != 1:
+            raise ValueError("--target-backend megatron verifies chains only: use --topk 1 (or the hf backend).")
+        return None, tokenizer, "cpu"
+    if config.target_backend != "hf":
+        raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[config.dtype]).to(device).eval()
     return model, tokenizer, device
+
+
+def _target_facts(config: EvalConfig, model) -> tuple[int, object]:
+    """(vocab size, generation config) without loading weights when the HF model is not used."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if model is not None:
+        return model.config.vocab_size, model.generation_config
+    try:
+        generation = GenerationConfig.from_pretrained(str(config.target))
+    except OSError:
+        generation = None
+    return AutoConfig.from_pretrained(str(config.target)).vocab_size, generation
+
+
+@contextlib.contextmanager
+def _target_factory(config: EvalConfig, model):
+    """Yields make(aux_layer_ids) -> TargetModel, for the HF model or a Megatron-Core stage."""
+    if model is not None:
+        yield lambda aux: HFTargetModel(model, aux)
+        return
+    from megatron_osprey.models.targets.target import load_target
+    from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.speculative.megatron_target import MegatronTargetModel
+
+    with parallel_context(ParallelConfig()) as state:
+        stage = load_target(config.target, state.config, state.device, with_lm_head=True, transformer_impl="local")
+        yield lambda aux: MegatronTargetModel(stage.model, aux, stage.arch.vocab_size)
 
 
 def run_eval(config: EvalConfig) -> dict:
@@ -104,16 +141,17 @@ def run_eval(config: EvalConfig) -> dict:
     if len(set(names)) != len(names):
         raise ValueError(f"--drafter names must be distinct, got {names}.")
     model, tokenizer, device = _load_target(config)
-    spec = SpecConfig(**spec_kwargs, eos_token_ids=_eos_ids(config.target, model, tokenizer))
+    vocab_size, generation_config = _target_facts(config, model)
+    spec = SpecConfig(**spec_kwargs, eos_token_ids=_eos_ids(config.target, generation_config, tokenizer))
     prompts = {name: load_prompts(path, tokenizer, config.limit, config.enable_thinking)
                for name, path in zip(splits, config.data)}
     drafters = []
     for item in config.drafters:
         loaded = load_drafter(item.path)
         cfg = loaded.drafter.config
-        if cfg.vocab_size != model.config.vocab_size:
+        if cfg.vocab_size != vocab_size:
             raise ValueError(f"--drafter {item.path}: its vocabulary ({cfg.vocab_size}) is not the target's "
-                             f"({model.config.vocab_size}); was it adapted to --target {config.target}?")
+                             f"({vocab_size}); was it adapted to --target {config.target}?")
         drafters.append((item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config),
                          item.method or cfg.variant))
 
@@ -121,10 +159,11 @@ def run_eval(config: EvalConfig) -> dict:
 
     total = len(drafters) * sum(len(p) for p in prompts.values())
     cells, cell_records, mismatches = [], [], []
-    with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress:
+    with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
+            _target_factory(config, model) as make_target:
         for item, loaded, domain, method in drafters:
             drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
-            target = HFTargetModel(model, list(drafter.config.aux_layer_ids))
+            target = make_target(list(drafter.config.aux_layer_ids))
             session = benchmark.make_session(drafter)
             for split in splits:
                 progress.set_description(f"{item.name} on {split}")

@@ -1,0 +1,45 @@
+"""The reference speculative decoder with a Megatron-Core target equals the HF target, token for token."""
+
+import pytest
+import torch
+
+from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
+from megatron_osprey.speculative import (
+    HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate, target_generate,
+)
+from megatron_osprey.speculative.megatron_target import MegatronTargetModel
+from tests.tiny_models import VOCAB, llama_config, make_hf_model
+
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("megatron_target")
+    return directory, make_hf_model(llama_config(layers=8), directory, seed=4)
+
+
+def _drafter():
+    torch.manual_seed(2)
+    cfg = DrafterConfig(hidden_size=32, target_hidden_size=64, num_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=VOCAB,
+                        aux_layer_ids=AUX, variant="osprey")
+    drafter = ReferenceDrafter(cfg).eval()
+    return drafter
+
+
+def test_megatron_target_matches_hf_target(target):
+    directory, hf = target
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 17)]
+    spec = SpecConfig(steps=3, topk=1, draft_tokens=4, max_new_tokens=24)
+    hf_runs = [speculative_generate(HFTargetModel(hf, AUX), ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
+    greedy = [target_generate(HFTargetModel(hf, AUX), p, 24) for p in prompts]
+    with MegatronTargetModel.open(directory, AUX) as megatron:
+        mg_runs = [speculative_generate(megatron, ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
+        mg_greedy = [target_generate(megatron, p, 24) for p in prompts]
+        with pytest.raises(ValueError, match="chains only"):
+            megatron.prefill(prompts[0])
+            megatron.verify(torch.tensor([1, 2]), torch.tensor([1, 1]), torch.eye(2, dtype=torch.bool))
+    for hf_run, mg_run, reference, mg_reference in zip(hf_runs, mg_runs, greedy, mg_greedy):
+        assert mg_run.tokens == hf_run.tokens == reference == mg_reference  # lossless, and the same target
+        assert mg_run.verify_count == hf_run.verify_count
