@@ -142,6 +142,7 @@ def plot_matrices(matrices: dict, path: str | Path) -> None:
                     light = (grid[i, j] - vmin) / max(vmax - vmin, 1e-6) > 0.6  # dark text on the bright end
                     ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="black" if light else "white",
                             fontweight="bold" if bold else "normal", fontsize=8)
+    fig.subplots_adjust(wspace=0.55)  # room for the next panel's row labels
     fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="acceptance length")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp, dpi=150, bbox_inches="tight")
