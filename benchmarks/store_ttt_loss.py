@@ -63,11 +63,13 @@ def main() -> int:
             for index in range(len(source)):
                 batch = collate([source[index]], args.seq_length, 0)
                 aux, final = target(batch["input_ids"])
-                samples.append({**batch, "aux_hidden": aux, "final_hidden": final})
+                # The store keeps [T, ...] per sample: drop the batch dimension, restore it in loss_fn.
+                samples.append({"input_ids": batch["input_ids"][0], "loss_mask": batch["loss_mask"][0],
+                                "aux_hidden": aux[0], "final_hidden": final[0]})
             step = distill_forward_step(None, head, DistillConfig(), arch.draft_vocab_size, None)
 
             def loss_fn(sample):
-                loss, loss_func = step(iter([sample]), model)
+                loss, loss_func = step(iter([{k: v[None] for k, v in sample.items()}]), model)
                 return loss / loss_func(loss)[1].clamp(min=1)
 
             rows = [loss_delta_under_encoding(loss_fn, samples, encoding) for encoding in ("bf16", "int8")]
