@@ -310,10 +310,10 @@ def test_merge_reasoning_and_url_normalization():
         normalize_server_url("h:1")
 
 
-def test_local_server_entry_module_serves_a_model_dir(target_dir, hf_backend):
+def test_serve_local_tool_serves_a_model_dir(target_dir, hf_backend):
     import httpx
 
-    cmd = [sys.executable, "-m", "megatron_osprey.data.regenerate.local_server", "--model", str(target_dir), "--port", "0"]
+    cmd = [sys.executable, str(REPO / "tools" / "serve_local.py"), "--model", str(target_dir), "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = proc.stdout.readline()
