@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--target-backend", choices=("hf", "megatron"), default="hf",
-                        help="run the target as a HF model (default) or as a Megatron-Core model (chain drafting)")
+                        help="run the target as a HF model (default) or as a Megatron-Core model (exact recompute per verify)")
     return parser.parse_args(argv)
 
 

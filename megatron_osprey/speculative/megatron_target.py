@@ -1,12 +1,12 @@
-"""A Megatron-Core target for the reference speculative decoder (chain drafting).
+"""A Megatron-Core target for the reference speculative decoder (chains and draft trees).
 
 The Megatron-Core model runs without an inference KV cache here: every prefill or
-verify recomputes the committed sequence plus the new tokens under the causal
-mask and returns the new rows. That is exact (the logits of a causal LM at a
-position depend only on the prefix) and keeps the adapter small; it costs
-O(length) work per verify, so it is for checking a Megatron target's acceptance
-length, not for speed. Megatron's rotary embedding follows sequence order, so
-draft trees (whose positions follow depth) are refused: use topk 1.
+verify recomputes the committed sequence plus the new tokens and returns the new
+rows. The committed prefix is causal; draft tokens see all of it plus the tree
+rows `allowed` lets them see, at positions cache_len + depth (the rotary table is
+indexed by those positions, not by sequence order). That is exact, and keeps the
+adapter small; it costs O(length) work per verify, so it is for checking a
+Megatron target's acceptance length, not for speed.
 """
 
 from __future__ import annotations
@@ -53,32 +53,38 @@ class MegatronTargetModel(TargetModel):
         return int(self._committed.numel())
 
     @torch.no_grad()
-    def _run(self, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(ids.numel())[None]
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, new: int):
+        """Logits and aux rows of the last `new` tokens; visible[i, j]: token i attends to token j."""
+        model = self.model
+        hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])
+        rotary = model.rotary_pos_emb(int(positions.max()) + 1)[positions]
         self.capture.clear()
-        logits = self.model(ids[None], positions, attention_mask=None)[0, -new:, : self.vocab_size]
+        hidden = model.decoder(hidden_states=hidden, attention_mask=~visible[None, None], rotary_pos_emb=rotary)
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        logits, _ = model.output_layer(hidden, weight=weight)
         aux = torch.cat([self.capture.outputs[i][-new:, 0] for i in self.aux_layer_ids], dim=-1)
         self.capture.clear()
-        return logits.float(), aux.float()
+        return logits[-new:, 0, : self.vocab_size].float(), aux.float()
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._committed = input_ids.detach().cpu().long()
         self._pending = None
-        return self._run(self._committed, self._committed.numel())
+        n = self._committed.numel()
+        return self._run(self._committed, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), n)
 
     def verify(self, tokens: torch.Tensor, depths: torch.Tensor, allowed: torch.Tensor):
-        m = tokens.numel()
-        chain = torch.equal(depths.cpu(), torch.arange(m)) and torch.equal(
-            allowed.cpu().bool(), torch.ones(m, m, dtype=torch.bool).tril())
-        if not chain:
-            raise ValueError("the Megatron target verifies chains only (topk 1); use the HF target for draft trees.")
         if self._pending is not None:
             raise RuntimeError("MegatronTargetModel.verify called twice without commit in between.")
-        self._pending = tokens.detach().cpu().long()
-        return self._run(torch.cat([self._committed, self._pending]), m)
+        n, m = self.cache_length, tokens.numel()
+        self._pending = (tokens.detach().cpu().long(), depths.detach().cpu().long())
+        visible = torch.zeros(n + m, n + m, dtype=torch.bool)
+        visible[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        visible[n:, :n] = True
+        visible[n:, n:] = allowed.cpu().bool()
+        positions = torch.cat([torch.arange(n), n + self._pending[1]])
+        return self._run(torch.cat([self._committed, self._pending[0]]), positions, visible, m)
 
     def commit(self, keep: list[int]) -> None:
-        if keep != list(range(len(keep))):
-            raise ValueError(f"a chain keeps a prefix of its rows, got {keep}.")
-        self._committed = torch.cat([self._committed, self._pending[: len(keep)]])
+        # The kept rows form one root-to-leaf path: in order they continue the committed sequence.
+        self._committed = torch.cat([self._committed, self._pending[0][keep]])
         self._pending = None

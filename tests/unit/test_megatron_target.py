@@ -28,18 +28,25 @@ def _drafter():
     return drafter
 
 
-def test_megatron_target_matches_hf_target(target):
+@pytest.mark.parametrize("topk,draft_tokens", [(1, 4), (3, 8)], ids=["chain", "tree"])
+def test_megatron_target_matches_hf_target(target, topk, draft_tokens):
     directory, hf = target
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 17)]
-    spec = SpecConfig(steps=3, topk=1, draft_tokens=4, max_new_tokens=24)
+    spec = SpecConfig(steps=3, topk=topk, draft_tokens=draft_tokens, max_new_tokens=24)
     hf_runs = [speculative_generate(HFTargetModel(hf, AUX), ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
     greedy = [target_generate(HFTargetModel(hf, AUX), p, 24) for p in prompts]
     with MegatronTargetModel.open(directory, AUX) as megatron:
         mg_runs = [speculative_generate(megatron, ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
         mg_greedy = [target_generate(megatron, p, 24) for p in prompts]
-        with pytest.raises(ValueError, match="chains only"):
-            megatron.prefill(prompts[0])
-            megatron.verify(torch.tensor([1, 2]), torch.tensor([1, 1]), torch.eye(2, dtype=torch.bool))
+        # Tree verify: two siblings at depth 0 see only themselves; logits equal the HF target's.
+        tokens, depths, allowed = torch.tensor([7, 9]), torch.tensor([0, 0]), torch.eye(2, dtype=torch.bool)
+        megatron.prefill(prompts[1])
+        mg_logits, mg_aux = megatron.verify(tokens, depths, allowed)
+    reference = HFTargetModel(hf, AUX)
+    reference.prefill(prompts[1])
+    hf_logits, hf_aux = reference.verify(tokens, depths, allowed)
+    torch.testing.assert_close(mg_logits, hf_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mg_aux, hf_aux, atol=1e-4, rtol=0)
     for hf_run, mg_run, reference, mg_reference in zip(hf_runs, mg_runs, greedy, mg_greedy):
         assert mg_run.tokens == hf_run.tokens == reference == mg_reference  # lossless, and the same target
         assert mg_run.verify_count == hf_run.verify_count
