@@ -11,12 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """SGLang/EAGLE-3 default taps [1, L//2 - 1, L - 4] for an L-layer target."""
-    if num_layers < 5:
-        raise ValueError(f"default aux_layer_ids need a target with >= 5 layers, got {num_layers}; pass them explicitly.")
-    return [1, num_layers // 2 - 1, num_layers - 4]
+from megatron_osprey.models.drafter import default_aux_layer_ids  # noqa: F401  (one definition, re-exported)
 
 
 class TargetModel(ABC):

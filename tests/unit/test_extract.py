@@ -147,4 +147,4 @@ def test_shard_and_slice_selection():
     assert parse_shard(None, {}) == (0, 1)
     with pytest.raises(ValueError, match="--shard must look like i/n"):
         parse_shard("3", {})
-    assert default_aux_layer_ids(62) == (1, 30, 58)  # MiniMax-M2.5's published taps
+    assert default_aux_layer_ids(62) == [1, 30, 58]  # MiniMax-M2.5's published taps

@@ -21,16 +21,9 @@ import torch
 
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.models.drafter import default_aux_layer_ids  # noqa: F401  (one definition, re-exported)
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """SGLang / Osprey default taps: outputs of layers 1, L//2 - 1 and L - 4 (0-based)."""
-    ids = (1, num_layers // 2 - 1, num_layers - 4)
-    if num_layers < 5:
-        raise ValueError(f"the default --aux-layer-ids need a target of at least 5 layers, it has {num_layers}; pass --aux-layer-ids.")
-    return ids
 
 
 def validate_aux_layer_ids(ids, num_layers: int) -> tuple[int, ...]:
