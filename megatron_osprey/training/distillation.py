@@ -35,7 +35,7 @@ class DistillResult:
     arch: DrafterArch
 
 
-def drafter_arch(cfg: DistillConfig, counts: Callable[[], torch.Tensor] | None = None) -> DrafterArch:
+def drafter_arch(cfg: DistillConfig) -> DrafterArch:
     """Osprey: Stage 3's saved arch. EAGLE-3: the target's own layer shape, K-token draft vocab."""
     if cfg.drafter.drafter_init:
         saved = load_run_config(cfg.drafter.drafter_init)
@@ -151,9 +151,8 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     is_writer = parallel.rank == 0
     notes: list[str] = []
 
-    provisional = drafter_arch(cfg)
-    source = build_sources(cfg, provisional, tokenizer)
-    arch = provisional
+    arch = drafter_arch(cfg)
+    source = build_sources(cfg, arch, tokenizer)
     draft_ids = None
     if cfg.drafter.baseline:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
