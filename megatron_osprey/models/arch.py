@@ -26,6 +26,12 @@ MOE_FAMILIES = ("qwen3_moe", "minimax_m2")
 QK_NORM_SCOPES = ("none", "head", "projection")
 
 
+def padded_size(size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
+    """Megatron's table padding: `size` rounded up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-size // multiple) * multiple
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelArch:
     """What Megatron-Core needs to rebuild a Qwen3 / Llama model from its HF config."""
@@ -171,8 +177,7 @@ class ModelArch:
 
     def padded_vocab_size(self, tensor_parallel_size: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: a multiple of divisible_by x TP."""
-        multiple = divisible_by * tensor_parallel_size
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
+        return padded_size(self.vocab_size, tensor_parallel_size, divisible_by)
 
     def validate_parallel(
         self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.models.arch import ModelArch, padded_size
 from megatron_osprey.models.gpt import layer_spec, resolve_transformer_impl, transformer_config
 from megatron_osprey.parallel import ParallelConfig
 
@@ -121,11 +121,6 @@ class DrafterArch:
             tie_word_embeddings=False,
             variant=self.variant,
         )
-
-
-def padded_size(size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
-    multiple = divisible_by * tensor_parallel_size
-    return -(-size // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------- attention

@@ -21,10 +21,10 @@ from megatron_osprey.training import checkpointing
 from megatron_osprey.training.flops import (
     ModelShape, device_peak_tflops, forward_flops_per_sequence, training_flops_per_sequence,
 )
-from megatron_osprey.training.loop import TrainRun, TrainState, train
+from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
 from megatron_osprey.training.optimizer import sharding_metadata
-from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler
+from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler, make_train_run
 
 
 @dataclasses.dataclass
@@ -226,14 +226,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     for note in notes:
         metrics.note(note)
 
-    def save(s: TrainState) -> None:
-        path = checkpointing.save_training_checkpoint(
-            cfg.checkpoint.save, s.iteration, s.consumed_train_samples, model, optimizer, scheduler,
-            run_config | {"iteration": s.iteration}, metadata)
-        metrics.note(f"saved checkpoint {path}")
-
-    run = TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics,
-                   save if cfg.checkpoint.save else None, parallel.dp_size, parallel.device)
+    run = make_train_run(cfg, model, optimizer, scheduler, metrics, run_config, metadata, parallel)
     try:
         state = train(run, state, forward_step, train_iterator, None)
     finally:

@@ -17,10 +17,10 @@ from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
 from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
-from megatron_osprey.training.loop import TrainRun, TrainState, train
+from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
 from megatron_osprey.training.optimizer import sharding_metadata
-from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler
+from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler, make_train_run
 
 
 @dataclasses.dataclass
@@ -147,14 +147,7 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     for note in notes:
         metrics.note(note)
 
-    def save(s: TrainState) -> None:
-        path = checkpointing.save_training_checkpoint(
-            cfg.checkpoint.save, s.iteration, s.consumed_train_samples, model, optimizer, scheduler,
-            run_config | {"iteration": s.iteration}, metadata)
-        metrics.note(f"saved checkpoint {path}")
-
-    run = TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics,
-                   save if cfg.checkpoint.save else None, dp_size, parallel.device)
+    run = make_train_run(cfg, model, optimizer, scheduler, metrics, run_config, metadata, parallel)
     try:
         state = train(run, state, forward_step, train_iterator, valid_iterator)
     finally:

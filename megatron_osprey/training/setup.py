@@ -59,3 +59,18 @@ def build_optimizer_and_scheduler(model: list, section: OptimizerSection, *, bf1
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     return optimizer, scheduler
+
+
+def make_train_run(cfg, model: list, optimizer, scheduler, metrics, run_config: dict, metadata: dict, parallel):
+    """The loop's TrainRun, with a saver writing full training checkpoints to cfg.checkpoint.save (if set)."""
+    from megatron_osprey.training import checkpointing
+    from megatron_osprey.training.loop import TrainRun, TrainState
+
+    def save(state: TrainState) -> None:
+        path = checkpointing.save_training_checkpoint(
+            cfg.checkpoint.save, state.iteration, state.consumed_train_samples, model, optimizer, scheduler,
+            run_config | {"iteration": state.iteration}, metadata)
+        metrics.note(f"saved checkpoint {path}")
+
+    return TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics,
+                    save if cfg.checkpoint.save else None, parallel.dp_size, parallel.device)
