@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None, help="local HF model directory (hf backend)")
     p.add_argument("--device", default="cpu", help="torch device (hf backend)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="hf backend, greedy: generate up to this many concurrent turns together (needs --concurrency >= it)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from --model (hf backend)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -98,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--backend hf needs --model DIR.")
         if not (args.model / "config.json").is_file():
             parser.error(f"--model {args.model} is not a Hugging Face model directory (no config.json).")
+        if args.batch_size < 1:
+            parser.error("--batch-size must be >= 1.")
         backend = HFBackend(
-            HFBackendConfig(model_dir=args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+            HFBackendConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                            trust_remote_code=args.trust_remote_code, batch_size=args.batch_size)
         )
 
     config = RegenerateConfig(

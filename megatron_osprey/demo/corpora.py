@@ -168,6 +168,23 @@ def _user_texts(messages: Messages) -> set[str]:
     return {_normalize(m["content"]) for m in messages if m["role"] == "user"}
 
 
+# Eval messages shorter than this (normalised) are matched as whole lines, not as substrings: a short
+# reply such as "yes." occurs inside almost any document without being a copy of the eval answer.
+MIN_SUBSTRING_CHARS = 20
+
+
+def eval_texts(eval_rows: Iterable[dict]) -> set[str]:
+    """Every message (prompt and answer) of the eval conversations, normalised (whitespace, case)."""
+    return {_normalize(m["content"]) for row in eval_rows for m in row["conversations"] if m["content"].strip()}
+
+
+def leaked_texts(document: str, texts: set[str]) -> list[str]:
+    """The eval texts that appear in a document: long ones as substrings, short ones as whole lines."""
+    doc = _normalize(document)
+    lines = {_normalize(line) for line in document.splitlines()}
+    return [t for t in texts if (t in doc if len(t) >= MIN_SUBSTRING_CHARS else t in lines)]
+
+
 def split_conversations(
     domain: str, n_train: int, n_eval: int, seed: int = 0, cache_dir: Path | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -179,12 +196,17 @@ def split_conversations(
     if len(eval_rows) < n_eval:
         raise ValueError(f"Domain {domain!r} has only {len(eval_rows)} distinct conversations; {n_eval} eval asked.")
     eval_prompts = {_normalize(row["conversations"][0]["content"]) for row in eval_rows}
+    held_out = eval_texts(eval_rows)
     train_rows = []
     for index, messages in ordered:
         if len(train_rows) == n_train:
             break
-        if not _user_texts(messages) & eval_prompts:
-            train_rows.append(_row(domain, index, messages))
+        # No eval prompt as a train turn, and no eval message (prompt or answer) inside any train message.
+        if _user_texts(messages) & eval_prompts:
+            continue
+        if any(leaked_texts(m["content"], held_out) for m in messages):
+            continue
+        train_rows.append(_row(domain, index, messages))
     if len(train_rows) < n_train:
         raise ValueError(
             f"Domain {domain!r} has only {len(train_rows)} conversations disjoint from its {n_eval} eval ones; "
@@ -222,17 +244,25 @@ def _documents(domain: str, seed: int, cache_dir: Path | None) -> Iterator[str]:
 
 
 def pretraining_text(
-    domains: Iterable[str], max_chars_per_domain: int, seed: int = 0, cache_dir: Path | None = None
+    domains: Iterable[str], max_chars_per_domain: int, seed: int = 0, cache_dir: Path | None = None,
+    exclude: set[str] | None = None,
 ) -> list[str]:
-    """Plain-text documents of each domain up to max_chars_per_domain characters, mixed in seeded order."""
+    """Plain-text documents of each domain up to max_chars_per_domain characters, mixed in seeded order.
+
+    Documents holding any of the normalised texts in `exclude` (the eval conversations' messages, see
+    eval_texts) are left out whole, so no eval prompt or answer is ever pretrained on.
+    """
     if max_chars_per_domain <= 0:
         raise ValueError(f"max_chars_per_domain must be positive, got {max_chars_per_domain}.")
+    exclude = exclude or set()
     mix: list[str] = []
     for domain in domains:
         budget = max_chars_per_domain
         for doc in _documents(domain, seed, cache_dir):
             if budget <= 0:
                 break
+            if exclude and leaked_texts(doc, exclude):
+                continue
             mix.append(doc[:budget])
             budget -= len(mix[-1])
     random.Random(f"mix:{seed}").shuffle(mix)

@@ -29,8 +29,11 @@ class RequestResult:
     verify_count: int
     seconds: float
     accept_lengths: list[int] = field(default_factory=list)
-    # --verify-lossless: index of the first token that differs from target-only greedy decoding.
+    # --verify-lossless: index of the first token that differs from target-only greedy decoding, and the
+    # seconds that target-only decoding took (the same prompt's, shared by every drafter).
     mismatch_at: int | None = None
+    target_seconds: float | None = None
+    output_ids: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -60,8 +63,13 @@ def _sync() -> None:
 
 
 def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalPrompt], spec: SpecConfig,
-                 verify_lossless: bool = False, progress=None) -> list[RequestResult]:
-    """Decode every prompt speculatively (batch 1); optionally compare with target-only greedy decoding."""
+                 verify_lossless: bool = False, progress=None, references: dict | None = None) -> list[RequestResult]:
+    """Decode every prompt speculatively (batch 1); optionally compare with target-only greedy decoding.
+
+    `references` caches target-only decodes by prompt id across calls (the target's greedy output of a
+    prompt does not depend on the drafter).
+    """
+    references = {} if references is None else references
     results = []
     for prompt in prompts:
         _sync()
@@ -70,9 +78,16 @@ def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalP
         _sync()
         seconds = time.perf_counter() - start
         result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
-                               seconds, list(out.accept_lengths))
+                               seconds, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
         if verify_lossless:
-            expected = target_generate(target, prompt.input_ids, spec.max_new_tokens, eos_token_ids=spec.eos_token_ids)
+            if prompt.id not in references:
+                _sync()
+                start = time.perf_counter()
+                expected = target_generate(target, prompt.input_ids, spec.max_new_tokens,
+                                           eos_token_ids=spec.eos_token_ids)
+                _sync()
+                references[prompt.id] = (expected, time.perf_counter() - start)
+            expected, result.target_seconds = references[prompt.id]
             result.mismatch_at = first_mismatch(out.tokens, expected)
         results.append(result)
         if progress is not None:

@@ -157,6 +157,7 @@ def run_eval(config: EvalConfig) -> dict:
 
     total = len(drafters) * sum(len(p) for p in prompts.values())
     cells, cell_records, mismatches = [], [], []
+    references = {split: {} for split in splits}  # target-only decodes, shared by the drafters
     with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
             _target_factory(config, model) as make_target:
         for item, loaded, domain, method in drafters:
@@ -165,7 +166,8 @@ def run_eval(config: EvalConfig) -> dict:
             session = benchmark.make_session(drafter)
             for split in splits:
                 progress.set_description(f"{item.name} on {split}")
-                results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless, progress)
+                results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless, progress,
+                                                 references[split])
                 requests = [r.to_dict() for r in results]
                 summary = summarize(requests)
                 cells.append(Cell(item.name, method, domain, split, summary))

@@ -139,3 +139,34 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     assert corpus_sources.default_cache_dir() == tmp_path / "corpora"
     monkeypatch.delenv("OSPREY_CACHE")
     assert corpus_sources.default_cache_dir() == Path.home() / ".cache" / "megatron_osprey" / "corpora"
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def test_no_eval_text_in_any_training_corpus(cache_dir):
+    """The demo's eval prompts and answers never appear in the pretraining mix or the training conversations.
+
+    Checked independently of corpora.leaked_texts: every eval message of 20+ normalised characters must not be a
+    substring of any normalised training text; shorter ones must not be a whole line of it.
+    """
+    evaluation, train = [], []
+    for domain in corpora.DOMAINS:
+        tr, ev = corpora.split_conversations(domain, 48, 16, seed=0, cache_dir=cache_dir)
+        evaluation += ev
+        train += tr
+    held_out = corpora.eval_texts(evaluation)
+    mix = corpora.pretraining_text(corpora.DOMAINS, 60_000, seed=0, cache_dir=cache_dir, exclude=held_out)
+    corpus = mix + [m["content"] for row in train for m in row["conversations"]]
+    texts = {_norm(m["content"]) for row in evaluation for m in row["conversations"]}
+    long_texts = [t for t in texts if len(t) >= 20]
+    assert len(long_texts) > 100  # the check covers real prompts and answers of every domain
+    for doc in corpus:
+        normed = _norm(doc)
+        lines = {_norm(line) for line in doc.splitlines()}
+        assert not [t for t in long_texts if t in normed], doc[:200]
+        assert not [t for t in texts if len(t) < 20 and t in lines], doc[:200]
+    # Without the exclusion the mix does hold eval answers verbatim (the leak the exclusion removes).
+    leaky = corpora.pretraining_text(corpora.DOMAINS, 60_000, seed=0, cache_dir=cache_dir)
+    assert any(t in _norm(doc) for doc in leaky for t in long_texts)

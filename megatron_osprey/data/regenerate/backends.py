@@ -171,6 +171,19 @@ class HFBackendConfig:
     device: str = "cpu"
     dtype: str = "float32"
     trust_remote_code: bool = False
+    # Greedy requests from concurrent conversations are generated together, up to this many at once
+    # (left-padded); 1 generates each alone. Sampled requests are always generated alone.
+    batch_size: int = 1
+    batch_wait_s: float = 0.05
+
+
+@dataclass
+class _PendingRequest:
+    input_ids: list[int]
+    max_tokens: int
+    done: threading.Event = field(default_factory=threading.Event)
+    text: str | None = None
+    error: BaseException | None = None
 
 
 class HFBackend:
@@ -200,9 +213,82 @@ class HFBackend:
         self._pad_id = pad if pad is not None else self._stop_ids[0]
         # generate() is not safe to share across threads, and seeding uses the global RNG.
         self._lock = threading.Lock()
+        if config.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
+        self._queue: list[_PendingRequest] = []
+        self._queue_cv = threading.Condition()
+        self._closed = False
+        self._batcher: threading.Thread | None = None
 
     def close(self) -> None:
-        """Nothing to release beyond what garbage collection frees."""
+        """Stop the batching thread (if one runs); memory is freed by garbage collection."""
+        with self._queue_cv:
+            self._closed = True
+            self._queue_cv.notify_all()
+        if self._batcher is not None:
+            self._batcher.join()
+
+    def _generation_kwargs(self, max_tokens: int) -> dict[str, Any]:
+        return dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=self._stop_ids, pad_token_id=self._pad_id)
+
+    def _complete_batched(self, input_ids: list[int], max_tokens: int) -> str:
+        request = _PendingRequest(input_ids, max_tokens)
+        with self._queue_cv:
+            if self._batcher is None:
+                self._batcher = threading.Thread(target=self._batch_loop, name="hf-batcher", daemon=True)
+                self._batcher.start()
+            self._queue.append(request)
+            self._queue_cv.notify_all()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.text
+
+    def _take_batch(self) -> list[_PendingRequest] | None:
+        """Wait for requests; gather up to batch_size with the first one's max_tokens (None once closed)."""
+        with self._queue_cv:
+            while not self._queue and not self._closed:
+                self._queue_cv.wait()
+            if not self._queue:
+                return None
+            # A short wait lets the other conversations' next turns join this batch.
+            deadline = time.monotonic() + self.config.batch_wait_s
+            while len(self._queue) < self.config.batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._queue_cv.wait(left)
+            first = self._queue[0].max_tokens
+            batch = [r for r in self._queue if r.max_tokens == first][: self.config.batch_size]
+            for r in batch:
+                self._queue.remove(r)
+            return batch
+
+    def _batch_loop(self) -> None:
+        import torch
+
+        while (batch := self._take_batch()) is not None:
+            try:
+                width = max(len(r.input_ids) for r in batch)
+                ids = torch.full((len(batch), width), self._pad_id, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, r in enumerate(batch):  # left padding: every row's next token is at the end
+                    ids[row, width - len(r.input_ids):] = torch.tensor(r.input_ids)
+                    mask[row, width - len(r.input_ids):] = 1
+                with self._lock, torch.no_grad():
+                    output = self.model.generate(ids.to(self.config.device), attention_mask=mask.to(self.config.device),
+                                                 **self._generation_kwargs(batch[0].max_tokens))
+                for row, r in enumerate(batch):
+                    new = output[row, width:].tolist()
+                    # Rows that stopped early are padded after their stop token; cut at the first stop.
+                    cut = next((i for i, t in enumerate(new) if t in self._stop_ids), len(new))
+                    r.text = self.tokenizer.decode(new[:cut], skip_special_tokens=True)
+            except BaseException as error:  # noqa: BLE001 - handed to every waiting caller, which re-raises it
+                for r in batch:
+                    r.error = error
+            finally:
+                for r in batch:
+                    r.done.set()
 
     def complete(self, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
         """Return the model's reply to ``messages`` rendered with its chat template."""
@@ -213,12 +299,12 @@ class HFBackend:
         prompt = render_generation_prompt(self.tokenizer, messages, params.enable_thinking)
         input_ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.config.device)
         sample = params.temperature > 0
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=params.max_tokens, do_sample=sample, eos_token_id=self._stop_ids, pad_token_id=self._pad_id
-        )
+        if not sample and self.config.batch_size > 1:
+            return self._complete_batched(input_ids[0].tolist(), params.max_tokens)
+        kwargs = self._generation_kwargs(params.max_tokens)
         if sample:
             # Plain temperature sampling, as the servers' defaults: no top-k / top-p cut.
-            kwargs.update(temperature=params.temperature, top_k=0, top_p=1.0)
+            kwargs.update(do_sample=True, temperature=params.temperature, top_k=0, top_p=1.0)
         with self._lock, torch.no_grad():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
