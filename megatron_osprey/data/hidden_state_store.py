@@ -42,6 +42,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from safetensors import safe_open
 
+from megatron_osprey.base.atomic_io import atomic_open, temp_name_regex, write_bytes_atomic
 from megatron_osprey.data.hidden_state_quant import (
     Int8Encoded,
     check_encoding,
@@ -140,32 +141,6 @@ class ShardRecord:
 # ---------------------------------------------------------------- file helpers
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f".tmp-{final.name}.{os.getpid()}.{threading.get_ident()}")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _json_bytes(obj: dict) -> bytes:
     # Sorted keys and no timestamps: a resumed run writes byte-identical manifests.
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
@@ -198,25 +173,16 @@ def _write_safetensors(path: Path, entries: Sequence[tuple[str, torch.dtype, tup
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     head += b" " * (-len(head) % 8)
     digest = hashlib.sha256()
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in (struct.pack("<Q", len(head)), head):
+    with atomic_open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(head)), head):
+            f.write(chunk)
+            digest.update(chunk)
+        for _, _, _, pieces in entries:
+            for piece in pieces:
+                chunk = _tensor_bytes(piece) if isinstance(piece, torch.Tensor) else piece
                 f.write(chunk)
                 digest.update(chunk)
-            for _, _, _, pieces in entries:
-                for piece in pieces:
-                    chunk = _tensor_bytes(piece) if isinstance(piece, torch.Tensor) else piece
-                    f.write(chunk)
-                    digest.update(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        size = f.tell()
     return digest.hexdigest(), size
 
 
@@ -538,7 +504,7 @@ class HiddenStateWriter:
         listed = {s.file for s in self._shards}
         tag = re.escape(self.tag)
         shard_re = re.compile(rf"shard-{tag}-\d{{6}}\.safetensors")
-        tmp_re = re.compile(rf"\.tmp-(shard-{tag}-\d{{6}}\.safetensors|{re.escape(part_name(self.tag))})\.\d+\.\d+")
+        tmp_re = re.compile(temp_name_regex(rf"shard-{tag}-\d{{6}}\.safetensors|{re.escape(part_name(self.tag))}"))
         for p in self.store_dir.iterdir():
             if (shard_re.fullmatch(p.name) and p.name not in listed) or tmp_re.fullmatch(p.name):
                 p.unlink()
@@ -645,7 +611,7 @@ class HiddenStateWriter:
             "complete": complete,
             "shards": [asdict(s) for s in self._shards],
         }
-        _atomic_write_bytes(self._part_path(), _json_bytes(part))
+        write_bytes_atomic(self._part_path(), _json_bytes(part))
 
 
 # ---------------------------------------------------------------- finalize
@@ -702,7 +668,7 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
         "shards": [asdict(s) for s in shards],
     }
     path = store_dir / MANIFEST_NAME
-    _atomic_write_bytes(path, _json_bytes(manifest))
+    write_bytes_atomic(path, _json_bytes(manifest))
     return path
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_osprey.assets.atomic import write_json_atomic
+from megatron_osprey.base.atomic_io import write_json_atomic
 from megatron_osprey.assets.download import pip_download, verify_sha256
 from megatron_osprey.assets.sources import Distribution
 

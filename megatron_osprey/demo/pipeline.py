@@ -128,7 +128,7 @@ def _short(line: str) -> str:
 
 
 def write_json(path: Path, data) -> None:
-    from megatron_osprey.convert.safetensors_io import write_text_atomic
+    from megatron_osprey.base.atomic_io import write_text_atomic
 
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 

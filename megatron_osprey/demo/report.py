@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 
 
 def _gain(new, old):

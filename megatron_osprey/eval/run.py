@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize

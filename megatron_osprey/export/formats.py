@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.export import layouts
-from megatron_osprey.models.reference_drafter import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter, _atomic_write
+from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
+from megatron_osprey.models.reference_drafter import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter
 
 FORMATS = ("sglang", "hf", "speculators")
 # Used when the checkpoint does not say (a bare reference dir): Llama-3's context.
@@ -53,12 +54,13 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}  # no shared storage
-    _atomic_write(path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def _write_json(path: Path, payload: dict) -> None:
     text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
-    _atomic_write(path, lambda p: Path(p).write_text(text))
+    write_text_atomic(path, text)
 
 
 def _max_positions(run_config: dict) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.config.run_config import load_run_config, save_run_config
-from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, default_aux_layer_ids, validate_aux_layer_ids
 from megatron_osprey.models.prune import TOKENIZER_FILES

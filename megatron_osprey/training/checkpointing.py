@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_osprey.config.run_config import save_run_config
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 

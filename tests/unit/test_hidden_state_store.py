@@ -171,7 +171,7 @@ def test_killed_and_resumed_run_is_byte_identical(tmp_path, encoding):
     tag = w.tag
     # What a kill during the third shard's write leaves: a partial shard and a temp file.
     (killed / hss.shard_name(tag, 2)).write_bytes(b"\x00" * 100)
-    (killed / f".tmp-{hss.shard_name(tag, 3)}.123.456").write_bytes(b"junk")
+    (killed / f".{hss.shard_name(tag, 3)}.k9_x1z2q.tmp").write_bytes(b"junk")  # atomic_path's temp name
 
     with make_writer(killed, encoding) as w:
         assert [s.index for s in w.completed_shards] == [0, 1]
