@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
 
     from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
-    from megatron_osprey.models.arch import ModelArch
+    from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
     from megatron_osprey.training.gpt_step import gpt_forward_step

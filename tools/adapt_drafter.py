@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
     config = AdaptConfig(

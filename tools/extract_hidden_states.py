@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states  # noqa: E402
 from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig  # noqa: E402
-from megatron_osprey.models.arch import ModelArch  # noqa: E402
+from megatron_osprey.base.arch import ModelArch  # noqa: E402
 from megatron_osprey.models.memory_estimate import check_fits, estimate_target_memory  # noqa: E402
 from megatron_osprey.models.targets.target import default_aux_layer_ids  # noqa: E402
 from megatron_osprey.parallel import ParallelConfig, parallel_context  # noqa: E402

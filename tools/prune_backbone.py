@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone, validate
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
     config = PruneConfig(

@@ -164,7 +164,7 @@ def extract_hidden_states(
     say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
         f"{len(task)}, {dp_size} data-parallel replica(s)")
 
-    from megatron_osprey.models.arch import ModelArch
+    from megatron_osprey.base.arch import ModelArch
 
     arch = ModelArch.from_hf_config(config.target_dir)
     aux_ids = validate_aux_layer_ids(config.aux_layer_ids or default_aux_layer_ids(arch.num_layers), arch.num_layers)

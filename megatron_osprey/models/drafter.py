@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megatron_osprey.models.arch import ModelArch, padded_size
+from megatron_osprey.base.arch import ModelArch, padded_size
 from megatron_osprey.models.gpt import layer_spec, resolve_transformer_impl, transformer_config
 from megatron_osprey.parallel import ParallelConfig
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_osprey.config.run_config import save_run_config
+from megatron_osprey.base.run_config import save_run_config
 from megatron_osprey.base.atomic_io import write_text_atomic
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"

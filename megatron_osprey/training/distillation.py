@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.run_config import load_run_config, to_plain
+from megatron_osprey.base.run_config import load_run_config, to_plain
 from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, default_aux_layer_ids, validate_aux_layer_ids
 from megatron_osprey.models.target_head import TargetHead
 from megatron_osprey.parallel import ParallelState

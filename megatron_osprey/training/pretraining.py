@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from megatron_osprey.config.pretrain import PretrainConfig, validate_against_model
-from megatron_osprey.config.run_config import load_run_config, to_plain
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.run_config import load_run_config, to_plain
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
 from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
@@ -159,18 +159,14 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
 
 def export_backbone(cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
     """A finished run also leaves SAVE/hf/ and SAVE/run_config.yaml: the layout Stage 3 reads as --backbone."""
-    import shutil
-
-    from megatron_osprey.config.run_config import save_run_config
+    from megatron_osprey.base.hf_files import copy_tokenizer_files
+    from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.convert.megatron_to_hf import export_to_hf
-    from megatron_osprey.models.prune import TOKENIZER_FILES
 
     save = Path(cfg.checkpoint.save)
     export_to_hf([checkpointing.unwrap(chunk) for chunk in model], arch, save / "hf")
     if parallel.rank == 0:
         source = Path(cfg.model.backbone) / "hf" if cfg.model.backbone else Path(cfg.model.hf_model)
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, save / "hf" / name)
+        copy_tokenizer_files(source, save / "hf", with_generation_config=True)
         save_run_config(save / "run_config.yaml", run_config)
     torch.distributed.barrier()

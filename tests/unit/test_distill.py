@@ -51,7 +51,7 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.training.checkpointing import load_backbone_weights
     from transformers import AutoTokenizer
 

@@ -114,7 +114,7 @@ def test_tensorboard_and_offline_wandb_get_the_metrics_and_no_secret(tmp_path):
 
 
 def test_run_config_redacts_keys_but_keeps_token_ids():
-    from megatron_osprey.config.run_config import to_plain
+    from megatron_osprey.base.run_config import to_plain
 
     plain = to_plain({"wandb_api_key": "k", "hf_token": "t", "eos_token_id": 7, "eod_token_id": 3,
                       "bad_words_token_ids": [1]})

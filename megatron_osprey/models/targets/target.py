@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import default_aux_layer_ids  # noqa: F401  (one definition, re-exported)
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.run_config import load_run_config, save_run_config
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.hf_files import copy_tokenizer_files
+from megatron_osprey.base.run_config import load_run_config, save_run_config
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, default_aux_layer_ids, validate_aux_layer_ids
-from megatron_osprey.models.prune import TOKENIZER_FILES
 from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
 
 BACKBONE_STAGES = ("prune", "pretrain")
@@ -197,9 +197,7 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
             shutil.rmtree(output)
         (output / "hf").mkdir(parents=True, exist_ok=True)
         drafter.save_pretrained(output / "hf")
-        for name in TOKENIZER_FILES:
-            if (Path(config.target) / name).is_file() and name != "generation_config.json":
-                shutil.copy2(Path(config.target) / name, output / "hf" / name)
+        copy_tokenizer_files(config.target, output / "hf")
         write_text_atomic(output / "tokenizer_alignment.json", json.dumps(report, indent=2, ensure_ascii=False))
         save_run_config(output / "run_config.yaml", run_config)
     torch.distributed.barrier()
