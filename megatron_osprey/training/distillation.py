@@ -19,7 +19,7 @@ from megatron_osprey.models.target_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
 from megatron_osprey.training.flops import (
-    ModelShape, device_peak_tflops, forward_flops_per_sequence, training_flops_per_sequence,
+    device_peak_tflops, forward_flops_per_sequence, training_flops_per_sequence,
 )
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
@@ -208,12 +208,12 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
                                    parallel.dp_rank, parallel.dp_size, cfg.training.seq_length, pad_id,
                                    cfg.parallel.seed, cfg.data.shuffle, parallel.device)
     seq = cfg.training.seq_length
-    drafter_flops = training_flops_per_sequence(ModelShape.from_arch(arch.body, drafter.output_layer.weight.shape[0]
-                                                                     * cfg.parallel.tensor_model_parallel_size), seq)
+    draft_head_width = drafter.output_layer.weight.shape[0] * cfg.parallel.tensor_model_parallel_size
+    drafter_flops = training_flops_per_sequence(arch.body, seq, draft_head_width)
     target_flops = 0.0
     if target is not None:  # a forward only (no LM head: logits come from the draft-vocab head)
         target_arch = target.stage.arch
-        target_flops = forward_flops_per_sequence(ModelShape.from_arch(target_arch, 0), seq)
+        target_flops = forward_flops_per_sequence(target_arch, seq, 0)
     throughput = ThroughputModel(
         tokens_per_iteration=cfg.training.global_batch_size * seq,
         flops_per_iteration=cfg.training.global_batch_size * (cfg.ttt.ttt_steps * drafter_flops + target_flops),

@@ -15,7 +15,7 @@ from megatron_osprey.base.run_config import load_run_config, to_plain
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
-from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
+from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
@@ -138,7 +138,7 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     throughput = ThroughputModel(
         tokens_per_iteration=cfg.training.global_batch_size * seq,
         flops_per_iteration=cfg.training.global_batch_size
-        * training_flops_per_sequence(ModelShape.from_arch(arch, padded_vocab), seq),
+        * training_flops_per_sequence(arch, seq, padded_vocab),
         world_size=parallel.world_size,
         peak_tflops=device_peak_tflops(cfg.logging.peak_tflops, fp8=bool(cfg.model.fp8_format)),
     )
