@@ -31,14 +31,14 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from megatron_osprey.config.distill import DistillConfig
     from megatron_osprey.base.run_config import load_run_config
+    from megatron_osprey.config.distill import DistillConfig
     from megatron_osprey.data.distill_data import ConversationSamples, collate
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.models.online_target import OnlineTarget
-    from megatron_osprey.models.target_head import TargetHead
+    from megatron_osprey.models.targets.online import OnlineTarget
+    from megatron_osprey.models.targets.lm_head import TargetHead
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_model_weights
     from megatron_osprey.training.distillation import distill_forward_step

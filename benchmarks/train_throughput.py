@@ -50,8 +50,8 @@ def main(argv=None) -> dict:
     steps = args.steps or (20 if on_gpu else 3)
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
 
-    from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
     from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
     from megatron_osprey.training.gpt_step import gpt_forward_step
@@ -128,9 +128,9 @@ def main(argv=None) -> dict:
 
 
 def unwrap_impl(model) -> str:
-    from megatron_osprey.training.gpt_step import unwrap
+    from megatron.core.utils import unwrap_model
 
-    return getattr(unwrap(model[0]), "transformer_impl", "?")
+    return getattr(unwrap_model(model[0]), "transformer_impl", "?")
 
 
 if __name__ == "__main__":

@@ -33,12 +33,10 @@ from megatron_osprey.data.hidden_state_store import (
     finalize_store,
     open_writer,
 )
-from megatron_osprey.models.targets.target import (
+from megatron_osprey.models.targets.megatron_stage import (
     PrefillCapture,
-    default_aux_layer_ids,
     load_target,
     target_identity,
-    validate_aux_layer_ids,
 )
 from megatron_osprey.parallel import ParallelState
 
@@ -164,10 +162,10 @@ def extract_hidden_states(
     say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
         f"{len(task)}, {dp_size} data-parallel replica(s)")
 
-    from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
 
     arch = ModelArch.from_hf_config(config.target_dir)
-    aux_ids = validate_aux_layer_ids(config.aux_layer_ids or default_aux_layer_ids(arch.num_layers), arch.num_layers)
+    aux_ids = tuple(resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers))
     final_id = arch.num_layers - 1
 
     # Disk preflight before any weight is read: this task's replicas together.

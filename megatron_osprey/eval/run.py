@@ -118,9 +118,9 @@ def _target_factory(config: EvalConfig, model):
     if model is not None:
         yield lambda aux: HFTargetModel(model, aux)
         return
-    from megatron_osprey.models.targets.target import load_target
+    from megatron_osprey.models.targets.megatron_stage import load_target
     from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.speculative.megatron_target import MegatronTargetModel
+    from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
 
     with parallel_context(ParallelConfig()) as state:
         stage = load_target(config.target, state.config, state.device, with_lm_head=True, transformer_impl="local")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.models.gpt import build_gpt_model
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
 from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.base.run_config import load_run_config, save_run_config
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_osprey.models.drafter import DrafterArch, default_aux_layer_ids, validate_aux_layer_ids
+from megatron_osprey.models.drafter import DrafterArch
 from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
 
 BACKBONE_STAGES = ("prune", "pretrain")
@@ -153,8 +153,7 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
     hf_dir = backbone_hf_dir(config.backbone)
     body = ModelArch.from_hf_config(hf_dir)
     target = read_target(config.target)
-    aux = config.aux_layer_ids or default_aux_layer_ids(target.num_layers)
-    aux = validate_aux_layer_ids(aux, target.num_layers)
+    aux = resolve_aux_layer_ids(config.aux_layer_ids, target.num_layers)
     try:
         target_tok = AutoTokenizer.from_pretrained(str(config.target))
     except (OSError, ValueError) as error:

@@ -9,13 +9,14 @@ from typing import Callable
 
 import torch
 import yaml
+from megatron.core.utils import unwrap_model
 
-from megatron_osprey.config.distill import DistillConfig
+from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
 from megatron_osprey.base.run_config import load_run_config, to_plain
+from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
-from megatron_osprey.base.arch import ModelArch
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, default_aux_layer_ids, validate_aux_layer_ids
-from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
 from megatron_osprey.training.flops import (
@@ -45,13 +46,12 @@ def drafter_arch(cfg: DistillConfig) -> DrafterArch:
     target = ModelArch.from_hf_config(Path(cfg.target.target))
     if not target.is_dense:
         raise ValueError("--baseline eagle3 builds its layer from a dense target's shape; this target is MoE.")
-    aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(target.num_layers)
     return DrafterArch(
         body=target.with_num_layers(cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         draft_vocab_size=min(cfg.drafter.draft_vocab_size, target.vocab_size),
-        aux_layer_ids=tuple(validate_aux_layer_ids(aux, target.num_layers)),
+        aux_layer_ids=tuple(resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers)),
         variant="eagle3",
     )
 
@@ -90,12 +90,6 @@ def init_eagle3(model, cfg: DistillConfig, arch: DrafterArch, draft_ids: torch.T
     model.t2d[draft_ids] = True
 
 
-def unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def distill_forward_step(target: Callable | None, head: TargetHead, cfg: DistillConfig, draft_vocab: int, tp_group):
     """forward_step(data_iterator, model) -> (loss, loss_func) over one micro-batch."""
 
@@ -106,7 +100,7 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         else:
             aux, final = target(batch["input_ids"])
         draft_logits, in_draft = head(final)
-        drafter = unwrap(model)
+        drafter = unwrap_model(model)
         dtype = drafter.fusion_fc.weight.dtype
         logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps)
         terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group)
@@ -191,13 +185,13 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 
-    drafter = unwrap(model[0])
+    drafter = unwrap_model(model[0])
     tp_group = mpu.get_tensor_model_parallel_group()
     head = TargetHead.from_hf(cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank,
                               cfg.parallel.tensor_model_parallel_size, tp_group).to(parallel.device)
     target = None
     if cfg.target.mode == "online":
-        from megatron_osprey.models.online_target import OnlineTarget
+        from megatron_osprey.models.targets.online import OnlineTarget
 
         target = OnlineTarget(cfg.target.target, cfg.parallel, parallel.device, arch.aux_layer_ids,
                               params_dtype=dtype, transformer_impl=cfg.drafter.transformer_impl)

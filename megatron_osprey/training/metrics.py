@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from megatron_osprey.config.pretrain import LoggingSection
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.config.pretrain import LoggingSection
 from megatron_osprey.training.flops import mfu
 
 WANDB_ID_FILE = "wandb_run_id.txt"

@@ -9,10 +9,11 @@ from typing import Any, Callable
 
 import torch
 import yaml
+from megatron.core.utils import unwrap_model
 
-from megatron_osprey.config.pretrain import PretrainConfig, validate_against_model
-from megatron_osprey.base.run_config import load_run_config, to_plain
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.run_config import load_run_config, to_plain
+from megatron_osprey.config.pretrain import PretrainConfig, validate_against_model
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
 from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
@@ -164,7 +165,7 @@ def export_backbone(cfg: PretrainConfig, arch: ModelArch, model: list, run_confi
     from megatron_osprey.convert.megatron_to_hf import export_to_hf
 
     save = Path(cfg.checkpoint.save)
-    export_to_hf([checkpointing.unwrap(chunk) for chunk in model], arch, save / "hf")
+    export_to_hf(unwrap_model(model), arch, save / "hf")
     if parallel.rank == 0:
         source = Path(cfg.model.backbone) / "hf" if cfg.model.backbone else Path(cfg.model.hf_model)
         copy_tokenizer_files(source, save / "hf", with_generation_config=True)

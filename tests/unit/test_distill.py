@@ -8,8 +8,8 @@ import torch
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_recipes import tiny_distill_cpu_fp32
 from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, collate, micro_batches
-from megatron_osprey.models.online_target import OnlineTarget
-from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.models.targets.online import OnlineTarget
+from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
 from tests.distill_fixtures import build_distill_setup
@@ -48,10 +48,10 @@ def test_short_distillation_raises_acc0(setup):
 
 
 def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.training.checkpointing import load_backbone_weights
     from transformers import AutoTokenizer
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
-from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
