@@ -14,6 +14,8 @@ from megatron_osprey.config.distill_recipes import DISTILL_RECIPES, distill_reci
 from megatron_osprey.config.overrides import apply_overrides
 
 SHARED_GROUPS = ("distributed", "training", "learning rate", "checkpointing", "logging")
+# Shared flags Stage 4 has no use for: it runs no validation split. argparse refuses them by name.
+NOT_HONOURED = ("--eval-interval", "--eval-iters")
 
 DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "drafter": [
@@ -54,7 +56,7 @@ def build_parser(prog: str = "python -m megatron_osprey.distill") -> argparse.Ar
     for title, flags in groups.items():
         group = parser.add_argument_group(title)
         for flag, dest, kwargs in flags:
-            if flag in ("--transformer-impl", "--bf16") and title != "drafter":
+            if flag in ("--transformer-impl", "--bf16") and title != "drafter" or flag in NOT_HONOURED:
                 continue
             group.add_argument(flag, dest=dest, **kwargs)
     return parser

@@ -252,6 +252,15 @@ def load_model_weights(root: str | Path, module, iteration: int | None = None) -
     return iteration
 
 
+def resume_iteration(checkpoint) -> int | None:
+    """The iteration --load resumes from (--ckpt-step, else the latest), or None to start fresh."""
+    if not checkpoint.load:
+        return None
+    if checkpoint.ckpt_step is not None:
+        return checkpoint.ckpt_step
+    return read_latest_iteration(checkpoint.load)
+
+
 def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None

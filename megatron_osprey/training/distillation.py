@@ -163,7 +163,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         return provider()
 
-    resume = checkpointing.read_latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    resume = checkpointing.resume_iteration(cfg.checkpoint)
 
     def initialize(chunks):
         if cfg.drafter.drafter_init:

@@ -70,15 +70,6 @@ def initial_weights(arch: ModelArch, cfg: PretrainConfig, state: ParallelState) 
     return initialize
 
 
-def resume_iteration(cfg: PretrainConfig) -> int | None:
-    """The iteration --load resumes from, or None to start from the backbone."""
-    if not cfg.checkpoint.load:
-        return None
-    if cfg.checkpoint.ckpt_step is not None:
-        return cfg.checkpoint.ckpt_step
-    return checkpointing.read_latest_iteration(cfg.checkpoint.load)
-
-
 def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
                  forward_step: Callable = gpt_forward_step) -> PretrainResult:
     """Validate, build, (re)load, train; collective over every rank of `parallel`."""
@@ -94,7 +85,7 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
         print("resolved configuration:\n" + yaml.safe_dump(to_plain(run_config["config"]), sort_keys=False),
               flush=True)
 
-    resume = resume_iteration(cfg)
+    resume = checkpointing.resume_iteration(cfg.checkpoint)
     notes = []
     if cfg.checkpoint.load and resume is None:
         notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
