@@ -113,7 +113,7 @@ def test_short_disk_is_refused_before_loading_the_target(target, tmp_path, monke
     class Usage:
         free = 1000
 
-    monkeypatch.setattr(hidden_state_store.shutil, "disk_usage", lambda path: Usage())
+    monkeypatch.setattr(hidden_state_store.format.shutil, "disk_usage", lambda path: Usage())
     with pytest.raises(InsufficientDiskError, match="only 0.00 GiB is free"):
         run(root, data, tmp_path / "store")
     assert not list(tmp_path.glob("store/shard-*"))

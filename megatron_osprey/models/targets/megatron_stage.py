@@ -25,12 +25,34 @@ from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig
 
 
+# Weight bytes the fingerprint reads per safetensors file: SAMPLES windows of WINDOW bytes spread
+# over the file, so a fine-tune of the same shape (new values in every layer) changes it.
+_FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_WINDOW = 4096
+
+
+def _weights_fingerprint(target_dir: Path, digest) -> None:
+    for path in sorted(target_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for k in range(_FINGERPRINT_SAMPLES):
+                handle.seek(size * k // _FINGERPRINT_SAMPLES)
+                digest.update(handle.read(_FINGERPRINT_WINDOW))
+
+
 def target_identity(arch: ModelArch, target_dir: str | Path) -> tuple[str, str]:
-    """(target_id, config_hash): the name a store records, and a hash of the target's config.json."""
+    """(target_id, config_hash): the name a store records, and a hash that identifies the target.
+
+    The hash covers config.json (less its name and transformers version) and a sample of
+    the weight files' bytes, so a store extracted from another target of the same shape
+    does not match; it reads a few KiB per file, not the model.
+    """
     config = {k: v for k, v in arch.hf_config.items() if k not in ("_name_or_path", "transformers_version")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    _weights_fingerprint(Path(target_dir), digest)
     name = arch.hf_config.get("_name_or_path") or Path(target_dir).resolve().name
-    return f"{arch.family}:{name}", digest[:16]
+    return f"{arch.family}:{name}", digest.hexdigest()[:16]
 
 
 @dataclasses.dataclass
