@@ -31,14 +31,14 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.config.distill import DistillConfig
-    from megatron_osprey.config.run_config import load_run_config
-    from megatron_osprey.data.distill_data import ConversationSamples, collate
+    from megatron_osprey.data.distill_data import ConversationSamples, pad_samples
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.models.online_target import OnlineTarget
-    from megatron_osprey.models.target_head import TargetHead
+    from megatron_osprey.models.targets.online import OnlineTarget
+    from megatron_osprey.models.targets.lm_head import TargetHead
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_model_weights
     from megatron_osprey.training.distillation import distill_forward_step
@@ -61,7 +61,7 @@ def main() -> int:
             source = ConversationSamples([str(args.data)], AutoTokenizer.from_pretrained(args.target), args.seq_length)
             samples = []
             for index in range(len(source)):
-                batch = collate([source[index]], args.seq_length, 0)
+                batch = pad_samples([source[index]], args.seq_length, 0)
                 aux, final = target(batch["input_ids"])
                 # The store keeps [T, ...] per sample: drop the batch dimension, restore it in loss_fn.
                 samples.append({"input_ids": batch["input_ids"][0], "loss_mask": batch["loss_mask"][0],

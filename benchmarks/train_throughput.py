@@ -50,10 +50,10 @@ def main(argv=None) -> dict:
     steps = args.steps or (20 if on_gpu else 3)
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
 
+    from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
-    from megatron_osprey.models.arch import ModelArch
     from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
+    from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
     from megatron_osprey.training.gpt_step import gpt_forward_step
     from megatron_osprey.training.loop import TrainRun, train_step
     from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel, peak_memory_gib
@@ -76,8 +76,8 @@ def main(argv=None) -> dict:
                                    use_distributed_optimizer=args.use_distributed_optimizer)
         optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=args.bf16,
                                                              train_iters=warmup + steps)
-        shape = ModelShape.from_arch(arch, arch.padded_vocab_size(args.tensor_model_parallel_size))
-        flops_per_iter = gbs * training_flops_per_sequence(shape, seq)
+        head_width = arch.padded_vocab_size(args.tensor_model_parallel_size)
+        flops_per_iter = gbs * training_flops_per_sequence(arch, seq, head_width)
         peak = device_peak_tflops(args.peak_tflops, fp8=bool(args.fp8_format))
         metrics = MetricsLogger(cfg.logging, ThroughputModel(gbs * seq, flops_per_iter, state.world_size, peak),
                                 is_writer=False, total_iters=warmup + steps, start_iter=0)
@@ -128,9 +128,9 @@ def main(argv=None) -> dict:
 
 
 def unwrap_impl(model) -> str:
-    from megatron_osprey.training.gpt_step import unwrap
+    from megatron.core.utils import unwrap_model
 
-    return getattr(unwrap(model[0]), "transformer_impl", "?")
+    return getattr(unwrap_model(model[0]), "transformer_impl", "?")
 
 
 if __name__ == "__main__":

@@ -90,10 +90,12 @@ def training_flags(recipe: Recipe) -> list[str]:
         "--transformer-impl", t.transformer_impl,
         "--save", paths["save"], "--load", paths["save"],
         "--save-interval", str(t.save_interval), "--exit-signal-handler",
-        "--eval-interval", str(t.eval_interval), "--log-interval", str(t.log_interval),
+        "--log-interval", str(t.log_interval),
         "--tensorboard-dir", f"{paths['save']}/tensorboard",
         "--seed", str(t.seed),
     ]
+    if recipe.stage == "pretrain":  # distillation runs no validation split and refuses the flag
+        flags += ["--eval-interval", str(t.eval_interval)]
     if t.wandb_project:
         flags += ["--wandb-project", t.wandb_project, "--wandb-exp-name", recipe.run_name]
     return flags

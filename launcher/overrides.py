@@ -11,72 +11,25 @@ import yaml
 from launcher.recipe import Recipe
 from launcher.recipes import get_recipe
 from launcher.shapes import ModelShape, shape_from
+from megatron_osprey.config.overrides import parse_override, with_override
 
 _SHAPE_FIELDS = ("model", "target", "source")
 
 
-def parse_value(raw: str) -> Any:
-    """A --set value read as YAML, with 1e-4-style numbers kept numeric (YAML 1.1 reads them as strings)."""
-    value = yaml.safe_load(raw) if raw.strip() else None
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in ".eE") and value[0] in "+-.0123456789" else value
-        except ValueError:
-            return value
-    return value
+def _shape_fields(current: Any, value: Any, where: str) -> Any:
+    """A model shape is set by name (or a mapping of its numbers); other fields coerce as usual."""
+    if isinstance(current, ModelShape):
+        return shape_from(value, where)
+    return NotImplemented
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'training.lr=1e-4' -> (['training', 'lr'], 0.0001)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"--set {text!r}: expected section.key=value (e.g. training.lr=1e-4).")
-    return key.strip().split("."), parse_value(raw)
-
-
-def _coerce(current: Any, value: Any, where: str) -> Any:
-    """Keep numbers numeric and booleans boolean, so a typo does not become a string."""
-    if isinstance(current, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}.")
-        return value
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(current, int) and not isinstance(value, int):
-        raise ValueError(f"{where}: expected an integer, got {value!r}.")
-    if isinstance(current, list) and not isinstance(value, list):
-        raise ValueError(f"{where}: expected a list such as [1, 2], got {value!r}.")
-    return value
-
-
-def _set(node: Any, path: list[str], value: Any, where: str, depth: int = 0) -> Any:
-    """A copy of `node` with path set to value; dataclasses (frozen or not) and dicts are walked."""
-    key = path[depth]
-    last = depth == len(path) - 1
-    if isinstance(node, dict):
-        child = node.get(key)
-        new = dict(node)
-        new[key] = value if last else _set(child, path, value, where, depth + 1)
-        return new
-    if not dataclasses.is_dataclass(node):
-        raise ValueError(f"{where}: {'.'.join(path[:depth])} is not a section (it is {node!r}).")
-    names = [f.name for f in dataclasses.fields(node)]
-    if key not in names:
-        section = ".".join(path[:depth]) or "the recipe"
-        raise ValueError(f"{where}: no key {key!r} in {section}; valid keys: {', '.join(names)}.")
-    current = getattr(node, key)
-    if depth == 0 and key in _SHAPE_FIELDS:
-        if last:
-            return dataclasses.replace(node, **{key: shape_from(value, where)})
-        if current is None:
-            raise ValueError(f"{where}: the recipe has no {key} shape; set {key}=<shape name> first.")
-    if last:
-        if dataclasses.is_dataclass(current) and not isinstance(current, ModelShape):
-            raise ValueError(f"{where}: {'.'.join(path)} is a section; set one of its keys.")
-        if isinstance(current, ModelShape):
-            return dataclasses.replace(node, **{key: shape_from(value, where)})
-        return dataclasses.replace(node, **{key: _coerce(current, value, where)})
-    return dataclasses.replace(node, **{key: _set(current, path, value, where, depth + 1)})
+def _set(recipe: Recipe, path: list[str], value: Any, where: str) -> Recipe:
+    """A copy of recipe with path set; the top-level shape fields take a shape name even when unset."""
+    if len(path) == 1 and path[0] in _SHAPE_FIELDS:
+        return dataclasses.replace(recipe, **{path[0]: shape_from(value, where)})
+    if path[0] in _SHAPE_FIELDS and getattr(recipe, path[0]) is None:
+        raise ValueError(f"{where}: the recipe has no {path[0]} shape; set {path[0]}=<shape name> first.")
+    return with_override(recipe, path, value, where, _shape_fields)
 
 
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:

@@ -16,7 +16,7 @@ import dataclasses
 import types
 from typing import Any
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 from launcher.commands import REPO_ROOT
 from launcher.recipe import Recipe
 from launcher.render import SubmitOptions, render

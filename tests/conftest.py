@@ -23,9 +23,9 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
     Llama-3 target (real Llama-3 tokenizer, 8 layers, hidden 96). Returns the directories."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 
     root = tmp_path_factory.mktemp("adapted")
     torch.manual_seed(0)

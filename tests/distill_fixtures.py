@@ -51,9 +51,9 @@ def write_chat_model(directory: Path, family: str, layers: int, hidden: int, see
 def build_distill_setup(root: Path) -> dict:
     """target (Qwen3 chat template, Llama layers, 8 of them), backbone (Llama-3 tokenizer, Qwen3 layers)
     pruned to 2 layers and adapted, and 48 conversations."""
-    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 
     target = write_chat_model(root / "target", "qwen3", layers=8, hidden=64, seed=1)
     small_lm = write_chat_model(root / "small_lm", "llama3", layers=4, hidden=64, seed=2, qwen3=True)

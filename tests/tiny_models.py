@@ -128,3 +128,10 @@ def write_conversations_jsonl(path: str | Path, count: int, seed: int = 0) -> Pa
                 {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
             handle.write(json.dumps(row) + "\n")
     return Path(path)
+
+
+def causal_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [batch, seq, padded_vocab / TP] of a single-stage GPTModel on `input_ids`."""
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return model(input_ids, position_ids, attention_mask=None)

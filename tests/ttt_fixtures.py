@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
 from tests.tiny_models import make_hf_model, qwen3_config

@@ -36,8 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
 
     config = AdaptConfig(
         backbone=args.backbone, target=args.target, output=args.output, aux_layer_ids=args.aux_layer_ids,

@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_osprey.export.formats import ExportConfig, export_checkpoint
+    from megatron_osprey.stages.export import ExportConfig, export_checkpoint
 
     try:
         out = export_checkpoint(ExportConfig(args.checkpoint, args.format, args.output, args.overwrite))

@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megatron_osprey.base.arch import ModelArch  # noqa: E402
+from megatron_osprey.base.arch import resolve_aux_layer_ids  # noqa: E402
 from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states  # noqa: E402
 from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig  # noqa: E402
-from megatron_osprey.models.arch import ModelArch  # noqa: E402
 from megatron_osprey.models.memory_estimate import check_fits, estimate_target_memory  # noqa: E402
-from megatron_osprey.models.targets.target import default_aux_layer_ids  # noqa: E402
 from megatron_osprey.parallel import ParallelConfig, parallel_context  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def preflight_memory(args: argparse.Namespace, say=print) -> None:
                            args.expert_model_parallel_size)
     if arch.is_moe and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
-    aux = args.aux_layer_ids or default_aux_layer_ids(arch.num_layers)
+    aux = resolve_aux_layer_ids(args.aux_layer_ids, arch.num_layers)
     estimate = estimate_target_memory(
         arch, tensor_parallel=args.tensor_model_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
         expert_parallel=args.expert_model_parallel_size, expert_tensor_parallel=args.expert_tensor_parallel_size,

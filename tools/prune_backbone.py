@@ -31,8 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone, validate
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
 
     config = PruneConfig(
         source=args.source,

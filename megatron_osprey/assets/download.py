@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from .atomic import make_staging_dir, publish_dir, write_json_atomic
+from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 from .sources import Distribution
 
 PROVENANCE_FILE = "source.json"

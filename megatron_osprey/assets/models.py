@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import make_staging_dir, publish_dir, write_json_atomic
+from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 from .download import PROVENANCE_FILE, fetch_members, member_filename
 from .sources import Distribution
 

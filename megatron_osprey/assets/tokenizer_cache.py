@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .atomic import make_staging_dir, publish_dir, write_json_atomic
+from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 from .download import PROVENANCE_FILE, fetch_members, member_filename
 from .gguf_reader import read_gguf_metadata
 from .gguf_tokenizer import byte_level_bpe_from_gguf, gguf_added_tokens, sentencepiece_bpe_from_gguf

@@ -107,9 +107,16 @@ def build_parser(prog: str = "python -m megatron_osprey.pretrain") -> argparse.A
 def config_from_args(argv: list[str] | None) -> PretrainConfig:
     """Parse argv into a resolved PretrainConfig (recipe, then flags, then --set)."""
     namespace = vars(build_parser().parse_args(argv))
-    cfg = recipe(namespace.pop("recipe", None))
+    return apply_flags(recipe(namespace.pop("recipe", None)), namespace)
+
+
+def apply_flags(cfg, namespace: dict[str, Any]):
+    """Typed flags (dest "section.field", or a top-level field), then the --set overrides, onto cfg."""
     overrides = namespace.pop("overrides", [])
     for dest, value in namespace.items():
-        section, field = dest.split(".")
-        setattr(getattr(cfg, section), field, value)
+        if "." in dest:
+            section, field = dest.split(".")
+            setattr(getattr(cfg, section), field, value)
+        else:
+            setattr(cfg, dest, value)
     return apply_overrides(cfg, overrides)

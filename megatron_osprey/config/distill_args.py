@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_osprey.config.args import ARGUMENT_GROUPS, STORE_TRUE
+from megatron_osprey.config.args import ARGUMENT_GROUPS, STORE_TRUE, apply_flags
 from megatron_osprey.config.distill import BASELINES, MODES, DistillConfig
 from megatron_osprey.config.distill_recipes import DISTILL_RECIPES, distill_recipe
-from megatron_osprey.config.overrides import apply_overrides
 
 SHARED_GROUPS = ("distributed", "training", "learning rate", "checkpointing", "logging")
+# Shared flags Stage 4 has no use for: it runs no validation split. argparse refuses them by name.
+NOT_HONOURED = ("--eval-interval", "--eval-iters")
 
 DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "drafter": [
@@ -54,7 +55,7 @@ def build_parser(prog: str = "python -m megatron_osprey.distill") -> argparse.Ar
     for title, flags in groups.items():
         group = parser.add_argument_group(title)
         for flag, dest, kwargs in flags:
-            if flag in ("--transformer-impl", "--bf16") and title != "drafter":
+            if flag in ("--transformer-impl", "--bf16") and title != "drafter" or flag in NOT_HONOURED:
                 continue
             group.add_argument(flag, dest=dest, **kwargs)
     return parser
@@ -63,12 +64,4 @@ def build_parser(prog: str = "python -m megatron_osprey.distill") -> argparse.Ar
 def distill_config_from_args(argv: list[str] | None) -> DistillConfig:
     """Parse argv into a resolved DistillConfig (recipe, then flags, then --set)."""
     namespace = vars(build_parser().parse_args(argv))
-    cfg = distill_recipe(namespace.pop("recipe", None))
-    overrides = namespace.pop("overrides", [])
-    for dest, value in namespace.items():
-        if "." in dest:
-            section, field = dest.split(".")
-            setattr(getattr(cfg, section), field, value)
-        else:
-            setattr(cfg, dest, value)
-    return apply_overrides(cfg, overrides)
+    return apply_flags(distill_recipe(namespace.pop("recipe", None)), namespace)

@@ -6,8 +6,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-import torch
-
+from megatron_osprey.base.hardware import transformer_engine_usable
 from megatron_osprey.parallel import ParallelConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -192,9 +191,7 @@ def validate_numerics(model: ModelSection) -> None:
         raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {model.fp8_format!r}.")
     if model.fp8_recipe not in FP8_RECIPES:
         raise ValueError(f"--fp8-recipe must be one of {FP8_RECIPES}, got {model.fp8_recipe!r}.")
-    from megatron_osprey.models.gpt import have_transformer_engine
-
-    if not (torch.cuda.is_available() and have_transformer_engine()):
+    if not transformer_engine_usable():
         raise RuntimeError(
             "--fp8-format needs CUDA and Transformer Engine (pip install -e '.[gpu]' on a GPU machine); "
             "drop it to train in float32/bf16 on this machine."

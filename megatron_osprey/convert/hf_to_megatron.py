@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.sharding import read_shard
 from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
-from megatron_osprey.models.arch import ModelArch
 
 
 def global_layer_index(model, local_index: int) -> int:

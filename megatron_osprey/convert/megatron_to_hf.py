@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.convert.safetensors_io import INDEX_NAME, write_safetensors_atomic, write_text_atomic
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.convert.safetensors_io import INDEX_NAME, write_safetensors_atomic
 from megatron_osprey.convert.sharding import merge_shards
 from megatron_osprey.convert.weight_map import Split, match_rule, rules_for
-from megatron_osprey.models.arch import ModelArch
 
 
 def _gather_tp(tensor: torch.Tensor, tp_group) -> list[torch.Tensor]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from megatron_osprey.base.atomic_io import atomic_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
@@ -146,21 +147,6 @@ class SafetensorsCheckpoint:
 
 
 def write_safetensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    """Write a safetensors file under a temporary name, fsync, then rename into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata or {"format": "pt"})
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a text file under a temporary name, fsync, then rename into place."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """Write a safetensors file atomically (temporary name, fsync, rename)."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata or {"format": "pt"})

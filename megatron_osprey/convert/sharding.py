@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.weight_map import Split, WeightRule
-from megatron_osprey.models.arch import ModelArch
 
 
 def _part(total: int, rank: int, size: int) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import re
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 
 
 class Split(enum.Enum):

@@ -8,11 +8,11 @@ message is required. Other top-level keys are kept and written back unchanged.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from megatron_osprey.base.atomic_io import write_lines_atomic
 
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = frozenset({"role", "content"})
@@ -103,34 +103,4 @@ def read_conversations(path: str | Path, unique_ids: bool = True) -> Iterator[Co
 
 def write_conversations(path: str | Path, conversations: Iterable[Conversation]) -> None:
     """Write conversations to a JSONL file atomically (temp file, fsync, rename)."""
-    atomic_write_lines(Path(path), (c.to_json_line() for c in conversations))
-
-
-def atomic_write_lines(path: Path, lines: Iterable[str]) -> None:
-    """Write text lines to ``path`` via a temp file in the same directory, fsync and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_lines_atomic(Path(path), (c.to_json_line() for c in conversations))

@@ -1,23 +1,16 @@
-"""Stage 4 samples and micro-batches: tokenized conversations (online) or the hidden-state store (offline).
+"""Stage 4 samples: tokenized conversations (online) or the hidden-state store (offline).
 
-Both sources index samples 0..N-1. One global order per epoch (a seeded
-permutation) is shared by every rank; data-parallel rank r takes micro-batch r of
-each group of DP micro-batches, so the consumed-sample count alone fixes the data
-position and resume is exact.
+Both sources index samples 0..N-1 (data/micro_batches.py orders and batches them)
+and give the tokens alone through `iter_tokens`, which the EAGLE-3 baseline counts
+before step 1 to pick its draft vocabulary.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
-
-
-class SampleSource(Protocol):
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> dict: ...
 
 
 class ConversationSamples:
@@ -43,14 +36,25 @@ class ConversationSamples:
             "loss_mask": torch.as_tensor(tokenized.loss_mask, dtype=torch.bool),
         }
 
+    def iter_tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every sample, in order."""
+        for index in range(len(self)):
+            sample = self[index]
+            yield sample["input_ids"], sample["loss_mask"]
+
 
 class StoreSamples:
-    """The hidden-state store (offline mode): ids, loss mask, aux and final hidden states per sample."""
+    """The hidden-state store (offline mode): ids, loss mask, aux and final hidden states per sample.
 
-    def __init__(self, store_dir: str | Path, **expect):
+    Training reads it through the store's own reader: background threads decode up
+    to `prefetch` samples ahead, in the order the micro-batches ask for.
+    """
+
+    def __init__(self, store_dir: str | Path, *, prefetch: int = 8, workers: int = 1, **expect):
         from megatron_osprey.data.hidden_state_store import HiddenStateStore
 
         self.store = HiddenStateStore(store_dir, **expect)
+        self.prefetch, self.workers = prefetch, workers
 
     def __len__(self) -> int:
         return len(self.store)
@@ -58,13 +62,13 @@ class StoreSamples:
     def __getitem__(self, index: int) -> dict:
         return self.store[index]
 
+    def iter_samples(self, indices: Iterator[int]) -> Iterator[dict]:
+        """Samples in indices order, read ahead by the store's prefetch threads."""
+        return self.store.iter_samples(indices, prefetch=self.prefetch, workers=self.workers)
 
-def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
-    """The global sample order of one epoch (identical on every rank)."""
-    if not shuffle:
-        return torch.arange(num_samples)
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
+    def iter_tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every sample, without decoding hidden states."""
+        return self.store.iter_tokens()
 
 
 def _pad(tensor: torch.Tensor, length: int, value=0) -> torch.Tensor:
@@ -75,7 +79,7 @@ def _pad(tensor: torch.Tensor, length: int, value=0) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
-def collate(samples: list[dict], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+def pad_samples(samples: list[dict], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad (or cut) every sample to seq_length; padding never counts in the loss."""
     batch = {
         "input_ids": torch.stack([_pad(s["input_ids"], seq_length, pad_id) for s in samples]),
@@ -85,23 +89,3 @@ def collate(samples: list[dict], seq_length: int, pad_id: int) -> dict[str, torc
         if key in samples[0]:
             batch[key] = torch.stack([_pad(s[key].float(), seq_length) for s in samples])
     return batch
-
-
-def micro_batches(source: SampleSource, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  seq_length: int, pad_id: int, seed: int, shuffle: bool = True,
-                  device: torch.device | str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-    """This DP rank's micro-batches from global sample position `consumed_samples` on, over epochs."""
-    size = len(source)
-    position = consumed_samples
-    orders: dict[int, torch.Tensor] = {}
-    while True:
-        indices = []
-        for offset in range(micro_batch_size):
-            global_position = position + dp_rank * micro_batch_size + offset
-            epoch = global_position // size
-            if epoch not in orders:
-                orders = {epoch: epoch_order(size, epoch, seed, shuffle)}
-            indices.append(int(orders[epoch][global_position % size]))
-        batch = collate([source[i] for i in indices], seq_length, pad_id)
-        yield {k: v.to(device) for k, v in batch.items()}
-        position += micro_batch_size * dp_size

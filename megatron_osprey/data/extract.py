@@ -33,12 +33,10 @@ from megatron_osprey.data.hidden_state_store import (
     finalize_store,
     open_writer,
 )
-from megatron_osprey.models.targets.target import (
+from megatron_osprey.models.targets.megatron_stage import (
     PrefillCapture,
-    default_aux_layer_ids,
     load_target,
     target_identity,
-    validate_aux_layer_ids,
 )
 from megatron_osprey.parallel import ParallelState
 
@@ -119,7 +117,7 @@ def _count_conversations(path: str) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _micro_batches(samples: Sequence[TokenizedConversation], size: int) -> list[list[int]]:
+def _batch_index_lists(samples: Sequence[TokenizedConversation], size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
 
 
@@ -140,6 +138,84 @@ def _all_reduce_int(value: int, op, group=None) -> int:
     return int(tensor.item())
 
 
+def _rank_samples(config: ExtractConfig, dp_rank: int, dp_size: int, say) -> list[TokenizedConversation]:
+    """This task's slice of the conversations, then this data-parallel replica's part of it, tokenized."""
+    total = _count_conversations(config.data_path)
+    task = contiguous_slice(total, config.shard_index, config.num_shards)
+    mine = contiguous_slice(len(task), dp_rank, dp_size)
+    say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
+        f"{len(task)}, {dp_size} data-parallel replica(s)")
+    return tokenize_slice(config, range(task.start + mine.start, task.start + mine.stop))
+
+
+def _preflight_disk(config: ExtractConfig, samples: Sequence[TokenizedConversation], hidden_size: int,
+                    num_aux_layers: int, say) -> int:
+    """Refuse a store the disk cannot hold, before any weight is read: this task's replicas together."""
+    from megatron.core import parallel_state as mpu
+
+    sum_op = torch.distributed.ReduceOp.SUM
+    tokens = sum(len(s) for s in samples)
+    writer_tokens = tokens if (mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage()) else 0
+    task_tokens = _all_reduce_int(writer_tokens, sum_op)
+    task_samples = _all_reduce_int(len(samples) if writer_tokens else 0, sum_op)
+    needed = estimate_store_bytes(
+        task_tokens, hidden_size, config.store.encoding, num_aux_layers=num_aux_layers,
+        outliers_per_token=config.store.outliers_per_token, num_samples=task_samples,
+    )
+    say(f"extract: {task_samples} samples, {task_tokens} tokens -> store estimate {needed / 2**30:.3f} GiB "
+        f"({needed / max(task_tokens, 1):.0f} B/token, {config.store.encoding}) in {config.store.store_dir}")
+    check_free_disk(config.store.store_dir, needed)
+    return needed
+
+
+def _batches_to_run(samples: Sequence[TokenizedConversation], done_ids: set[str], is_writer: bool,
+                    micro_batch_size: int) -> tuple[list[list[int]], int]:
+    """The micro-batches with unfinished samples, and the step count every data-parallel replica runs."""
+    from megatron.core import parallel_state as mpu
+
+    dist = torch.distributed
+    batches = _batch_index_lists(samples, micro_batch_size)
+    # The writer knows what is done; its TP / PP peers must run the same batches.
+    todo = torch.tensor([any(samples[i].id not in done_ids for i in b) for b in batches], dtype=torch.long)
+    if not is_writer:
+        todo.zero_()
+    if dist.get_backend() == "nccl":
+        todo = todo.cuda()
+    dist.all_reduce(todo, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    run = [b for b, flag in zip(batches, todo.tolist()) if flag]
+    return run, _all_reduce_int(len(run), dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+
+
+def _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids, final_id, start, say,
+                       on_batch) -> tuple[int, int]:
+    """Run the target over the batches (an empty batch where this replica has fewer) and store the states."""
+    written = written_tokens = 0
+    pad_id = 0
+    for step in range(steps):
+        batch = [samples[i] for i in run[step]] if step < len(run) else []
+        ids = (_pad_batch(batch, capture.sequence_multiple, pad_id) if batch
+               else torch.zeros(1, capture.sequence_multiple, dtype=torch.long))
+        outputs = capture(ids)
+        if writer is not None and batch:
+            for row, sample in enumerate(batch):
+                if sample.id in done_ids:
+                    continue
+                n = len(sample)
+                aux = torch.cat([outputs[i][row, :n] for i in aux_ids], dim=-1)
+                writer.add(sample.id, torch.from_numpy(np.asarray(sample.input_ids)),
+                           torch.from_numpy(np.asarray(sample.loss_mask)), aux, outputs[final_id][row, :n])
+                written += 1
+                written_tokens += n
+        if on_batch is not None:
+            on_batch(step)
+        if (step + 1) % 10 == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - start
+            rate = written_tokens / elapsed if elapsed else 0.0
+            eta = elapsed / (step + 1) * (steps - step - 1)
+            say(f"extract: step {step + 1}/{steps}, {written} samples, {rate:.0f} tokens/s on this writer, ETA {eta:.0f}s")
+    return written, written_tokens
+
+
 def extract_hidden_states(
     config: ExtractConfig,
     state: ParallelState,
@@ -150,46 +226,23 @@ def extract_hidden_states(
     """Extract this rank's slice into the store; collective over all ranks (call on every rank)."""
     from megatron.core import parallel_state as mpu
 
+    from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+
     config.validate()
     start = time.perf_counter()
-    dist = torch.distributed
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     say = log if state.rank == 0 else (lambda message: None)
-
-    total = _count_conversations(config.data_path)
-    task = contiguous_slice(total, config.shard_index, config.num_shards)
-    mine = contiguous_slice(len(task), dp_rank, dp_size)
-    indices = range(task.start + mine.start, task.start + mine.stop)
-    samples = tokenize_slice(config, indices)
-    say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
-        f"{len(task)}, {dp_size} data-parallel replica(s)")
-
-    from megatron_osprey.models.arch import ModelArch
-
+    samples = _rank_samples(config, dp_rank, dp_size, say)
     arch = ModelArch.from_hf_config(config.target_dir)
-    aux_ids = validate_aux_layer_ids(config.aux_layer_ids or default_aux_layer_ids(arch.num_layers), arch.num_layers)
+    aux_ids = tuple(resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers))
     final_id = arch.num_layers - 1
-
-    # Disk preflight before any weight is read: this task's replicas together.
-    tokens = sum(len(s) for s in samples)
-    writer_tokens = tokens if (mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage()) else 0
-    writer_samples = len(samples) if writer_tokens else 0
-    task_tokens = _all_reduce_int(writer_tokens, dist.ReduceOp.SUM)
-    task_samples = _all_reduce_int(writer_samples, dist.ReduceOp.SUM)
-    needed = estimate_store_bytes(
-        task_tokens, arch.hidden_size, config.store.encoding, num_aux_layers=len(aux_ids),
-        outliers_per_token=config.store.outliers_per_token, num_samples=task_samples,
-    )
-    say(f"extract: {task_samples} samples, {task_tokens} tokens -> store estimate {needed / 2**30:.3f} GiB "
-        f"({needed / max(task_tokens, 1):.0f} B/token, {config.store.encoding}) in {config.store.store_dir}")
-    check_free_disk(config.store.store_dir, needed)
+    needed = _preflight_disk(config, samples, arch.hidden_size, len(aux_ids), say)
 
     dtype = resolve_dtype(config.params_dtype, state.device)
     stage = load_target(config.target_dir, state.config, state.device, params_dtype=dtype,
                         transformer_impl=config.transformer_impl)
     capture = PrefillCapture(stage, list(aux_ids) + [final_id])
     target_id, config_hash = target_identity(arch, config.target_dir)
-
     writer = None
     if capture.is_writer:
         writer = open_writer(
@@ -199,42 +252,11 @@ def extract_hidden_states(
         )
     try:
         done_ids = writer.completed_sample_ids() if writer is not None else set()
-        batches = _micro_batches(samples, config.micro_batch_size)
-        # The writer knows what is done; its TP / PP peers must run the same batches.
-        todo = torch.tensor([any(samples[i].id not in done_ids for i in b) for b in batches], dtype=torch.long)
-        if not capture.is_writer:
-            todo.zero_()
-        if torch.distributed.get_backend() == "nccl":
-            todo = todo.cuda()
-        dist.all_reduce(todo, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
-        run = [b for b, flag in zip(batches, todo.tolist()) if flag]
-        steps = _all_reduce_int(len(run), dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+        run, steps = _batches_to_run(samples, done_ids, capture.is_writer, config.micro_batch_size)
         skipped = sum(1 for s in samples if s.id in done_ids)
         say(f"extract: {len(run)} micro-batches to run ({skipped} samples already complete), {steps} steps")
-        written = written_tokens = 0
-        pad_id = 0
-        for step in range(steps):
-            batch = [samples[i] for i in run[step]] if step < len(run) else []
-            ids = (_pad_batch(batch, capture.sequence_multiple, pad_id) if batch
-                   else torch.zeros(1, capture.sequence_multiple, dtype=torch.long))
-            outputs = capture(ids)
-            if writer is not None and batch:
-                for row, sample in enumerate(batch):
-                    if sample.id in done_ids:
-                        continue
-                    n = len(sample)
-                    aux = torch.cat([outputs[i][row, :n] for i in aux_ids], dim=-1)
-                    writer.add(sample.id, torch.from_numpy(np.asarray(sample.input_ids)),
-                               torch.from_numpy(np.asarray(sample.loss_mask)), aux, outputs[final_id][row, :n])
-                    written += 1
-                    written_tokens += n
-            if on_batch is not None:
-                on_batch(step)
-            if (step + 1) % 10 == 0 or step + 1 == steps:
-                elapsed = time.perf_counter() - start
-                rate = written_tokens / elapsed if elapsed else 0.0
-                eta = elapsed / (step + 1) * (steps - step - 1)
-                say(f"extract: step {step + 1}/{steps}, {written} samples, {rate:.0f} tokens/s on this writer, ETA {eta:.0f}s")
+        written, written_tokens = _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids,
+                                                     final_id, start, say, on_batch)
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -243,11 +265,11 @@ def extract_hidden_states(
         capture.close()
     if writer is not None:
         writer.close()
-    dist.barrier()
+    torch.distributed.barrier()
     manifest = None
     if config.finalize and state.rank == 0:
         manifest = _try_finalize(config, say)
-    dist.barrier()
+    torch.distributed.barrier()
     return ExtractResult(written, skipped, written_tokens, time.perf_counter() - start, needed, manifest)
 
 

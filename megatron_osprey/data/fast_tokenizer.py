@@ -6,13 +6,14 @@ worker processes start quickly and encode through the Rust batch API.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from megatron_osprey.base.checksums import file_sha256
 
 # Mirrors megatron.core's DType.optimal_dtype threshold, so our .bin files use the
 # same token dtype Megatron-LM's preprocess_data.py would choose.
@@ -58,14 +59,6 @@ def _eos_from_config(directory: str) -> Optional[str]:
     return None
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def load_tokenizer_spec(tokenizer: str, eod_token: Optional[str] = None) -> TokenizerSpec:
     """Resolve --tokenizer (a directory with tokenizer.json, or the file) and its EOD id."""
     from tokenizers import Tokenizer
@@ -98,5 +91,5 @@ def load_tokenizer_spec(tokenizer: str, eod_token: Optional[str] = None) -> Toke
         eod_id=int(eod_id),
         eod_token=token,
         vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
-        sha256=_sha256(path),
+        sha256=file_sha256(path),
     )

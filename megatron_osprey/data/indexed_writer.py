@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+from megatron_osprey.base.atomic_io import fsync_dir, fsync_file
+from megatron_osprey.base.atomic_io import write_json_atomic as base_write_json_atomic
+
 _PARTIAL = ".partial"
 
 
-def fsync_path(path: str) -> None:
-    """Flush one file (or directory entry table) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: str, payload: Any) -> None:
-    """Write JSON to `path` via a temp file, fsync and rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    """Write a sidecar JSON (compact indent, sorted keys) atomically."""
+    base_write_json_atomic(path, payload, indent=1, sort_keys=True)
 
 
 def remove_indexed_dataset(prefix: str) -> None:
@@ -72,15 +59,15 @@ class AtomicIndexedWriter:
         """Finalize the index and move .bin then .idx to their final names."""
         self._builder.finalize(self._idx_tmp)
         self._open = False
-        fsync_path(self._bin_tmp)
-        fsync_path(self._idx_tmp)
+        fsync_file(self._bin_tmp)
+        fsync_file(self._idx_tmp)
         final_bin, final_idx = get_bin_path(self.prefix), get_idx_path(self.prefix)
         # Drop an old index first so no reader ever pairs it with the new .bin.
         if os.path.exists(final_idx):
             os.remove(final_idx)
         os.replace(self._bin_tmp, final_bin)
         os.replace(self._idx_tmp, final_idx)
-        fsync_path(os.path.dirname(os.path.abspath(final_bin)))
+        fsync_dir(os.path.dirname(os.path.abspath(final_bin)))
 
     def abort(self) -> None:
         """Close and delete the temporary files; the final names are untouched."""

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from megatron_osprey.assets.atomic import write_bytes_atomic
+from megatron_osprey.base.atomic_io import write_bytes_atomic
 
 from . import corpus_sources as sources
 from .corpus_sources import default_cache_dir  # noqa: F401  (re-exported: the cache root of the corpora)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from megatron_osprey.assets.atomic import write_json_atomic
 from megatron_osprey.assets.download import pip_download, verify_sha256
 from megatron_osprey.assets.sources import Distribution
+from megatron_osprey.base.atomic_io import write_json_atomic
 
 # English dialogues and those of 27 other languages, as YAML under chatterbot_corpus/data/<language>/.
 CHATTERBOT_CORPUS = Distribution(

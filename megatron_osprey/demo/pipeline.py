@@ -121,7 +121,7 @@ class StepRunner:
 
     def run(self, name: str, argv: list, torchrun: int = 0) -> None:
         """Run `python ARGV` (or torchrun with N processes); stream the notable lines; fail loudly."""
-        from megatron_osprey.assets.atomic import write_json_atomic
+        from megatron_osprey.base.atomic_io import write_json_atomic
 
         prefix = [sys.executable]
         if torchrun:

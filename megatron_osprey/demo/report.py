@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_osprey.assets.atomic import write_bytes_atomic
+from megatron_osprey.base.atomic_io import write_bytes_atomic
 
 PAPER_NOTE = "paper, Qwen3-8B: +16.1% mean, ID +12.4%, OOD +17.3%"
 GOALS = {"mean_gain_at_least": 0.10, "osprey_mean_al_at_least": 2.0}

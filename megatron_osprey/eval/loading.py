@@ -38,7 +38,7 @@ def is_megatron_checkpoint(path: Path) -> bool:
 
 def megatron_run_config(root: Path) -> dict:
     """run_config.yaml of the latest iteration of a Megatron checkpoint root."""
-    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.training.checkpointing import iteration_dir, read_latest_iteration
 
     iteration = read_latest_iteration(root)
@@ -74,7 +74,7 @@ def load_megatron_drafter(root: Path) -> LoadedDrafter:
 
 def _stage_run_config(directory: Path) -> dict:
     """run_config.yaml beside a reference dir (Stage 3 writes it one level up), or {}."""
-    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.base.run_config import load_run_config
 
     for candidate in (directory, directory.parent):
         if (candidate / "run_config.yaml").is_file():

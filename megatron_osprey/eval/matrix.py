@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_osprey.base.atomic_io import atomic_path
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,6 @@ def plot_matrices(matrices: dict, path: str | Path) -> None:
                             fontweight="bold" if bold else "normal", fontsize=8)
     fig.subplots_adjust(wspace=0.55)  # room for the next panel's row labels
     fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="acceptance length")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=150, bbox_inches="tight")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=150, bbox_inches="tight")
     plt.close(fig)
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

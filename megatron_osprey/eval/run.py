@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
@@ -118,9 +118,9 @@ def _target_factory(config: EvalConfig, model):
     if model is not None:
         yield lambda aux: HFTargetModel(model, aux)
         return
-    from megatron_osprey.models.targets.target import load_target
+    from megatron_osprey.models.targets.megatron_stage import load_target
     from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.speculative.megatron_target import MegatronTargetModel
+    from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
 
     with parallel_context(ParallelConfig()) as state:
         stage = load_target(config.target, state.config, state.device, with_lm_head=True, transformer_impl="local")

@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
+from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.export import layouts
-from megatron_osprey.models.reference_drafter import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter, _atomic_write
+from megatron_osprey.models.reference_drafter import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter
 
 FORMATS = ("sglang", "hf", "speculators")
 # Used when the checkpoint does not say (a bare reference dir): Llama-3's context.
 DEFAULT_MAX_POSITIONS = 131072
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-@dataclass
-class ExportConfig:
-    """tools/export_checkpoint.py settings."""
-
-    checkpoint: Path
-    format: str
-    output: Path
-    overwrite: bool = False
 
 
 def detect_format(config: dict) -> str | None:
@@ -53,12 +42,13 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}  # no shared storage
-    _atomic_write(path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def _write_json(path: Path, payload: dict) -> None:
     text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
-    _atomic_write(path, lambda p: Path(p).write_text(text))
+    write_text_atomic(path, text)
 
 
 def _max_positions(run_config: dict) -> int:
@@ -98,9 +88,7 @@ def export_drafter(drafter: ReferenceDrafter, fmt: str, output: Path, run_config
         _write_json(output / CONFIG_NAME, layouts.speculators_config(
             cfg, dtype, _max_positions(run_config), _verifier(run_config), extra=provenance))
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file() and not (output / name).exists():
-                shutil.copy2(Path(tokenizer_dir) / name, output / name)
+        copy_tokenizer_files(tokenizer_dir, output, keep_existing=True)
     return output
 
 
@@ -121,18 +109,3 @@ def read_export(directory: str | Path) -> ReferenceDrafter:
     drafter = ReferenceDrafter(cfg).to(state["embed_tokens.weight"].dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter
-
-
-def export_checkpoint(config: ExportConfig) -> Path:
-    """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
-    from megatron_osprey.eval.loading import load_drafter
-
-    if config.format not in FORMATS:
-        raise ValueError(f"--format must be one of {FORMATS}, got {config.format!r}.")
-    output = Path(config.output)
-    if output.exists() and output.is_dir() and any(output.iterdir()) and not config.overwrite:
-        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-    loaded = load_drafter(config.checkpoint)
-    target = loaded.run_config.get("target")
-    tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
-    return export_drafter(loaded.drafter, config.format, output, loaded.run_config, config.overwrite, tokenizer_dir)

@@ -26,32 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megatron_osprey.models.arch import ModelArch, padded_size
+from megatron_osprey.base.arch import ModelArch, padded_size
 from megatron_osprey.models.gpt import layer_spec, resolve_transformer_impl, transformer_config
 from megatron_osprey.parallel import ParallelConfig
 
 VARIANTS = ("osprey", "eagle3")
-
-
-def default_aux_layer_ids(num_target_layers: int) -> list[int]:
-    """SGLang's default taps: [1, L//2 - 1, L - 4] (0-based)."""
-    ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
-    if num_target_layers < 5 or len(set(ids)) != 3:
-        raise ValueError(
-            f"a target with {num_target_layers} layers has no default --aux-layer-ids; pass three ids."
-        )
-    return ids
-
-
-def validate_aux_layer_ids(aux_layer_ids: list[int], num_target_layers: int) -> list[int]:
-    """Three distinct ids in [0, L); one clear error otherwise."""
-    ids = [int(i) for i in aux_layer_ids]
-    if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_target_layers for i in ids):
-        raise ValueError(
-            f"--aux-layer-ids {ids} must be three distinct layer ids in 0..{num_target_layers - 1} "
-            f"(the target has {num_target_layers} layers)."
-        )
-    return ids
 
 
 @dataclass(frozen=True)

@@ -5,26 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.hardware import transformer_engine_usable
 from megatron_osprey.parallel import ParallelConfig
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-
-
-def have_transformer_engine() -> bool:
-    """True when Transformer Engine imports (it needs CUDA)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def resolve_transformer_impl(requested: str = "auto") -> str:
     """`auto` picks Transformer Engine when TE and CUDA are present, the local spec otherwise."""
     if requested not in TRANSFORMER_IMPLS:
         raise ValueError(f"--transformer-impl must be one of {TRANSFORMER_IMPLS}, got {requested!r}.")
-    te_usable = torch.cuda.is_available() and have_transformer_engine()
+    te_usable = transformer_engine_usable()
     if requested == "auto":
         return "transformer_engine" if te_usable else "local"
     if requested == "transformer_engine" and not te_usable:
@@ -208,9 +200,3 @@ def build_gpt_model(
     model.transformer_impl = impl
     return model
 
-
-def causal_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [batch, seq, padded_vocab / TP] of a single-stage GPTModel on `input_ids`."""
-    if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return model(input_ids, position_ids, attention_mask=None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 
 GIB = 1 << 30
 # CUDA context, NCCL buffers and allocator fragmentation, measured as a flat

@@ -1,4 +1,4 @@
-"""Stage 1 alternative: depth pruning by layer importance (Minitron, through nvidia-modelopt).
+"""Depth pruning by layer importance (Minitron, through nvidia-modelopt).
 
 The paper keeps the first N layers; this is the comparison it did not run. It
 needs a GPU: Minitron scores layers with calibration forwards of the full model.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.gpt import build_gpt_model
 
 
@@ -31,8 +31,11 @@ def _calibration_batches(path: Path, tokenizer_dir: Path, seq_length: int = 512,
             yield torch.tensor([ids], device="cuda")
 
 
-def prune_by_importance(config, arch: ModelArch, parallel):
-    """Score layers on calibration text with Minitron, keep the N most important, write the result."""
+def prune_by_importance(config, arch: ModelArch, parallel) -> tuple[torch.nn.Module, list[int], ModelArch]:
+    """Score layers on calibration text with Minitron and keep the N most important.
+
+    Returns the pruned model (on CPU), the source indices of the kept layers and the pruned architecture.
+    """
     if not torch.cuda.is_available():
         raise RuntimeError(
             "--strategy importance scores layers with nvidia-modelopt's Minitron on a GPU and this "
@@ -44,8 +47,6 @@ def prune_by_importance(config, arch: ModelArch, parallel):
             f"(got {config.calibration_data})."
         )
     import modelopt.torch.prune as mtp
-
-    from megatron_osprey.models.prune import write_pruned
 
     model = build_gpt_model(arch, parallel.config, transformer_impl=config.transformer_impl,
                             params_dtype=arch.torch_dtype_obj(), perform_initialization=False)
@@ -71,4 +72,4 @@ def prune_by_importance(config, arch: ModelArch, parallel):
     kept = [layer.osprey_source_layer for layer in model.decoder.layers]
     pruned = arch.with_num_layers(config.num_layers)
     model.osprey_arch = pruned
-    return write_pruned(config, pruned, [model.cpu()], kept, parallel)
+    return model.cpu(), kept, pruned

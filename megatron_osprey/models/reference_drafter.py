@@ -38,13 +38,14 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -432,10 +433,11 @@ class ReferenceDrafter(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight")  # shared with embed_tokens; safetensors refuses aliases
-        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
+        with atomic_path(directory / WEIGHTS_NAME) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
         payload = {"format": FORMAT_TAG, **dataclasses.asdict(self.config)}
         text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory / CONFIG_NAME, lambda p: Path(p).write_text(text))
+        write_text_atomic(directory / CONFIG_NAME, text)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device: str = "cpu") -> "ReferenceDrafter":
@@ -458,24 +460,3 @@ class ReferenceDrafter(nn.Module):
         model.to(device=device, dtype=dtype)
         model.load_state_dict(state, strict=True)
         return model
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path), fsync it, then rename over path."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is shared like any other output
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -1,12 +1,30 @@
 """Megatron-Core on a machine without CUDA: the CUDA-only call sites, handled.
 
-Megatron-Core assumes a GPU in a handful of places (see ../shared/MEGATRON_CPU.md
-for the measured list). Without CUDA those places either crash or, worse, run
-silently wrong (every RNG-tracker stream identical). `activate()` patches them so
-that the real Megatron-Core modules run under gloo on the CPU; it refuses to do
-anything when CUDA is present, and it is pinned to the megatron-core version it
-was written against: `check_call_sites()` is the canary that fails loudly when an
-upgrade moves a call site.
+Megatron-Core 0.16.1 assumes a GPU in these places (measured with torch 2.13 on
+CPU, gloo, tiny models at TP/PP/EP=2):
+
+1. `torch.cuda.current_device()` picks the device of new tensors (utils, rotary
+   embeddings, p2p communication, grad buffers, TP layers and mappings, the MoE
+   router, the distributed optimizer, checkpoint saving);
+2. `torch.cuda.synchronize()` runs on every checkpoint save and in p2p communication;
+3. `torch.cuda.get_rng_state` / `manual_seed` back the tensor-parallel RNG tracker:
+   without them nothing crashes but every tracker stream is identical, so TP ranks
+   share dropout streams; and `_set_cuda_rng_state` is a silent no-op on CPU builds,
+   so `fork()` never switches streams;
+4. tensors created with a hard-coded `device="cuda"`, `.cuda()` calls (tied
+   embeddings under PP), and `Tensor.type()` checks against `torch.cuda.*Tensor`
+   names in the optimizer;
+5. torch norms assert `not sequence_parallel`, though their weights still need the
+   sequence-parallel tag so their grads are all-reduced across TP;
+6. MoE: `te_general_gemm` is undefined without Transformer Engine, split sizes stay
+   tensors on the CPU (gloo's all_to_all_single rejects them), and the all-to-all
+   dispatcher copies them to the host on a `torch.cuda.Stream`.
+
+Without CUDA these places either crash or, worse, run silently wrong (item 3).
+`activate()` patches them so that the real Megatron-Core modules run under gloo on
+the CPU; it refuses to do anything when CUDA is present, and it is pinned to the
+megatron-core version it was written against: `check_call_sites()` is the canary
+that fails loudly when an upgrade moves a call site.
 """
 
 from __future__ import annotations
@@ -61,8 +79,7 @@ TENSOR_TYPE_MODULES: dict[str, str] = {
 
 _FACTORY_FUNCTIONS = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn")
 
-# Mixture-of-experts call sites (MEGATRON_CPU.md items 8, 9 and the dispatcher's
-# streams in item 6), each patched by `_patch_moe`:
+# Mixture-of-experts call sites (item 6 of the module docstring), each patched by `_patch_moe`:
 # - moe_utils imports te_general_gemm only inside its TE try-block, so without TE
 #   the router's `te_general_gemm is not None` test raises NameError: bind it to None.
 # - maybe_move_tensor_to_cpu converts split sizes only when they are CUDA tensors;

@@ -1,9 +1,10 @@
 """Reference speculative decoding (chain and EAGLE-2 tree; greedy and lossless sampling)."""
 
+from megatron_osprey.models.targets.decoding import HFTargetModel, TargetModel
+
 from .config import SpecConfig, SpecResult, acceptance_summary
 from .draft_session import DraftSession, ReferenceDraftSession
 from .generate import speculative_generate, target_generate
-from .target import HFTargetModel, TargetModel, default_aux_layer_ids
 from .tree import DraftTree, build_chain, build_draft, build_tree
 from .verify import accept_greedy, accept_sampling
 
@@ -21,7 +22,6 @@ __all__ = [
     "build_chain",
     "build_draft",
     "build_tree",
-    "default_aux_layer_ids",
     "speculative_generate",
     "target_generate",
 ]

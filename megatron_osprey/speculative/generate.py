@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_osprey.models.targets.decoding import TargetModel
+
 from .config import SpecConfig, SpecResult
 from .draft_session import DraftSession
-from .target import TargetModel
 from .tree import build_draft
 from .verify import accept_greedy, accept_sampling
 

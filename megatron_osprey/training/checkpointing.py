@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.utils import unwrap_model
 
-from megatron_osprey.config.run_config import save_run_config
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.run_config import save_run_config
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -148,8 +149,8 @@ def _rng_sharded_object(data: Any):
 def _model_sharded_state_dict(model_chunks: list, metadata: dict) -> dict:
     # The bare GPTModel's keys, as Stage 1 writes them: wrappers (DDP, Float16Module) are run-time only.
     if len(model_chunks) == 1:
-        return {"model": unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": unwrap(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model_chunks)}
+        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": unwrap_model(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model_chunks)}
 
 
 def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_samples: int, model_chunks: list,
@@ -217,10 +218,10 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
     loaded = dist_checkpointing.load(state, str(path))
 
     if len(model_chunks) == 1:
-        unwrap(model_chunks[0]).load_state_dict(loaded["model"])
+        unwrap_model(model_chunks[0]).load_state_dict(loaded["model"])
     else:
         for i, chunk in enumerate(model_chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+            unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps(optimizer, loaded["optimizer"])
@@ -251,16 +252,18 @@ def load_model_weights(root: str | Path, module, iteration: int | None = None) -
     return iteration
 
 
+def resume_iteration(checkpoint) -> int | None:
+    """The iteration --load resumes from (--ckpt-step, else the latest), or None to start fresh."""
+    if not checkpoint.load:
+        return None
+    if checkpoint.ckpt_step is not None:
+        return checkpoint.ckpt_step
+    return read_latest_iteration(checkpoint.load)
+
+
 def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None
     for chunk in model_chunks:
-        iteration = load_model_weights(megatron_dir, unwrap(chunk))
+        iteration = load_model_weights(megatron_dir, unwrap_model(chunk))
     return iteration
-
-
-def unwrap(chunk):
-    """The GPTModel inside a DDP / Float16Module wrapper."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -109,19 +108,6 @@ def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_lengt
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 
-def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+def stack_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack GPTDataset samples into a batch dict."""
     return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
-
-
-def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  device: torch.device | str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-    """This DP rank's micro-batches from sample `consumed_samples` on, as Megatron's pretraining sampler orders them."""
-    stride = micro_batch_size * dp_size
-    index = consumed_samples
-    size = len(dataset)
-    while True:
-        start = index + dp_rank * micro_batch_size
-        batch = collate([dataset[(start + i) % size] for i in range(micro_batch_size)])
-        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        index += stride

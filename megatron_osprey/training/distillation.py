@@ -8,23 +8,21 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import yaml
+from megatron.core.utils import unwrap_model
 
+from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.run_config import load_run_config, to_plain
+from megatron_osprey.data.distill_data import pad_samples
+from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, default_aux_layer_ids, validate_aux_layer_ids
-from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
-from megatron_osprey.training.flops import (
-    ModelShape, device_peak_tflops, forward_flops_per_sequence, training_flops_per_sequence,
-)
-from megatron_osprey.training.loop import TrainState, train
-from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
-from megatron_osprey.training.optimizer import sharding_metadata
-from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler, make_train_run
+from megatron_osprey.training.assembly import TrainSpec, run_training
+from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
+from megatron_osprey.training.loop import TrainState
 
 
 @dataclasses.dataclass
@@ -45,13 +43,12 @@ def drafter_arch(cfg: DistillConfig) -> DrafterArch:
     target = ModelArch.from_hf_config(Path(cfg.target.target))
     if not target.is_dense:
         raise ValueError("--baseline eagle3 builds its layer from a dense target's shape; this target is MoE.")
-    aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(target.num_layers)
     return DrafterArch(
         body=target.with_num_layers(cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         draft_vocab_size=min(cfg.drafter.draft_vocab_size, target.vocab_size),
-        aux_layer_ids=tuple(validate_aux_layer_ids(aux, target.num_layers)),
+        aux_layer_ids=tuple(resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers)),
         variant="eagle3",
     )
 
@@ -59,10 +56,8 @@ def drafter_arch(cfg: DistillConfig) -> DrafterArch:
 def assistant_token_counts(source, vocab_size: int) -> torch.Tensor:
     """How often each target token is an assistant (trained) token in the training data."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for index in range(len(source)):
-        sample = source[index]
-        ids = sample["input_ids"][sample["loss_mask"].bool()]
-        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size].double()
+    for input_ids, loss_mask in source.iter_tokens():  # tokens only: a store's hidden states stay on disk
+        counts += torch.bincount(input_ids[loss_mask.bool()], minlength=vocab_size)[:vocab_size].double()
     return counts
 
 
@@ -90,12 +85,6 @@ def init_eagle3(model, cfg: DistillConfig, arch: DrafterArch, draft_ids: torch.T
     model.t2d[draft_ids] = True
 
 
-def unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def distill_forward_step(target: Callable | None, head: TargetHead, cfg: DistillConfig, draft_vocab: int, tp_group):
     """forward_step(data_iterator, model) -> (loss, loss_func) over one micro-batch."""
 
@@ -106,7 +95,7 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         else:
             aux, final = target(batch["input_ids"])
         draft_logits, in_draft = head(final)
-        drafter = unwrap(model)
+        drafter = unwrap_model(model)
         dtype = drafter.fusion_fc.weight.dtype
         logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps)
         terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group)
@@ -130,105 +119,91 @@ def ttt_loss_func(terms, loss):
 
 def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples
+    from megatron_osprey.models.targets.megatron_stage import target_identity
 
     if cfg.target.mode == "offline":
+        # The store must come from this very target: same taps and width, and the same config and weights.
+        _, fingerprint = target_identity(ModelArch.from_hf_config(cfg.target.target), cfg.target.target)
         return StoreSamples(cfg.target.hidden_states, aux_layer_ids=list(arch.aux_layer_ids),
-                            hidden_size=arch.target_hidden_size)
+                            hidden_size=arch.target_hidden_size, config_hash=fingerprint)
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
 def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
-    """Validate, build, (re)load, train; collective over every rank of `parallel`."""
+    """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     from transformers import AutoTokenizer
-
-    from megatron.core import parallel_state as mpu
-
-    from megatron_osprey.data.distill_data import micro_batches
 
     cfg.validate(parallel.world_size)
     cfg.optimizer.lr_warmup_iters = cfg.warmup_iters()
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.target)
-    is_writer = parallel.rank == 0
-    notes: list[str] = []
-
     arch = drafter_arch(cfg)
     source = build_sources(cfg, arch, tokenizer)
     draft_ids = None
     if cfg.drafter.baseline:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
-    train_iters = cfg.training.num_train_iters()
     run_config = {"stage": "distill", "config": cfg, "drafter": arch.to_dict(), "target": cfg.target.target,
                   "train_domain": cfg.data.domain, "world_size": parallel.world_size}
-    if is_writer:
-        print("resolved configuration:\n" + yaml.safe_dump(to_plain(cfg), sort_keys=False), flush=True)
-
     dtype = torch.bfloat16 if cfg.drafter.bf16 else torch.float32
     provider = functools.partial(build_drafter_model, arch, cfg.parallel, transformer_impl=cfg.drafter.transformer_impl,
                                  params_dtype=dtype)
 
-    def model_provider(pre_process=True, post_process=True, vp_stage=None):
-        return provider()
-
-    resume = checkpointing.read_latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
-
-    def initialize(chunks):
+    def initialize(chunks: list) -> None:
         if cfg.drafter.drafter_init:
             checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks)
         else:
             init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
 
-    model = build_model_chunks(model_provider, cfg.parallel, bf16=cfg.drafter.bf16,
-                               use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                               initialize=None if resume is not None else initialize)
-    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optimizer, bf16=cfg.drafter.bf16,
-                                                         train_iters=train_iters)
-    metadata = sharding_metadata(cfg.optimizer) | {"use_distributed_optimizer": cfg.optimizer.use_distributed_optimizer}
-    state = TrainState()
-    if resume is not None:
-        info = checkpointing.load_training_checkpoint(
-            cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng)
-        state = TrainState(info["iteration"], info["consumed_train_samples"])
-        notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
-
-    drafter = unwrap(model[0])
-    tp_group = mpu.get_tensor_model_parallel_group()
-    head = TargetHead.from_hf(cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank,
-                              cfg.parallel.tensor_model_parallel_size, tp_group).to(parallel.device)
-    target = None
-    if cfg.target.mode == "online":
-        from megatron_osprey.models.online_target import OnlineTarget
-
-        target = OnlineTarget(cfg.target.target, cfg.parallel, parallel.device, arch.aux_layer_ids,
-                              params_dtype=dtype, transformer_impl=cfg.drafter.transformer_impl)
-    forward_step = distill_forward_step(target, head, cfg, arch.draft_vocab_size, tp_group)
-
+    frozen = _FrozenTarget(cfg, arch, dtype, parallel)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    train_iterator = micro_batches(source, state.consumed_train_samples, cfg.training.micro_batch_size,
-                                   parallel.dp_rank, parallel.dp_size, cfg.training.seq_length, pad_id,
-                                   cfg.parallel.seed, cfg.data.shuffle, parallel.device)
-    seq = cfg.training.seq_length
-    drafter_flops = training_flops_per_sequence(ModelShape.from_arch(arch.body, drafter.output_layer.weight.shape[0]
-                                                                     * cfg.parallel.tensor_model_parallel_size), seq)
-    target_flops = 0.0
-    if target is not None:  # a forward only (no LM head: logits come from the draft-vocab head)
-        target_arch = target.stage.arch
-        target_flops = forward_flops_per_sequence(ModelShape.from_arch(target_arch, 0), seq)
-    throughput = ThroughputModel(
-        tokens_per_iteration=cfg.training.global_batch_size * seq,
-        flops_per_iteration=cfg.training.global_batch_size * (cfg.ttt.ttt_steps * drafter_flops + target_flops),
-        world_size=parallel.world_size,
-        peak_tflops=device_peak_tflops(cfg.logging.peak_tflops, fp8=False),
-    )
-    metrics = MetricsLogger(cfg.logging, throughput, is_writer=is_writer, total_iters=train_iters,
-                            start_iter=state.iteration, save_dir=cfg.checkpoint.save, run_config=run_config,
-                            desc="distill")
-    for note in notes:
-        metrics.note(note)
+    collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id)
 
-    run = make_train_run(cfg, model, optimizer, scheduler, metrics, run_config, metadata, parallel)
-    try:
-        state = train(run, state, forward_step, train_iterator, None)
-    finally:
-        metrics.close()
-    return DistillResult(state, metrics.history, notes, arch)
+    def data_iterators(model: list, state: TrainState, notes: list[str]):
+        return micro_batches(source, state.consumed_train_samples, cfg.training.micro_batch_size, parallel.dp_rank,
+                             parallel.dp_size, collate, seed=cfg.parallel.seed, shuffle=cfg.data.shuffle,
+                             device=parallel.device), None
+
+    spec = TrainSpec(
+        run_config=run_config,
+        model_provider=lambda pre_process=True, post_process=True, vp_stage=None: provider(),
+        initialize=initialize,
+        forward_step=frozen.forward_step,
+        data_iterators=data_iterators,
+        flops_per_iteration=frozen.flops_per_iteration,
+        bf16=cfg.drafter.bf16,
+        progress_label="distill",
+    )
+    result = run_training(cfg, spec, parallel)
+    return DistillResult(result.state, result.history, result.notes, arch)
+
+
+class _FrozenTarget:
+    """The frozen target's part of a distillation step: its LM head always, its forward when online."""
+
+    def __init__(self, cfg: DistillConfig, arch: DrafterArch, dtype: torch.dtype, parallel: ParallelState):
+        self.cfg, self.arch, self.dtype, self.parallel = cfg, arch, dtype, parallel
+        self.target = None
+
+    def forward_step(self, model: list) -> Callable:
+        """Build the target head (on the drafter's draft vocabulary) and, online, the target; the step over both."""
+        from megatron.core import parallel_state as mpu
+
+        cfg, parallel = self.cfg, self.parallel
+        drafter = unwrap_model(model[0])
+        tp_group = mpu.get_tensor_model_parallel_group()
+        head = TargetHead.from_hf(cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank,
+                                  cfg.parallel.tensor_model_parallel_size, tp_group).to(parallel.device)
+        if cfg.target.mode == "online":
+            from megatron_osprey.models.targets.online import OnlineTarget
+
+            self.target = OnlineTarget(cfg.target.target, cfg.parallel, parallel.device, self.arch.aux_layer_ids,
+                                       params_dtype=self.dtype, transformer_impl=cfg.drafter.transformer_impl)
+        return distill_forward_step(self.target, head, cfg, self.arch.draft_vocab_size, tp_group)
+
+    def flops_per_iteration(self, model: list) -> float:
+        """TTT steps of the drafter (its draft-vocab head included) plus, online, one target forward."""
+        cfg, seq = self.cfg, self.cfg.training.seq_length
+        draft_head_width = unwrap_model(model[0]).output_layer.weight.shape[0] * cfg.parallel.tensor_model_parallel_size
+        drafter_flops = training_flops_per_sequence(self.arch.body, seq, draft_head_width)
+        # A forward only, without the LM head: target logits come from the draft-vocab head.
+        target_flops = forward_flops_per_sequence(self.target.stage.arch, seq, 0) if self.target is not None else 0.0
+        return cfg.training.global_batch_size * (cfg.ttt.ttt_steps * drafter_flops + target_flops)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+
+from megatron_osprey.base.arch import ModelArch
 
 # Dense (no sparsity) peak TFLOP/s per device, BF16 tensor cores; FP8 is twice that.
 # Matched against torch.cuda.get_device_name() by substring, first match wins.
@@ -25,41 +25,26 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The sizes that decide a decoder's FLOPs."""
+def forward_flops_per_sequence(arch: ModelArch, seq_length: int, lm_head_width: int) -> float:
+    """Forward FLOPs for one sequence: 2 per multiply-add, causal attention counts its lower triangle.
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    vocab_size: int  # the padded size the LM head actually computes
-    gated_mlp: bool = True
-
-    @classmethod
-    def from_arch(cls, arch, padded_vocab_size: int) -> "ModelShape":
-        return cls(arch.num_layers, arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads,
-                   arch.num_query_groups, arch.head_dim, padded_vocab_size)
-
-
-def forward_flops_per_sequence(shape: ModelShape, seq_length: int) -> float:
-    """Forward FLOPs for one sequence: 2 per multiply-add, causal attention counts its lower triangle."""
-    s, h = seq_length, shape.hidden_size
-    q = shape.num_attention_heads * shape.head_dim
-    kv = shape.num_query_groups * shape.head_dim
+    lm_head_width is the padded vocabulary the LM head computes (0: no head). The MLP is gated
+    (SwiGLU) in every family ModelArch describes.
+    """
+    s, h = seq_length, arch.hidden_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
     projections = 2 * s * h * (q + 2 * kv) + 2 * s * q * h  # QKV and output projection
     # QK^T and softmax(.)V over the causal half: each query sees (s + 1) / 2 keys on average.
     attention = 2 * 2 * s * q * (s + 1) / 2
-    mlp = 2 * s * h * shape.ffn_hidden_size * (3 if shape.gated_mlp else 2)
-    lm_head = 2 * s * h * shape.vocab_size
-    return shape.num_layers * (projections + attention + mlp) + lm_head
+    mlp = 2 * s * h * arch.ffn_hidden_size * 3
+    lm_head = 2 * s * h * lm_head_width
+    return arch.num_layers * (projections + attention + mlp) + lm_head
 
 
-def training_flops_per_sequence(shape: ModelShape, seq_length: int) -> float:
+def training_flops_per_sequence(arch: ModelArch, seq_length: int, lm_head_width: int) -> float:
     """Forward + backward (twice the forward) FLOPs for one sequence, no activation recompute."""
-    return 3.0 * forward_flops_per_sequence(shape, seq_length)
+    return 3.0 * forward_flops_per_sequence(arch, seq_length, lm_head_width)
 
 
 def device_peak_tflops(override: float | None = None, fp8: bool = False) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from megatron.core.utils import unwrap_model
 
 
 def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -15,13 +16,6 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss.detach(), num_tokens.detach().float()])
     return loss, num_tokens, {"lm loss": report}
-
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def true_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -44,7 +38,7 @@ def true_vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_s
 def gpt_forward_step(data_iterator, model):
     """One micro-batch through a GPTModel stage; the last stage returns per-token losses [b, s]."""
     batch = next(data_iterator)
-    gpt = unwrap(model)
+    gpt = unwrap_model(model)
     # attention_mask None: the causal mask is the attention's own (no [s, s] tensor per sample).
     output = model(batch["tokens"], batch["position_ids"], attention_mask=None)
     if gpt.post_process:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.config.pretrain import LoggingSection
-from megatron_osprey.convert.safetensors_io import write_text_atomic
 from megatron_osprey.training.flops import mfu
 
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -175,7 +175,7 @@ def _start_wandb(cfg: LoggingSection, save_dir: str | None, run_config: dict[str
     """wandb (offline unless WANDB_MODE said otherwise), resuming the run stored beside the checkpoints."""
     import wandb
 
-    from megatron_osprey.config.run_config import to_plain
+    from megatron_osprey.base.run_config import to_plain
 
     run_id = wandb_run_id(save_dir, cfg.wandb_exp_name, cfg.wandb_project)
     directory = Path(cfg.wandb_save_dir or (Path(save_dir) / "wandb" if save_dir else "wandb"))

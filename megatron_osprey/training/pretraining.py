@@ -8,19 +8,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import yaml
+from megatron.core.utils import unwrap_model
 
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.config.pretrain import PretrainConfig, validate_against_model
-from megatron_osprey.config.run_config import load_run_config, to_plain
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
-from megatron_osprey.training.flops import ModelShape, device_peak_tflops, training_flops_per_sequence
+from megatron_osprey.training.assembly import TrainSpec, run_training
+from megatron_osprey.training.flops import training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
-from megatron_osprey.training.loop import TrainState, train
-from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
-from megatron_osprey.training.optimizer import sharding_metadata
-from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler, make_train_run
+from megatron_osprey.training.loop import TrainState
 
 
 @dataclasses.dataclass
@@ -69,108 +68,65 @@ def initial_weights(arch: ModelArch, cfg: PretrainConfig, state: ParallelState) 
     return initialize
 
 
-def resume_iteration(cfg: PretrainConfig) -> int | None:
-    """The iteration --load resumes from, or None to start from the backbone."""
-    if not cfg.checkpoint.load:
-        return None
-    if cfg.checkpoint.ckpt_step is not None:
-        return cfg.checkpoint.ckpt_step
-    return checkpointing.read_latest_iteration(cfg.checkpoint.load)
-
-
 def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
                  forward_step: Callable = gpt_forward_step) -> PretrainResult:
-    """Validate, build, (re)load, train; collective over every rank of `parallel`."""
+    """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     cfg.validate(parallel.world_size)
     arch = backbone_arch(cfg)
     validate_against_model(cfg, arch.max_position_embeddings, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
-    is_writer = parallel.rank == 0
     train_iters = cfg.training.num_train_iters()
     run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size,
                   "hf_config": arch.hf_config}
-    if is_writer:
-        print("resolved configuration:\n" + yaml.safe_dump(to_plain(run_config["config"]), sort_keys=False),
-              flush=True)
+    def data_iterators(model: list, state: TrainState, notes: list[str]):
+        tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
+        sizes = data.split_sizes(train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters,
+                                 cfg.logging.eval_interval)
+        train_ds, valid_ds, _ = data.build_gpt_datasets(cfg.data, tokenizer, cfg.training.seq_length,
+                                                        cfg.parallel.seed, sizes)
 
-    resume = resume_iteration(cfg)
-    notes = []
-    if cfg.checkpoint.load and resume is None:
-        notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
-    model = build_model_chunks(
-        model_provider(arch, cfg), cfg.parallel, bf16=cfg.model.bf16,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        initialize=None if resume is not None else initial_weights(arch, cfg, parallel),
-    )
-    optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optimizer, bf16=cfg.model.bf16,
-                                                         train_iters=train_iters)
-    metadata = sharding_metadata(cfg.optimizer) | {
-        "use_distributed_optimizer": cfg.optimizer.use_distributed_optimizer}
-    state = TrainState()
-    if resume is not None:
-        info = checkpointing.load_training_checkpoint(
-            cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng)
-        state = TrainState(info["iteration"], info["consumed_train_samples"])
-        notes += info["notes"]
-        notes.append(f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}")
+        def iterators(dataset, consumed: int):
+            # Interleaved pipelines take one iterator per virtual stage, each at the same position.
+            its = [micro_batches(dataset, consumed, cfg.training.micro_batch_size, parallel.dp_rank,
+                                 parallel.dp_size, data.stack_samples, device=parallel.device) for _ in model]
+            return its if len(its) > 1 else its[0]
 
-    dp_rank, dp_size = parallel.dp_rank, parallel.dp_size
-    tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
-    sizes = data.split_sizes(train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters,
-                             cfg.logging.eval_interval)
-    train_ds, valid_ds, _ = data.build_gpt_datasets(cfg.data, tokenizer, cfg.training.seq_length,
-                                                    cfg.parallel.seed, sizes)
-    mbs = cfg.training.micro_batch_size
+        if valid_ds is None and cfg.logging.eval_iters:
+            notes.append(f"--split {cfg.data.split} leaves no validation data: loss/valid is not computed")
+        valid = (lambda: iterators(valid_ds, 0)) if valid_ds is not None else None
+        return iterators(train_ds, state.consumed_train_samples), valid
 
-    def iterators(dataset, consumed: int):
-        # Interleaved pipelines take one iterator per virtual stage, each at the same position.
-        its = [data.micro_batches(dataset, consumed, mbs, dp_rank, dp_size, parallel.device) for _ in model]
-        return its if len(its) > 1 else its[0]
-
-    train_iterator = iterators(train_ds, state.consumed_train_samples)
-    valid_iterator = (lambda: iterators(valid_ds, 0)) if valid_ds is not None else None
-    if valid_ds is None and cfg.logging.eval_iters:
-        notes.append(f"--split {cfg.data.split} leaves no validation data: loss/valid is not computed")
+    def finish(model: list, state: TrainState) -> None:
+        if cfg.checkpoint.save and state.iteration >= train_iters:
+            export_backbone(cfg, arch, model, run_config | {"iteration": state.iteration}, parallel)
 
     padded_vocab = arch.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
-    seq = cfg.training.seq_length
-    throughput = ThroughputModel(
-        tokens_per_iteration=cfg.training.global_batch_size * seq,
-        flops_per_iteration=cfg.training.global_batch_size
-        * training_flops_per_sequence(ModelShape.from_arch(arch, padded_vocab), seq),
-        world_size=parallel.world_size,
-        peak_tflops=device_peak_tflops(cfg.logging.peak_tflops, fp8=bool(cfg.model.fp8_format)),
+    spec = TrainSpec(
+        run_config=run_config,
+        model_provider=model_provider(arch, cfg),
+        initialize=initial_weights(arch, cfg, parallel),
+        forward_step=lambda model: forward_step,
+        data_iterators=data_iterators,
+        flops_per_iteration=lambda model: cfg.training.global_batch_size
+        * training_flops_per_sequence(arch, cfg.training.seq_length, padded_vocab),
+        bf16=cfg.model.bf16,
+        fp8=bool(cfg.model.fp8_format),
+        finish=finish,
     )
-    metrics = MetricsLogger(cfg.logging, throughput, is_writer=is_writer, total_iters=train_iters,
-                            start_iter=state.iteration, save_dir=cfg.checkpoint.save, run_config=run_config)
-    for note in notes:
-        metrics.note(note)
-
-    run = make_train_run(cfg, model, optimizer, scheduler, metrics, run_config, metadata, parallel)
-    try:
-        state = train(run, state, forward_step, train_iterator, valid_iterator)
-    finally:
-        metrics.close()
-    if cfg.checkpoint.save and state.iteration >= train_iters:
-        export_backbone(cfg, arch, model, run_config | {"iteration": state.iteration}, parallel)
-    return PretrainResult(state, metrics.history, notes)
+    result = run_training(cfg, spec, parallel)
+    return PretrainResult(result.state, result.history, result.notes)
 
 
 def export_backbone(cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
     """A finished run also leaves SAVE/hf/ and SAVE/run_config.yaml: the layout Stage 3 reads as --backbone."""
-    import shutil
-
-    from megatron_osprey.config.run_config import save_run_config
+    from megatron_osprey.base.hf_files import copy_tokenizer_files
+    from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.convert.megatron_to_hf import export_to_hf
-    from megatron_osprey.models.prune import TOKENIZER_FILES
 
     save = Path(cfg.checkpoint.save)
-    export_to_hf([checkpointing.unwrap(chunk) for chunk in model], arch, save / "hf")
+    export_to_hf(unwrap_model(model), arch, save / "hf")
     if parallel.rank == 0:
         source = Path(cfg.model.backbone) / "hf" if cfg.model.backbone else Path(cfg.model.hf_model)
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, save / "hf" / name)
+        copy_tokenizer_files(source, save / "hf", with_generation_config=True)
         save_run_config(save / "run_config.yaml", run_config)
     torch.distributed.barrier()

@@ -23,9 +23,9 @@ from megatron_osprey.assets import (
     tokenizer_source,
 )
 from megatron_osprey.assets import download
-from megatron_osprey.assets.atomic import make_staging_dir, publish_dir
 from megatron_osprey.assets.gguf_reader import read_gguf_metadata
 from megatron_osprey.assets.tokenizer_cache import INFO_FILE, parse_reference_cases
+from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Conversations JSONL, chat-template loss masks (Qwen3 / Llama-3 formats) and packing."""
+"""Conversations JSONL and chat-template loss masks (Qwen3 / Llama-3 formats)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from megatron_osprey.data.chat_template import ChatTemplateConfig, ChatTemplateError, ChatTokenizer, TokenizedConversation
+from megatron_osprey.data.chat_template import ChatTemplateConfig, ChatTemplateError, ChatTokenizer
 from megatron_osprey.data.conversations import ConversationFormatError, read_conversations, write_conversations
-from megatron_osprey.data.packing import (
-    PackingConfig,
-    block_diagonal_causal_mask,
-    collate_rows,
-    megatron_attention_mask,
-    pack_conversations,
-)
 from megatron_osprey.data.regenerate.tiny_target import LLAMA3_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, build_tiny_tokenizer
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -262,71 +254,3 @@ def test_reader_errors_name_file_and_line(tmp_path, bad, message):
     path = _write(tmp_path, [GOOD, bad])
     with pytest.raises(ConversationFormatError, match=message):
         list(read_conversations(path))
-
-
-# --- Packing ----------------------------------------------------------------------------
-
-
-def _doc(name: str, length: int, first_id: int) -> TokenizedConversation:
-    ids = np.arange(first_id, first_id + length, dtype=np.int64)
-    return TokenizedConversation(id=name, input_ids=ids, loss_mask=ids % 2 == 0)
-
-
-DOCS = [_doc("a", 5, 100), _doc("b", 4, 200), _doc("c", 6, 300), _doc("d", 2, 400)]
-
-
-@pytest.mark.parametrize(
-    "algorithm, mode, rows",
-    [
-        ("sequential", "pack", [("a",), ("b",), ("c", "d")]),
-        ("first_fit", "pack", [("a", "d"), ("b",), ("c",)]),
-        ("sequential", "pad", [("a",), ("b",), ("c",), ("d",)]),
-    ],
-)
-def test_packing_assignment(algorithm, mode, rows):
-    packed = pack_conversations(DOCS, PackingConfig(seq_length=8, pad_token_id=-7, mode=mode, algorithm=algorithm))
-    assert [r.source_ids for r in packed] == rows
-
-
-def test_packed_row_boundaries_positions_and_padding():
-    row = pack_conversations(DOCS, PackingConfig(seq_length=8, pad_token_id=-7, algorithm="first_fit"))[0]
-    assert row.input_ids.tolist() == [100, 101, 102, 103, 104, 400, 401, -7]
-    assert row.loss_mask.tolist() == [True, False, True, False, True, True, False, False]
-    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
-    assert row.document_ids.tolist() == [0, 0, 0, 0, 0, 1, 1, -1]
-    assert row.cu_seqlens.tolist() == [0, 5, 7, 8] and row.num_documents == 2
-    full = pack_conversations(DOCS[2:], PackingConfig(seq_length=8))[0]
-    assert full.cu_seqlens.tolist() == [0, 6, 8]  # no padding segment when the row is full
-
-
-def test_packing_rejects_documents_longer_than_a_row():
-    with pytest.raises(ValueError, match="'c' has 6 tokens, more than seq_length 5"):
-        pack_conversations(DOCS, PackingConfig(seq_length=5))
-
-
-def test_block_diagonal_mask_matches_brute_force_and_megatron_convention():
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 2, 2, -1, -1]])
-    mask = block_diagonal_causal_mask(doc_ids)
-    for b in range(2):
-        for i in range(6):
-            for j in range(6):
-                assert bool(mask[b, i, j]) == (doc_ids[b, i] == doc_ids[b, j] and j <= i)
-    assert torch.equal(megatron_attention_mask(doc_ids), ~mask.unsqueeze(1))
-
-
-def test_packed_attention_equals_attention_per_document():
-    torch.manual_seed(0)
-    row = pack_conversations(DOCS[:2], PackingConfig(seq_length=12, algorithm="first_fit"))[0]
-    doc_ids = torch.from_numpy(row.document_ids)
-    q, k, v = (torch.randn(12, 4) for _ in range(3))
-    packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_diagonal_causal_mask(doc_ids))
-    for start, end in zip(row.cu_seqlens[:-1], row.cu_seqlens[1:]):
-        alone = torch.nn.functional.scaled_dot_product_attention(q[start:end], k[start:end], v[start:end], is_causal=True)
-        torch.testing.assert_close(packed[start:end], alone)
-
-
-def test_collate_offsets_cu_seqlens_per_row():
-    rows = pack_conversations(DOCS, PackingConfig(seq_length=8, algorithm="first_fit"))[:2]
-    batch = collate_rows(rows)
-    assert batch["tokens"].shape == (2, 8) and batch["loss_mask"].dtype == torch.bool
-    assert batch["cu_seqlens"].tolist() == [0, 5, 7, 8, 12, 16]

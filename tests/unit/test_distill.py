@@ -1,15 +1,17 @@
 """Stage 4: online == offline on the same batch, a short run raises acc_0, the EAGLE-3 baseline, errors."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_recipes import tiny_distill_cpu_fp32
-from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, collate, micro_batches
-from megatron_osprey.models.online_target import OnlineTarget
-from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, pad_samples
+from megatron_osprey.data.micro_batches import micro_batches
+from megatron_osprey.models.targets.online import OnlineTarget
+from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
 from tests.distill_fixtures import build_distill_setup
@@ -48,10 +50,10 @@ def test_short_distillation_raises_acc0(setup):
 
 
 def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.config.run_config import load_run_config
     from megatron_osprey.training.checkpointing import load_backbone_weights
     from transformers import AutoTokenizer
 
@@ -71,8 +73,8 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
         offline_source = StoreSamples(store_dir)
         by_id = {offline_source[i]["sample_id"]: i for i in range(len(offline_source))}
         picks = [0, 3]
-        online = collate([online_source[i] for i in picks], 64, 0)
-        offline = collate([offline_source[by_id[online_source[i]["sample_id"]]] for i in picks], 64, 0)
+        online = pad_samples([online_source[i] for i in picks], 64, 0)
+        offline = pad_samples([offline_source[by_id[online_source[i]["sample_id"]]] for i in picks], 64, 0)
         assert torch.equal(online["input_ids"], offline["input_ids"])
         assert torch.equal(online["loss_mask"], offline["loss_mask"])
 
@@ -109,11 +111,12 @@ def test_data_order_is_a_function_of_consumed_samples(setup):
     from transformers import AutoTokenizer
 
     source = ConversationSamples([str(setup["data"])], AutoTokenizer.from_pretrained(setup["target"]), 64)
-    straight = micro_batches(source, 0, 2, 0, 1, 64, 0, seed=3)
+    collate = functools.partial(pad_samples, seq_length=64, pad_id=0)
+    straight = micro_batches(source, 0, 2, 0, 1, collate, seed=3, shuffle=True)
     batches = [next(straight)["input_ids"] for _ in range(30)]  # crosses an epoch (48 samples)
-    resumed = micro_batches(source, 2 * 20, 2, 0, 1, 64, 0, seed=3)
+    resumed = micro_batches(source, 2 * 20, 2, 0, 1, collate, seed=3, shuffle=True)
     assert all(torch.equal(batches[20 + i], next(resumed)["input_ids"]) for i in range(10))
-    rank1 = micro_batches(source, 0, 2, 1, 2, 64, 0, seed=3)  # DP rank 1 takes the second micro-batch
+    rank1 = micro_batches(source, 0, 2, 1, 2, collate, seed=3, shuffle=True)  # DP rank 1 takes the second micro-batch
     assert torch.equal(next(rank1)["input_ids"], batches[1])
 
 
@@ -127,3 +130,33 @@ def test_clear_errors(setup, change, message):
     cfg = tiny_config(setup, **change)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         cfg.validate(world_size=2)
+
+
+def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_osprey.base.run_config import load_run_config
+    from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
+    from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig, StoreMismatchError
+    from megatron_osprey.models.drafter import DrafterArch
+    from megatron_osprey.training.distillation import assistant_token_counts, build_sources
+    from tests.distill_fixtures import write_chat_model
+
+    arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
+    store_dir = tmp_path / "store"
+    with parallel_context(ParallelConfig()) as state:
+        extract_hidden_states(ExtractConfig(
+            target_dir=str(setup["target"]), data_path=str(setup["data"]),
+            store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
+            max_length=64, params_dtype="float32"), state, log=lambda _: None)
+    # Same family, layers, width and tokenizer as the store's target; other weights (another seed).
+    twin = write_chat_model(tmp_path / "twin", "qwen3", layers=8, hidden=64, seed=7)
+    tokenizer = AutoTokenizer.from_pretrained(setup["target"])
+    cfg = tiny_config(setup, target__mode="offline", target__hidden_states=str(store_dir))
+    source = build_sources(cfg, arch, tokenizer)  # its own target: accepted
+    online = ConversationSamples([str(setup["data"])], tokenizer, 64)
+    # The token counts come from the store's ids and masks alone and equal the conversations' own.
+    assert torch.equal(assistant_token_counts(source, arch.vocab_size), assistant_token_counts(online, arch.vocab_size))
+    cfg.target.target = str(twin)
+    with pytest.raises(StoreMismatchError, match="config_hash"):
+        build_sources(cfg, arch, tokenizer)

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from megatron_osprey.config.run_config import load_run_config
-from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
+from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
 from megatron_osprey.models.vocab_alignment import align_vocabularies, view_of
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
 from megatron_osprey.training.checkpointing import load_checkpoint
 
 

@@ -187,7 +187,7 @@ def test_plugin_package_imports_without_sglang():
 
 
 def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapted_drafter, tmp_path):
-    from megatron_osprey.config.run_config import load_run_config
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_checkpoint

@@ -15,8 +15,8 @@ from megatron_osprey.data.hidden_state_store import (
     HiddenStateStoreConfig,
     InsufficientDiskError,
 )
+from megatron_osprey.base.arch import default_aux_layer_ids
 from megatron_osprey.models.memory_estimate import TargetMemoryError
-from megatron_osprey.models.targets.target import default_aux_layer_ids
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.tiny_models import write_chat_target, write_conversations_jsonl
 from tools.extract_hidden_states import main as tool_main
@@ -83,13 +83,13 @@ def test_killed_midway_then_resumed_gives_the_same_store(target, tmp_path):
     with pytest.raises(Crash):
         run(root, data, tmp_path / "resumed", on_batch=crash_at_step_3)
     # A write interrupted by the kill leaves a temporary file behind.
-    (tmp_path / "resumed" / ".tmp-shard-rank00000-of-00001-000009.safetensors.1.2").write_bytes(b"partial")
+    (tmp_path / "resumed" / ".shard-rank00000-of-00001-000009.safetensors.x7_q2k9a.tmp").write_bytes(b"partial")
     part = json.loads((tmp_path / "resumed" / "manifest.part-rank00000-of-00001.json").read_text())
     assert len(part["shards"]) == 2 and not part["complete"]  # 8 samples seen, 6 in complete shards
     result = run(root, data, tmp_path / "resumed")
     assert (result.num_samples, result.num_skipped) == (5, 6)
     assert shard_digests(tmp_path / "resumed") == shard_digests(tmp_path / "clean")
-    assert not list((tmp_path / "resumed").glob(".tmp-*"))
+    assert not list((tmp_path / "resumed").glob(".*.tmp"))
     again = run(root, data, tmp_path / "resumed")  # a complete store: nothing to do
     assert (again.num_samples, again.num_skipped) == (0, 11)
 
@@ -113,7 +113,7 @@ def test_short_disk_is_refused_before_loading_the_target(target, tmp_path, monke
     class Usage:
         free = 1000
 
-    monkeypatch.setattr(hidden_state_store.shutil, "disk_usage", lambda path: Usage())
+    monkeypatch.setattr(hidden_state_store.format.shutil, "disk_usage", lambda path: Usage())
     with pytest.raises(InsufficientDiskError, match="only 0.00 GiB is free"):
         run(root, data, tmp_path / "store")
     assert not list(tmp_path.glob("store/shard-*"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import namedtuple
@@ -30,8 +31,8 @@ from megatron_osprey.data.hidden_state_store import (
     check_free_disk,
     estimate_store_bytes,
     finalize_store,
-    sample_order,
 )
+from megatron_osprey.data.micro_batches import rank_indices
 
 H = 32
 AUX = (1, 4, 7)
@@ -171,7 +172,7 @@ def test_killed_and_resumed_run_is_byte_identical(tmp_path, encoding):
     tag = w.tag
     # What a kill during the third shard's write leaves: a partial shard and a temp file.
     (killed / hss.shard_name(tag, 2)).write_bytes(b"\x00" * 100)
-    (killed / f".tmp-{hss.shard_name(tag, 3)}.123.456").write_bytes(b"junk")
+    (killed / f".{hss.shard_name(tag, 3)}.k9_x1z2q.tmp").write_bytes(b"junk")  # atomic_path's temp name
 
     with make_writer(killed, encoding) as w:
         assert [s.index for s in w.completed_shards] == [0, 1]
@@ -210,7 +211,7 @@ def test_prefetch_iterator_follows_order_and_reraises(tmp_path):
     samples = make_samples(9)
     write_store(tmp_path, samples)
     store = HiddenStateStore(tmp_path)
-    order = sample_order(len(store), dp_rank=1, dp_size=2, seed=5)
+    order = list(itertools.islice(rank_indices(len(store), 0, 2, dp_rank=1, dp_size=2, seed=5, shuffle=True), 4))
     assert [s["sample_id"] for s in store.iter_samples(order, prefetch=2)] == [f"s{i}" for i in order]
     assert [s["sample_id"] for s in store.iter_samples(order[::-1], prefetch=3, workers=2)] == \
         [f"s{i}" for i in order[::-1]]
@@ -223,15 +224,6 @@ def test_prefetch_iterator_follows_order_and_reraises(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CorruptShardError, match=shard.name):
         list(HiddenStateStore(tmp_path).iter_samples(prefetch=2))
-
-
-def test_sample_order_shards_and_shuffles_deterministically():
-    ranks = [sample_order(10, dp_rank=r, dp_size=3, seed=1, epoch=0) for r in range(3)]
-    flat = sorted(i for r in ranks for i in r)
-    assert all(len(r) == 3 for r in ranks) and len(set(flat)) == 9
-    assert ranks[0] == sample_order(10, dp_rank=0, dp_size=3, seed=1, epoch=0)
-    assert sample_order(10, seed=1, epoch=1) != sample_order(10, seed=1, epoch=0)
-    assert sample_order(4, shuffle=False) == [0, 1, 2, 3]
 
 
 def test_concurrent_ranks_merge(tmp_path):
@@ -302,7 +294,7 @@ def test_writer_rejects_bad_samples(tmp_path):
 def test_free_disk_refusal(tmp_path, monkeypatch):
     gib = 1 << 30
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(hss.shutil, "disk_usage", lambda p: usage(10 * gib, 9 * gib, gib))
+    monkeypatch.setattr(hss.format.shutil, "disk_usage", lambda p: usage(10 * gib, 9 * gib, gib))
     with pytest.raises(InsufficientDiskError, match=r"needs about 2\.00 GiB but only 1\.00 GiB"):
         check_free_disk(tmp_path / "not" / "yet", 2 * gib)
     assert check_free_disk(tmp_path / "not" / "yet", gib // 2) == gib

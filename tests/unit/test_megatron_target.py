@@ -7,7 +7,7 @@ from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDra
 from megatron_osprey.speculative import (
     HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate, target_generate,
 )
-from megatron_osprey.speculative.megatron_target import MegatronTargetModel
+from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
 from tests.tiny_models import VOCAB, llama_config, make_hf_model
 
 AUX = [1, 3, 4]

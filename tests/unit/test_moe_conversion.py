@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, dequantize_fp8_blocks
 from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.gpt import build_gpt_model, causal_logits
+from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from tests.tiny_models import VOCAB, make_moe_hf_model, minimax_m2_config, qwen3_moe_config
+from tests.tiny_models import VOCAB, causal_logits, make_moe_hf_model, minimax_m2_config, qwen3_moe_config
 
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 

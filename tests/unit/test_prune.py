@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_osprey.config.run_config import load_run_config
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.gpt import build_gpt_model, causal_logits
-from megatron_osprey.models.prune import PruneConfig, prune_backbone, validate
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.run_config import load_run_config
+from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
 from megatron_osprey.training.checkpointing import load_checkpoint, read_latest_iteration
-from tests.tiny_models import VOCAB, llama_config, make_hf_model, qwen3_config, truncated_logits
+from tests.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from megatron_osprey.config.args import config_from_args
 from megatron_osprey.config.pretrain import (
     PretrainConfig, validate_against_model, validate_numerics, validate_training,
 )
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.parallel import ParallelConfig
 from megatron_osprey.training.data import check_prefixes, parse_blend
 from tests.tiny_models import qwen3_config

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
-from megatron_osprey.config.run_config import load_run_config
 from megatron_osprey.parallel import parallel_context
 from megatron_osprey.training.pretraining import run_pretrain
 from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus

@@ -4,37 +4,43 @@ import signal
 
 import pytest
 
-from megatron_osprey.training.flops import ModelShape, forward_flops_per_sequence, mfu, training_flops_per_sequence
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.training.flops import forward_flops_per_sequence, mfu, training_flops_per_sequence
 from megatron_osprey.training.metrics import WANDB_ID_FILE, format_line, wandb_run_id
 from megatron_osprey.training.signals import SignalFlag
 
-QWEN3_4B_2L = ModelShape(num_layers=2, hidden_size=2560, ffn_hidden_size=9728, num_attention_heads=32,
-                         num_query_groups=8, head_dim=128, vocab_size=151936)
+
+def _arch(layers, hidden, ffn, heads, kv_heads, head_dim, vocab):
+    return ModelArch.from_hf_config({"model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden,
+                                     "intermediate_size": ffn, "num_attention_heads": heads,
+                                     "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab})
+
+
+QWEN3_4B_2L = _arch(2, 2560, 9728, 32, 8, 128, 151936)
 
 
 def test_forward_flops_by_hand():
-    shape = ModelShape(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
-                       num_query_groups=1, head_dim=2, vocab_size=10)
+    shape = _arch(1, 4, 8, 2, 1, 2, 10)
     s = 3
     qkv = 2 * s * 4 * (4 + 2 * 2)        # 192
     proj = 2 * s * 4 * 4                 # 96
     attn = 2 * 2 * s * 4 * (s + 1) / 2   # 96: causal half
     mlp = 2 * s * 4 * 8 * 3              # 576: gate, up, down
     head = 2 * s * 4 * 10                # 240
-    assert forward_flops_per_sequence(shape, s) == qkv + proj + attn + mlp + head
-    assert training_flops_per_sequence(shape, s) == 3 * (qkv + proj + attn + mlp + head)
+    assert forward_flops_per_sequence(shape, s, 10) == qkv + proj + attn + mlp + head
+    assert training_flops_per_sequence(shape, s, 10) == 3 * (qkv + proj + attn + mlp + head)
 
 
 def test_lm_head_dominates_the_two_layer_backbone():
     s = 4096
-    total = forward_flops_per_sequence(QWEN3_4B_2L, s)
+    total = forward_flops_per_sequence(QWEN3_4B_2L, s, 151936)
     head = 2 * s * 2560 * 151936
     assert head / total > 0.5
     # 6 x (GEMM parameters, head included: ~591M) x tokens, plus causal attention: ~15.3 TFLOP.
     gemm_params = 2 * (2560 * (4096 + 2 * 1024) + 4096 * 2560 + 3 * 2560 * 9728) + 2560 * 151936
     attention = 3 * 2 * (2 * 2 * s * 4096 * (s + 1) / 2)
-    assert training_flops_per_sequence(QWEN3_4B_2L, s) == pytest.approx(6 * gemm_params * s + attention, rel=1e-12)
-    assert training_flops_per_sequence(QWEN3_4B_2L, s) == pytest.approx(15.34e12, rel=0.01)
+    assert training_flops_per_sequence(QWEN3_4B_2L, s, 151936) == pytest.approx(6 * gemm_params * s + attention, rel=1e-12)
+    assert training_flops_per_sequence(QWEN3_4B_2L, s, 151936) == pytest.approx(15.34e12, rel=0.01)
 
 
 def test_mfu_is_na_without_a_peak():
@@ -114,7 +120,7 @@ def test_tensorboard_and_offline_wandb_get_the_metrics_and_no_secret(tmp_path):
 
 
 def test_run_config_redacts_keys_but_keeps_token_ids():
-    from megatron_osprey.config.run_config import to_plain
+    from megatron_osprey.base.run_config import to_plain
 
     plain = to_plain({"wandb_api_key": "k", "hf_token": "t", "eos_token_id": 7, "eod_token_id": 3,
                       "bad_words_token_ids": [1]})

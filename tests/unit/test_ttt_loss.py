@@ -8,7 +8,7 @@ from megatron_osprey.losses.ttt import (
 )
 from megatron_osprey.models.drafter import build_drafter_model
 from megatron_osprey.models.drafter_convert import load_reference_state
-from megatron_osprey.models.target_head import TargetHead
+from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.ttt_fixtures import TARGET_VOCAB, make_batch, make_drafter, make_target
 

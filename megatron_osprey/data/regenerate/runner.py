@@ -29,10 +29,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Iterator
 
+from megatron_osprey.base.atomic_io import write_lines_atomic
 from megatron_osprey.data.conversations import (
     Conversation,
     ConversationFormatError,
-    atomic_write_lines,
     parse_line,
     read_conversations,
 )
@@ -160,7 +160,7 @@ def sort_output(output_path: Path, order: list[str]) -> bool:
                 source.seek(offset)
                 yield source.read(length).decode("utf-8")
 
-    atomic_write_lines(output_path, lines())
+    write_lines_atomic(output_path, lines())
     return True
 
 
@@ -229,7 +229,7 @@ def regenerate_file(config: RegenerateConfig, backend: ChatBackend) -> Regenerat
     if failures:
         rank = {row_id: i for i, row_id in enumerate(order)}
         records = sorted(failures.values(), key=lambda r: rank[r["id"]])
-        atomic_write_lines(failures_path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        write_lines_atomic(failures_path, (json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     else:
         failures_path.unlink(missing_ok=True)
     return RegenerateSummary(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.run_config import load_run_config
+from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
 from megatron_osprey.models.drafter_convert import reference_state
 from megatron_osprey.models.reference_drafter import ReferenceDrafter

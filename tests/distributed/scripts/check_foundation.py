@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.gpt import build_gpt_model, causal_logits
-from megatron_osprey.models.prune import PruneConfig, prune_backbone
+from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training.checkpointing import load_checkpoint
-from tests.tiny_models import VOCAB, llama_config, make_hf_model, qwen3_config, truncated_logits
+from tests.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
 
 
 def gather_vocab(logits):

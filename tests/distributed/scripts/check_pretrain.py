@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
-from megatron_osprey.models.prune import PruneConfig, prune_backbone
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
@@ -72,7 +72,7 @@ def hf_first_step_loss(work: Path, cfg) -> float:
     tokenizer = data.DatasetTokenizer(300, EOD)
     sizes = data.split_sizes(ITERS, cfg.training.global_batch_size, 0, 0)
     train_ds = data.build_gpt_datasets(cfg.data, tokenizer, cfg.training.seq_length, cfg.parallel.seed, sizes)[0]
-    batch = data.collate([train_ds[i] for i in range(cfg.training.global_batch_size)])
+    batch = data.stack_samples([train_ds[i] for i in range(cfg.training.global_batch_size)])
     hf = AutoModelForCausalLM.from_pretrained(work / "backbone" / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(batch["tokens"]).logits

@@ -31,8 +31,8 @@ def make_corpus(prefix: str | Path, num_docs: int = 400, seed: int = 0) -> str:
 
 def make_backbone(work: Path) -> Path:
     """A 4-layer tiny Qwen3 pruned to its first 2 layers (Stage 1, single rank); returns the output dir."""
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 
     source, out = work / "hf_source", work / "backbone"
     config = qwen3_config(layers=4)

@@ -11,7 +11,7 @@ import torch
 
 from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
-from megatron_osprey.models.targets.target import PrefillCapture, load_target
+from megatron_osprey.models.targets.megatron_stage import PrefillCapture, load_target
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.tiny_models import write_chat_target, write_conversations_jsonl
 

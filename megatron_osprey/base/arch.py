@@ -22,14 +22,39 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
 }
-MOE_FAMILIES = ("qwen3_moe", "minimax_m2")
-QK_NORM_SCOPES = ("none", "head", "projection")
 
 
 def padded_size(size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
     """Megatron's table padding: `size` rounded up to a multiple of divisible_by x TP."""
     multiple = divisible_by * tensor_parallel_size
     return -(-size // multiple) * multiple
+
+
+# The target layers whose hidden states feed the drafter (EAGLE-3's fusion takes exactly three).
+def default_aux_layer_ids(num_target_layers: int) -> list[int]:
+    """SGLang's default taps: [1, L//2 - 1, L - 4] (0-based)."""
+    ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
+    if num_target_layers < 5 or len(set(ids)) != 3:
+        raise ValueError(
+            f"a target with {num_target_layers} layers has no default --aux-layer-ids; pass three ids."
+        )
+    return ids
+
+
+def validate_aux_layer_ids(aux_layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """Three distinct ids in [0, L); one clear error otherwise."""
+    ids = [int(i) for i in aux_layer_ids]
+    if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_target_layers for i in ids):
+        raise ValueError(
+            f"--aux-layer-ids {ids} must be three distinct layer ids in 0..{num_target_layers - 1} "
+            f"(the target has {num_target_layers} layers)."
+        )
+    return ids
+
+
+def resolve_aux_layer_ids(requested: list[int] | tuple[int, ...] | None, num_target_layers: int) -> list[int]:
+    """The requested ids (or the default taps when none are given), validated."""
+    return validate_aux_layer_ids(requested or default_aux_layer_ids(num_target_layers), num_target_layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megatron_osprey.base.arch import padded_size
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.losses.ttt import vocab_parallel_argmax
-from megatron_osprey.models.arch import padded_size
 
 _ROW_BLOCK = 8192
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from megatron_osprey.convert.safetensors_io import write_text_atomic
+from megatron_osprey.base.atomic_io import write_text_atomic
 
 # Keys whose values must never land on disk (API keys for servers, wandb, hubs).
 _SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password)", re.IGNORECASE)

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.run_config import load_run_config, save_run_config
-from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, write_text_atomic
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.drafter import DrafterArch, default_aux_layer_ids, validate_aux_layer_ids
-from megatron_osprey.models.prune import TOKENIZER_FILES
+from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.hf_files import copy_tokenizer_files
+from megatron_osprey.base.run_config import load_run_config, save_run_config
+from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
+from megatron_osprey.models.drafter import DrafterArch
 from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
 
 BACKBONE_STAGES = ("prune", "pretrain")
@@ -152,8 +153,7 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
     hf_dir = backbone_hf_dir(config.backbone)
     body = ModelArch.from_hf_config(hf_dir)
     target = read_target(config.target)
-    aux = config.aux_layer_ids or default_aux_layer_ids(target.num_layers)
-    aux = validate_aux_layer_ids(aux, target.num_layers)
+    aux = resolve_aux_layer_ids(config.aux_layer_ids, target.num_layers)
     try:
         target_tok = AutoTokenizer.from_pretrained(str(config.target))
     except (OSError, ValueError) as error:
@@ -196,9 +196,7 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
             shutil.rmtree(output)
         (output / "hf").mkdir(parents=True, exist_ok=True)
         drafter.save_pretrained(output / "hf")
-        for name in TOKENIZER_FILES:
-            if (Path(config.target) / name).is_file() and name != "generation_config.json":
-                shutil.copy2(Path(config.target) / name, output / "hf" / name)
+        copy_tokenizer_files(config.target, output / "hf")
         write_text_atomic(output / "tokenizer_alignment.json", json.dumps(report, indent=2, ensure_ascii=False))
         save_run_config(output / "run_config.yaml", run_config)
     torch.distributed.barrier()

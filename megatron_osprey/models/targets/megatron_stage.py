@@ -19,30 +19,40 @@ from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.drafter import default_aux_layer_ids  # noqa: F401  (one definition, re-exported)
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig
 
 
-def validate_aux_layer_ids(ids, num_layers: int) -> tuple[int, ...]:
-    """Check that every id names a layer of the target; return them as a tuple."""
-    ids = tuple(int(i) for i in ids)
-    if not ids:
-        raise ValueError("--aux-layer-ids must name at least one layer.")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"--aux-layer-ids {bad} are outside the target's layers 0..{num_layers - 1}.")
-    return ids
+# Weight bytes the fingerprint reads per safetensors file: SAMPLES windows of WINDOW bytes spread
+# over the file, so a fine-tune of the same shape (new values in every layer) changes it.
+_FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_WINDOW = 4096
+
+
+def _weights_fingerprint(target_dir: Path, digest) -> None:
+    for path in sorted(target_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for k in range(_FINGERPRINT_SAMPLES):
+                handle.seek(size * k // _FINGERPRINT_SAMPLES)
+                digest.update(handle.read(_FINGERPRINT_WINDOW))
 
 
 def target_identity(arch: ModelArch, target_dir: str | Path) -> tuple[str, str]:
-    """(target_id, config_hash): the name a store records, and a hash of the target's config.json."""
+    """(target_id, config_hash): the name a store records, and a hash that identifies the target.
+
+    The hash covers config.json (less its name and transformers version) and a sample of
+    the weight files' bytes, so a store extracted from another target of the same shape
+    does not match; it reads a few KiB per file, not the model.
+    """
     config = {k: v for k, v in arch.hf_config.items() if k not in ("_name_or_path", "transformers_version")}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    _weights_fingerprint(Path(target_dir), digest)
     name = arch.hf_config.get("_name_or_path") or Path(target_dir).resolve().name
-    return f"{arch.family}:{name}", digest[:16]
+    return f"{arch.family}:{name}", digest.hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -116,14 +126,11 @@ class LayerCapture:
         self._handles.clear()
 
 
-def _gather_sequence(hidden: torch.Tensor) -> torch.Tensor:
-    """[s/TP, b, h] sequence-parallel shards -> the full [s, b, h] on every TP rank."""
-    from megatron.core import parallel_state as mpu
+def gather_sequence(hidden: torch.Tensor) -> torch.Tensor:
+    """[s/TP, b, h] sequence-parallel shards -> the full [s, b, h] on every TP rank (forward only)."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    group = mpu.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(hidden) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, hidden.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
 
 
 def _stage_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, pipeline_size: int):
@@ -190,7 +197,7 @@ class PrefillCapture:
         local = {}
         for layer, hidden in self.capture.outputs.items():
             if self.stage.parallel.sequence_parallel:
-                hidden = _gather_sequence(hidden)
+                hidden = gather_sequence(hidden)
             local[layer] = hidden
         self.capture.clear()
         if self.pp_size > 1:

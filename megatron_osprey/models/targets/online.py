@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.models.targets.target import LayerCapture, load_target
+from megatron_osprey.models.targets.megatron_stage import LayerCapture, gather_sequence, load_target
 from megatron_osprey.parallel import ParallelConfig
 
 
@@ -23,14 +23,7 @@ class OnlineTarget:
         self.sequence_parallel = parallel.sequence_parallel
 
     def _full(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            return hidden
-        from megatron.core import parallel_state as mpu
-
-        group = mpu.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(hidden) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(parts, hidden.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
+        return gather_sequence(hidden) if self.sequence_parallel else hidden
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,24 +8,16 @@ from pathlib import Path
 
 import torch
 
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.hf_files import copy_tokenizer_files
+from megatron_osprey.base.run_config import save_run_config
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.prune_importance import prune_by_importance
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training.checkpointing import save_checkpoint
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-    "added_tokens.json",
-)
 STRATEGIES = ("first", "importance")
 
 
@@ -74,9 +66,8 @@ def prune_backbone(config: PruneConfig, parallel: ParallelState) -> PruneResult:
     """Run Stage 1 on this rank (collective); writes megatron/, hf/ and run_config.yaml."""
     arch = validate(config)
     if config.strategy == "importance":
-        from megatron_osprey.models.prune_importance import prune_by_importance
-
-        return prune_by_importance(config, arch, parallel)
+        model, kept, pruned = prune_by_importance(config, arch, parallel)
+        return write_pruned(config, pruned, [model], kept, parallel)
     kept = list(range(config.num_layers))
     pruned = arch.with_num_layers(config.num_layers)
     model = build_gpt_model(
@@ -113,11 +104,7 @@ def write_pruned(config: PruneConfig, arch: ModelArch, models: list, kept: list[
     save_checkpoint(output / "megatron", 0, sharded, run_config)
     export_to_hf(models, arch, output / "hf")
     if parallel.rank == 0:
-        for name in TOKENIZER_FILES:
-            if (Path(config.source) / name).is_file():
-                shutil.copy2(Path(config.source) / name, output / "hf" / name)
-        from megatron_osprey.config.run_config import save_run_config
-
+        copy_tokenizer_files(config.source, output / "hf", with_generation_config=True)
         save_run_config(output / "run_config.yaml", run_config)
     torch.distributed.barrier()
     return PruneResult(arch=arch, num_parameters=arch.num_parameters(), kept_layers=kept, output=output)

@@ -11,8 +11,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from megatron_osprey.models.drafter import default_aux_layer_ids  # noqa: F401  (one definition, re-exported)
-
 
 class TargetModel(ABC):
     """A target LM with a KV cache that speculative decoding can drive."""

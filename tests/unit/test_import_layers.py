@@ -1,0 +1,130 @@
+"""The package's import graph: layers point downward and no module cycle exists.
+
+Read from the source with ast (imports inside functions count too), so the test needs
+no GPU and imports nothing it checks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_osprey
+
+PACKAGE = "megatron_osprey"
+ROOT = Path(megatron_osprey.__file__).resolve().parent
+
+# Bottom to top; a package may import only packages on lower rows. New packages must be placed here.
+LAYERS = (
+    ("base",),                      # atomic I/O, run-config files, architecture descriptions
+    ("parallel", "assets"),         # process groups + CPU compat; tokenizer/corpus cache
+    ("losses", "convert"),          # the TTT loss; HF <-> Megatron weight tables and I/O
+    ("config",),                    # stage configs composed from component configs
+    ("models",),                    # Megatron-Core modules: GPT, drafter, targets, reference drafter
+    ("data",),                      # datasets, preprocessing, hidden-state store, regeneration
+    ("training", "speculative"),    # the shared training loop; draft/verify decoding
+    ("export",),                    # serving formats
+    ("eval",),                      # acceptance-length evaluation
+    ("stages",),                    # one module per pipeline stage
+    ("demo", "pretrain", "distill"),  # entry points
+)
+LEVEL = {name: level for level, row in enumerate(LAYERS) for name in row}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = (PACKAGE,) + path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    parts = name.split(".")
+    while parts and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (a `from pkg import mod` names mod, not pkg)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            targets.update(t for t in (_resolve(n, modules) for n in names if n.startswith(PACKAGE)) if t)
+        graph[module] = targets - {module}
+    return graph
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in import_graph() if _package(m)}
+    assert packages - set(LEVEL) == set(), "place the new package in LAYERS"
+
+
+def test_imports_point_downward():
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in import_graph().items()
+        for b in targets
+        if _package(a) and _package(b) and _package(a) != _package(b) and LEVEL[_package(b)] >= LEVEL[_package(a)]
+    )
+    assert upward == []
+
+
+def test_no_import_cycles():
+    assert _cycles(import_graph()) == []
+
+
+def test_the_checker_sees_an_upward_import_and_a_cycle():
+    graph = import_graph()
+    assert f"{PACKAGE}.base.atomic_io" in graph[f"{PACKAGE}.data.hidden_state_store.writer"]  # it reads imports
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
