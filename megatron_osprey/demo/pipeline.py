@@ -76,7 +76,7 @@ class DemoConfig:
     def smoke(cls) -> "DemoConfig":
         """Every stage in a few minutes (the end-to-end test): one training domain, two eval domains."""
         return cls(train_domains=("chat",), eval_domains=("chat", "math"), n_train=8, n_eval=2,
-                   general_chars=20_000, seq_length=128, backbone_iters=3, distill_epochs=1.0, distill_batch=4,
+                   general_chars=20_000, seq_length=128, backbone_iters=3, distill_epochs=3.0, distill_batch=4,
                    regenerate_tokens=16, eval_tokens=16)
 
     @classmethod
