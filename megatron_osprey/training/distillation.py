@@ -14,7 +14,9 @@ from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.run_config import load_run_config, to_plain
 from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
 from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, default_aux_layer_ids, validate_aux_layer_ids
+from megatron_osprey.models.drafter import (
+    DrafterArch, build_drafter_model, default_aux_layer_ids, eagle3_body, validate_aux_layer_ids,
+)
 from megatron_osprey.models.target_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
@@ -36,23 +38,22 @@ class DistillResult:
 
 
 def drafter_arch(cfg: DistillConfig) -> DrafterArch:
-    """Osprey: Stage 3's saved arch. EAGLE-3: the target's own layer shape, K-token draft vocab."""
+    """Osprey: Stage 3's saved arch. EAGLE-3: Llama-style layers of the target's width, K-token draft vocab."""
     if cfg.drafter.drafter_init:
         saved = load_run_config(cfg.drafter.drafter_init)
         if "drafter" not in saved:
             raise ValueError(f"--drafter-init {cfg.drafter.drafter_init}: run_config.yaml has no drafter section.")
         return DrafterArch.from_dict(saved["drafter"])
     target = ModelArch.from_hf_config(Path(cfg.target.target))
-    if not target.is_dense:
-        raise ValueError("--baseline eagle3 builds its layer from a dense target's shape; this target is MoE.")
     aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(target.num_layers)
     return DrafterArch(
-        body=target.with_num_layers(cfg.drafter.eagle3_num_layers),
+        body=eagle3_body(target, cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         draft_vocab_size=min(cfg.drafter.draft_vocab_size, target.vocab_size),
         aux_layer_ids=tuple(validate_aux_layer_ids(aux, target.num_layers)),
         variant="eagle3",
+        eagle3_extra_layers=cfg.drafter.eagle3_extra_layers,
     )
 
 

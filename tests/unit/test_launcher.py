@@ -57,7 +57,7 @@ def test_distill_recipes_carry_the_paper_settings():
 
     eagle = entry_args(get_recipe("qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16"), "distill")
     assert (_flag(eagle, "--baseline"), _flag(eagle, "--eagle3-num-layers"), _flag(eagle, "--ttt-steps"),
-            _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "7", "32000")
+            _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "5", "32000")
     assert "--drafter-init" not in eagle
 
     llama = entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_fp8"), "distill")
