@@ -29,6 +29,12 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--bf16", "drafter.bf16", STORE_TRUE),
         ("--ttt-steps", "ttt.ttt_steps", {"type": int, "help": "training-time-test length (5 for both arms in the paper)"}),
         ("--ttt-decay", "ttt.decay", {"type": float, "help": "step k weighs decay**k (0.8)"}),
+        ("--ttt-mask-alignment", "ttt.mask_alignment", {
+            "choices": ["predicted", "reference"],
+            "help": "count row t of step k when x_{t+2+k} (predicted, default) or x_{t+k} (SpecForge) is assistant"}),
+        ("--ttt-normalization", "ttt.normalization", {
+            "choices": ["tokens", "reference"],
+            "help": "divide by step 0's counted rows (tokens, default) or each step by B*T (SpecForge)"}),
     ],
     "target and data": [
         ("--target", "target.target", {"help": "the target's HF directory (config, tokenizer, weights)"}),

@@ -12,7 +12,7 @@ import yaml
 
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.run_config import load_run_config, to_plain
-from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
+from megatron_osprey.losses.ttt import drafter_inputs, ttt_objective, ttt_step_terms
 from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.drafter import (
     DrafterArch, build_drafter_model, default_aux_layer_ids, eagle3_body, validate_aux_layer_ids,
@@ -110,17 +110,19 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         drafter = unwrap(model)
         dtype = drafter.fusion_fc.weight.dtype
         logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps)
-        terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group)
-        weights = cfg.ttt.weights()
-        loss = sum(w * t.loss_sum for w, t in zip(weights, terms))
-        return loss, functools.partial(ttt_loss_func, terms)
+        terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group,
+                               cfg.ttt.mask_alignment)
+        # The same numerator and denominator as ttt_loss(): Megatron sums both over
+        # micro-batches and data-parallel ranks before dividing.
+        loss, denominator = ttt_objective(terms, cfg.ttt, batch["loss_mask"].numel())
+        return loss, functools.partial(ttt_loss_func, terms, denominator)
 
     return forward_step
 
 
-def ttt_loss_func(terms, loss):
-    """Megatron's per-token contract: (sum, step-0 token count, {metric: [sum, count]})."""
-    count = terms[0].count
+def ttt_loss_func(terms, denominator, loss):
+    """Megatron's per-token contract: (sum, ttt_objective's denominator, {metric: [sum, count]})."""
+    count = denominator
     report = {"lm loss": torch.stack([loss.detach().float(), count.float()])}
     for k, term in enumerate(terms):
         report[f"ploss/{k}"] = torch.stack([term.loss_sum.detach().float(), term.count.float()])
