@@ -71,7 +71,7 @@ class DistillConfig:
     ttt: TTTLossConfig = dataclasses.field(default_factory=TTTLossConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     training: TrainingSection = dataclasses.field(default_factory=lambda: TrainingSection(
-        micro_batch_size=1, global_batch_size=64, seq_length=4096))
+        micro_batch_size=1, global_batch_size=2, seq_length=4096))  # the paper's: one sequence per GPU, 2 GPUs
     optimizer: OptimizerSection = dataclasses.field(default_factory=lambda: OptimizerSection(
         lr=1e-4, min_lr=0.0, lr_decay_style="cosine", weight_decay=0.0, clip_grad=1.0))
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)

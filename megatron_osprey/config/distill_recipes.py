@@ -9,11 +9,14 @@ from megatron_osprey.config.distill import DistillConfig
 
 
 def osprey_distill_paper_bf16() -> DistillConfig:
-    """The paper's adaptation: lr 1e-4, 4% warmup, clip 1.0, seq 4096, TTT 5 (0.8^k), BF16."""
+    """The paper's Qwen3-8B adaptation: global batch 2 (one 4096-token sequence per GPU on 2 GPUs), 3 epochs
+    (97,500 updates over 65,000 examples), lr 1e-4, 4% warmup, clip 1.0, TTT 5 (0.8^k), BF16."""
     cfg = DistillConfig()
     cfg.drafter.bf16 = True
     cfg.training.seq_length = 4096
-    cfg.training.global_batch_size = 64
+    cfg.training.micro_batch_size = 1
+    cfg.training.global_batch_size = 2
+    cfg.training.train_samples = 3 * 65_000  # 3 epochs: 97,500 updates at global batch 2
     cfg.optimizer.use_distributed_optimizer = True
     cfg.checkpoint.save_interval = 1000
     return cfg
