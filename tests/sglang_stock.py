@@ -1,4 +1,5 @@
-"""A mock of stock SGLang loading an EAGLE-3 draft, modelled on sglang/srt/models/llama_eagle3.py (0.5.x).
+"""A mock of stock SGLang loading an EAGLE-3 draft, modelled on sglang/srt/models/llama_eagle3.py of
+sglang 0.5.23 (the release the `serve` extra pins).
 
 Stock SGLang picks the model class by the first name in `architectures` from the classes it registers,
 builds LlamaForCausalLMEagle3 from the config keys it knows (ignoring every other key), and its
@@ -28,34 +29,44 @@ class StockLoad:
     loaded: list[str]
 
 
+# Checkpoint names 0.5.23 renames before matching (its legacy_name_map).
+LEGACY_NAMES = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
+                "aux_norm_high": "fc_norm.2"}
+
+
 def stock_parameters(config: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of stock LlamaForCausalLMEagle3 built from `config` (unknown keys ignored)."""
+    """Parameter name -> shape of stock LlamaForCausalLMEagle3 built from `config` (unknown keys ignored).
+
+    Layer 0 reads cat(input_layernorm(embeds), hidden_norm(hidden)) (QKV input 2H); later layers fold the
+    carried residual into hidden_norm and read H (their inherited input_layernorm exists but is unused).
+    """
     h = config["hidden_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     d = config.get("head_dim") or h // heads
     ffn = config["intermediate_size"]
     target_h = config.get("target_hidden_size", h)
+    aux = len((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
     params = {
         "model.embed_tokens.weight": (config["vocab_size"], h),
-        "model.fc.weight": (h, 3 * target_h),
+        "model.fc.weight": (h, aux * target_h),
         "model.norm.weight": (h,),
     }
-
-    def layer(prefix: str, width: int, norms: tuple[str, ...]) -> None:
-        params[f"{prefix}.self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * d, width)
+    for i in range(config.get("num_hidden_layers", 1)):
+        prefix = f"model.layers.{i}"
+        params[f"{prefix}.self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * d, 2 * h if i == 0 else h)
         params[f"{prefix}.self_attn.o_proj.weight"] = (h, heads * d)
         params[f"{prefix}.mlp.gate_up_proj.weight"] = (2 * ffn, h)
         params[f"{prefix}.mlp.down_proj.weight"] = (h, ffn)
-        for norm in norms:
+        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             params[f"{prefix}.{norm}.weight"] = (h,)
-
-    layer("model.midlayer", 2 * h, ("input_layernorm", "hidden_norm", "post_attention_layernorm"))
-    # Extra layers are plain decoder layers with hidden_norm in place of input_layernorm.
-    for i in range(1, config.get("num_hidden_layers", 1)):
-        layer(f"model.additional_layers.{i - 1}", h, ("hidden_norm", "post_attention_layernorm"))
     if not config.get("tie_word_embeddings", False):
         params["lm_head.weight"] = (config.get("draft_vocab_size") or config["vocab_size"], h)
     return params
+
+
+def unused_parameters(config: dict) -> set[str]:
+    """Stock parameters its forward never reads: the input_layernorm of layers after the first."""
+    return {f"model.layers.{i}.input_layernorm.weight" for i in range(1, config.get("num_hidden_layers", 1))}
 
 
 def stock_load(directory: str | Path) -> StockLoad:
@@ -71,6 +82,9 @@ def stock_load(directory: str | Path) -> StockLoad:
     shards: dict[str, set] = {}
     skipped = []
     for name, tensor in load_file(str(directory / "model.safetensors")).items():
+        for legacy, new in LEGACY_NAMES.items():
+            if legacy in name:
+                name = name.replace(legacy, new)
         if "d2t" in name or "t2d" in name:
             continue
         for fused, source, shard in STACKED:
@@ -91,5 +105,6 @@ def stock_load(directory: str | Path) -> StockLoad:
         shards.setdefault(param, set()).add(SHARDS[shard] if shard is not None else None)
     needed = {name: ({0, 1, 2} if ".qkv_proj." in name else {0, 1} if ".gate_up_proj." in name else {None})
               for name in params}
-    missing = sorted(name for name, want in needed.items() if shards.get(name, set()) != want)
+    missing = sorted(name for name, want in needed.items()
+                     if shards.get(name, set()) != want and name not in unused_parameters(config))
     return StockLoad(skipped=skipped, missing=missing, loaded=sorted(shards))

@@ -135,7 +135,7 @@ def test_one_layer_baseline_exports_to_stock_sglang_and_speculators(qwen3_target
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     result = stock_load(tmp_path / "sg")
     assert result.skipped == [] and result.missing == []  # stock SGLang loads every tensor into every parameter
-    assert "model.midlayer.hidden_norm.weight" in result.loaded
+    assert "model.layers.0.hidden_norm.weight" in result.loaded  # midlayer.* is 0.5.23's legacy name of layers.0
     with torch.no_grad():
         ids = torch.randint(0, arch.vocab_size, (1, 7))
         aux = torch.randn(1, 7, 3 * arch.target_hidden_size)
