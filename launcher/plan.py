@@ -50,6 +50,7 @@ class Plan:
     iterations: int
     tokens: int
     disk: tuple[tuple[str, int], ...]
+    budget: str = ""  # how the recipe's step count arises (epochs x examples / global batch, or fixed)
 
     @property
     def memory_bytes(self) -> int:
@@ -69,6 +70,8 @@ class Plan:
             out.append(f"memory   per GPU (GiB): {parts} = {self.memory_bytes / GIB:.2f} GiB{budget}")
         if self.iterations:
             out.append(f"steps    {self.iterations:,} iterations; {self.tokens:,} tokens ({self.tokens / 1e9:.2f}B)")
+            if self.budget:
+                out.append(f"budget   {self.budget}")
         out += [f"disk     {name}: {_size(b)}" for name, b in self.disk]
         return out
 
@@ -243,22 +246,30 @@ def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
             memory.append(("target LM head", target.vocab_size * target.hidden_size * 2))
     if memory:
         memory.append(("runtime reserve", RUNTIME_RESERVE_BYTES))
-    budget = GPU_MEMORY_GIB.get(recipe.hardware)
+    budget_gib = GPU_MEMORY_GIB.get(recipe.hardware)
     plan_memory = sum(b for _, b in memory)
-    if budget and plan_memory > budget * GIB:
+    if budget_gib and plan_memory > budget_gib * GIB:
         parts = ", ".join(f"{name} {b / GIB:.2f} GiB" for name, b in memory)
         raise LayoutError(
             f"recipe {recipe.run_name} ({stage}) needs about {plan_memory / GIB:.1f} GiB per GPU ({parts}), more than "
-            f"the {budget:g} GiB of a {recipe.hardware.upper()}; raise the tensor/pipeline/expert parallel sizes "
+            f"the {budget_gib:g} GiB of a {recipe.hardware.upper()}; raise the tensor/pipeline/expert parallel sizes "
             f"or lower training.micro_batch_size."
         )
     iterations = t.iterations() if stage in TRAINED_STAGES else 0
     tokens = iterations * t.global_batch_size * t.seq_length
+    budget = ""
+    if iterations:
+        per_rank = t.global_batch_size // max(dp, 1)
+        source = (f"{t.train_iters:,} iterations fixed" if t.train_iters is not None else
+                  f"{t.epochs:g} epochs x {t.num_examples:,} examples / global batch {t.global_batch_size}")
+        budget = (f"{source}; global batch {t.global_batch_size} ({per_rank} per data-parallel rank) x seq "
+                  f"{t.seq_length:,} = {t.global_batch_size * t.seq_length:,} tokens per step at most; lr {t.lr:g}, "
+                  f"warmup {t.warmup_iters():,} iterations, clip {t.clip_grad:g}")
     return Plan(
         recipe=recipe.run_name, stage=stage, hardware=recipe.hardware, precision=recipe.precision,
         nodes=lay.nodes, gpus_per_node=lay.gpus_per_node, world_size=lay.world_size, data_parallel_size=dp,
-        checks=tuple(checks), memory=tuple(memory), gpu_memory_gib=budget, iterations=iterations, tokens=tokens,
-        disk=tuple(_disk(recipe, stage)),
+        checks=tuple(checks), memory=tuple(memory), gpu_memory_gib=budget_gib, iterations=iterations, tokens=tokens,
+        disk=tuple(_disk(recipe, stage)), budget=budget,
     )
 
 

@@ -86,7 +86,7 @@ class Drafter:
     mode: str = "online"  # online: frozen target in the loop; offline: extracted hidden states
     domain: str | None = None
     num_layers: int = 2
-    ttt_steps: int = 5  # EAGLE-3: 7
+    ttt_steps: int = 5  # both arms in the paper's matched comparison
     aux_layer_ids: list[int] | None = None  # None: [1, L//2 - 1, L - 4]
     draft_vocab_size: int | None = None  # EAGLE-3 baseline: 32,000
     target_fp8_format: str | None = None  # FP8 for the frozen target forward

@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="0-based target layers whose outputs feed fusion_fc (default [1, L//2-1, L-4])")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary (top-K ids)")
     parser.add_argument("--token-counts", type=Path, default=None, help="JSON list/object of target-token counts")
+    parser.add_argument("--alignment-policy", choices=["reference", "bytes_and_roles"], default="reference",
+                        help="vocabulary alignment for rows without a byte-identical backbone token: Osprey's "
+                             "released rule (default) or this project's byte/role rule")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     return parser.parse_args(argv)
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     config = AdaptConfig(
         backbone=args.backbone, target=args.target, output=args.output, aux_layer_ids=args.aux_layer_ids,
         draft_vocab_size=args.draft_vocab_size, token_counts=args.token_counts, overwrite=args.overwrite,
+        alignment_policy=args.alignment_policy,
     )
     with parallel_context(ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)) as state:
         try:
@@ -51,11 +55,10 @@ def main(argv=None) -> int:
             return 2
         if state.rank == 0:
             counts = report["counts"]
-            print(json.dumps({"counts": counts, "draft_vocab_size": report["draft_vocab_size"],
-                              "aux_layer_ids": report["aux_layer_ids"]}))
-            print(f"adapted {args.backbone} -> {args.output} for {args.target}: "
-                  f"{counts['copied']:,} rows copied, {counts['averaged']:,} averaged, "
-                  f"{counts['special']:,} special, {counts['fallback']:,} fallback, {counts['unused']:,} unused")
+            print(json.dumps({"policy": report["policy"], "counts": counts,
+                              "draft_vocab_size": report["draft_vocab_size"], "aux_layer_ids": report["aux_layer_ids"]}))
+            rows = ", ".join(f"{count:,} {kind}" for kind, count in counts.items())
+            print(f"adapted {args.backbone} -> {args.output} for {args.target} ({report['policy']} alignment): {rows}")
     return 0
 
 

@@ -7,9 +7,10 @@ CKPT: a Megatron drafter checkpoint (Stage 3 OUT/megatron, a Stage 4 save direct
 OUT directory, or a reference drafter directory (OUT/hf). Everything comes from the checkpoint's
 run_config.yaml / config.json; nothing is fetched.
 
-  sglang       Osprey -> Qwen3ForCausalLMEagle3 / LlamaForCausalLMEagle3 with swap_h_and_emb (serve
-               with SGLANG_EXTERNAL_MODEL_PACKAGE=megatron_osprey.export.sglang_plugin);
-               one-layer EAGLE-3 -> stock SGLang LlamaForCausalLMEagle3 (midlayer.*).
+  sglang       Osprey and multi-layer EAGLE-3 -> OspreyQwen3ForCausalLMEagle3 / OspreyLlamaForCausalLMEagle3,
+               names only the plugin registers (serve with
+               SGLANG_EXTERNAL_MODEL_PACKAGE=megatron_osprey.export.sglang_plugin, sglang==0.5.23);
+               one-layer EAGLE-3 -> stock SGLang LlamaForCausalLMEagle3 (midlayer.*), no plugin.
   hf           the reference drafter layout (ReferenceDrafter.from_pretrained reads it).
   speculators  vLLM speculators Eagle3Speculator (one-layer Llama EAGLE-3 only).
 """

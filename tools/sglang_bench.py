@@ -1,20 +1,23 @@
 #!/usr/bin/env python
-"""AL and throughput of a running SGLang server (target + drafter) on eval splits, batch 1.
+"""AL and throughput of a running SGLang server (target + drafter) on eval splits.
 
     python tools/sglang_bench.py --url http://127.0.0.1:30000 --tokenizer TARGET_DIR \
         --data SPLIT.jsonl [--data ...] --output DIR --drafter-name NAME [--train-domain DOMAIN] \
-        [--method osprey] [--max-new-tokens 256] [--limit N] [--wait 1800]
+        [--method osprey] [--max-new-tokens 4096] [--temperature 0 [1]] [--batch-size 1 [16]] [--limit N] [--wait 1800]
 
 Prompts are rendered exactly as `python -m megatron_osprey.eval` renders them (target chat template,
-conversation up to its first assistant turn, all prompts in file order). AL per request =
-completion_tokens / spec_verify_ct from SGLang's meta_info. Writes DIR/results.json, matrix.md,
-matrix.png (one row: this drafter).
+the first user message by default, all prompts in file order). AL per request = completion_tokens /
+spec_verify_ct from SGLang's meta_info; throughput = completion tokens / wall time with `--batch-size`
+requests in flight. `--temperature` and `--batch-size` take lists: every combination is one sweep row
+(sampling at T > 0 is the server's lossless rejection sampling). Writes DIR/results.json, matrix.md,
+matrix.png (the first combination's matrix; the sweep table in matrix.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,8 +32,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--drafter-name", required=True)
     parser.add_argument("--train-domain", default=None)
     parser.add_argument("--method", default="osprey")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=int, default=4096, help="the paper's benchmark: 4096")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (a sweep)")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                        help="requests in flight at once; one or more (the paper reports 1 and 16)")
+    parser.add_argument("--prompt-messages", choices=("first_user", "before_assistant"), default="first_user")
+    parser.add_argument("--seed", type=int, default=None, help="the server's --random-seed, recorded with sampled rows")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the server's /health")
     parser.add_argument("--config-note", action="append", default=[], help="KEY=VALUE recorded in results.json")
@@ -44,44 +51,66 @@ def main(argv=None) -> int:
 
     from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
     from megatron_osprey.eval.prompts import load_prompts
-    from megatron_osprey.eval.run import split_names, write_results
-    from megatron_osprey.eval.sglang_client import ServerConfig, bench_prompts, wait_for_server
+    from megatron_osprey.eval.run import split_names, sweep_markdown, write_results
+    from megatron_osprey.eval.sglang_client import ServerConfig, bench_prompts, throughput, wait_for_server
 
+    combos = [(t, b) for t in args.temperature for b in args.batch_size]
     try:
+        if any(b < 1 for b in args.batch_size):
+            raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}.")
         splits = split_names(args.data)
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-        prompts = {s: load_prompts(p, tokenizer, args.limit) for s, p in zip(splits, args.data)}
+        prompts = {s: load_prompts(p, tokenizer, args.limit, mode=args.prompt_messages) for s, p in zip(splits, args.data)}
         if args.wait:
             wait_for_server(args.url, args.wait)
-        server = ServerConfig(args.url, args.max_new_tokens, args.temperature)
-        cells, records = [], []
-        with tqdm(total=sum(len(p) for p in prompts.values()), desc="sglang", unit="req") as progress:
-            for split in splits:
-                requests = bench_prompts(server, prompts[split], progress)
-                summary = summarize(requests)
-                cells.append(Cell(args.drafter_name, args.method, args.train_domain, split, summary))
-                records.append({"drafter": args.drafter_name, "method": args.method, "train_domain": args.train_domain,
-                                "split": split, "summary": summary, "requests": requests})
+        sweep, records = [], []
+        total = len(combos) * sum(len(p) for p in prompts.values())
+        with tqdm(total=total, desc="sglang", unit="req") as progress:
+            for temperature, batch_size in combos:
+                server = ServerConfig(args.url, args.max_new_tokens, temperature)
+                cells = []
+                for split in splits:
+                    start = time.perf_counter()
+                    requests = bench_prompts(server, prompts[split], progress, batch_size=batch_size)
+                    wall = time.perf_counter() - start
+                    summary = {**summarize(requests), "wall_seconds": wall,
+                               "throughput_tokens_per_s": throughput(requests, wall)}
+                    cells.append(Cell(args.drafter_name, args.method, args.train_domain, split, summary))
+                    records.append({"drafter": args.drafter_name, "method": args.method,
+                                    "train_domain": args.train_domain, "split": split, "temperature": temperature,
+                                    "batch_size": batch_size, "seed": args.seed, "summary": summary,
+                                    "requests": requests})
+                sweep.append({"temperature": temperature, "batch_size": batch_size, "seed": args.seed,
+                              "sampling": "greedy" if temperature == 0 else "lossless rejection sampling",
+                              "matrices": build_matrices(cells, splits)})
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     notes = dict(item.partition("=")[::2] for item in args.config_note)
+    steps, topk, draft_tokens = notes.pop("steps", None), notes.pop("topk", None), notes.pop("draft_tokens", None)
+    for row in sweep:  # the server's draft shape is fixed for the whole run
+        row.update(steps=steps, topk=topk, draft_tokens=draft_tokens)
     results = {
         "format": "megatron_osprey.eval/1",
-        "config": {"target": str(args.tokenizer), "server": args.url, "steps": notes.pop("steps", None),
-                   "topk": notes.pop("topk", None), "draft_tokens": notes.pop("draft_tokens", None),
-                   "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "limit": args.limit, **notes},
+        "config": {"target": str(args.tokenizer), "server": args.url, "steps": steps, "topk": topk,
+                   "draft_tokens": draft_tokens, "temperature": args.temperature[0], "batch_size": args.batch_size[0],
+                   "sweep_temperature": args.temperature, "sweep_batch_size": args.batch_size, "seed": args.seed,
+                   "max_new_tokens": args.max_new_tokens, "prompt_messages": args.prompt_messages,
+                   "limit": args.limit, **notes},
         "drafters": [{"name": args.drafter_name, "method": args.method, "train_domain": args.train_domain,
                       "source": "sglang"}],
         "splits": [{"name": s, "path": str(p), "requests": len(prompts[s])} for s, p in zip(splits, args.data)],
-        "cells": records, "matrices": build_matrices(cells, splits),
+        "cells": records, "matrices": sweep[0]["matrices"], "sweep": sweep,
         "lossless": {"checked": False, "mismatches": []},
     }
     write_results(results, args.output)
     for record in records:
         s = record["summary"]
-        print(f"{record['split']}: AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
-              f"{s['tokens_per_s']:.1f} tok/s over {s['requests']} requests")
+        print(f"T={record['temperature']:g} batch {record['batch_size']} {record['split']}: "
+              f"AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
+              f"{s['throughput_tokens_per_s']:.1f} tok/s over {s['requests']} requests")
+    if len(sweep) > 1:
+        print(sweep_markdown(sweep, column="batch_size"))
     return 0
 
 

@@ -27,6 +27,9 @@ class DrafterSection:
     drafter_init: str | None = None  # Stage 3 --output (megatron/ + run_config.yaml)
     baseline: str | None = None  # "eagle3": from scratch, the target's frozen embedding
     eagle3_num_layers: int = 1  # 1 as published; 2 for the parameter-matched variant
+    # Layers after the first: "fused" reads the target features again (the paper's 2-layer
+    # baseline, SpecForge's layer stack); "plain" is SGLang's stock multi-layer draft.
+    eagle3_extra_layers: str = "fused"
     draft_vocab_size: int = 32000  # EAGLE-3's reduced draft vocabulary
     aux_layer_ids: list[int] | None = None  # baseline only; Osprey's come from Stage 3
     transformer_impl: str = "auto"
@@ -68,7 +71,7 @@ class DistillConfig:
     ttt: TTTLossConfig = dataclasses.field(default_factory=TTTLossConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     training: TrainingSection = dataclasses.field(default_factory=lambda: TrainingSection(
-        micro_batch_size=1, global_batch_size=64, seq_length=4096))
+        micro_batch_size=1, global_batch_size=2, seq_length=4096))  # the paper's: one sequence per GPU, 2 GPUs
     optimizer: OptimizerSection = dataclasses.field(default_factory=lambda: OptimizerSection(
         lr=1e-4, min_lr=0.0, lr_decay_style="cosine", weight_decay=0.0, clip_grad=1.0))
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
@@ -83,6 +86,8 @@ class DistillConfig:
             raise ValueError("pass exactly one of --drafter-init STAGE3_OUTPUT (Osprey) or --baseline eagle3.")
         if drafter.baseline and drafter.baseline not in BASELINES:
             raise ValueError(f"--baseline must be one of {BASELINES}, got {drafter.baseline!r}.")
+        if drafter.eagle3_extra_layers not in ("fused", "plain"):
+            raise ValueError(f"--eagle3-extra-layers must be fused or plain, got {drafter.eagle3_extra_layers!r}.")
         if drafter.drafter_init and not (Path(drafter.drafter_init) / "megatron").is_dir():
             raise FileNotFoundError(
                 f"--drafter-init {drafter.drafter_init}: no megatron/ there (expected the --output of "

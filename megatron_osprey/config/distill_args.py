@@ -21,12 +21,21 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--drafter-init", "drafter.drafter_init", {"help": "Stage 3 output (tools/adapt_drafter.py --output)"}),
         ("--baseline", "drafter.baseline", {"choices": list(BASELINES), "help": "train EAGLE-3 from scratch instead"}),
         ("--eagle3-num-layers", "drafter.eagle3_num_layers", {"type": int}),
+        ("--eagle3-extra-layers", "drafter.eagle3_extra_layers", {
+            "choices": ["fused", "plain"],
+            "help": "EAGLE-3 layers after the first: fused (the paper's 2-layer baseline) or plain"}),
         ("--draft-vocab-size", "drafter.draft_vocab_size", {"type": int, "help": "EAGLE-3's reduced vocabulary"}),
         ("--aux-layer-ids", "drafter.aux_layer_ids", {"type": int, "nargs": 3}),
         ("--transformer-impl", "drafter.transformer_impl", {"choices": ["auto", "local", "transformer_engine"]}),
         ("--bf16", "drafter.bf16", STORE_TRUE),
-        ("--ttt-steps", "ttt.ttt_steps", {"type": int, "help": "training-time-test length (Osprey 5, EAGLE-3 7)"}),
+        ("--ttt-steps", "ttt.ttt_steps", {"type": int, "help": "training-time-test length (5 for both arms in the paper)"}),
         ("--ttt-decay", "ttt.decay", {"type": float, "help": "step k weighs decay**k (0.8)"}),
+        ("--ttt-mask-alignment", "ttt.mask_alignment", {
+            "choices": ["predicted", "reference"],
+            "help": "count row t of step k when x_{t+2+k} (predicted, default) or x_{t+k} (SpecForge) is assistant"}),
+        ("--ttt-normalization", "ttt.normalization", {
+            "choices": ["tokens", "reference"],
+            "help": "divide by step 0's counted rows (tokens, default) or each step by B*T (SpecForge)"}),
     ],
     "target and data": [
         ("--target", "target.target", {"help": "the target's HF directory (config, tokenizer, weights)"}),

@@ -79,8 +79,16 @@ def _pad(tensor: torch.Tensor, length: int, value=0) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
-def pad_samples(samples: list[dict], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad (or cut) every sample to seq_length; padding never counts in the loss."""
+def pad_samples(samples: list[dict], seq_length: int, pad_id: int, multiple: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad (or cut) every sample to seq_length; padding never counts in the loss.
+
+    With `multiple`, the batch is padded only to its longest sample rounded up to that multiple (at most
+    seq_length): attention is causal and the TTT steps' extra keys are per-position, so positions past a
+    sample's end never reach its real tokens, and the loss is the same at a fraction of the compute.
+    """
+    if multiple is not None:
+        longest = max(int(s["input_ids"].shape[0]) for s in samples)
+        seq_length = min(seq_length, -(-longest // multiple) * multiple)
     batch = {
         "input_ids": torch.stack([_pad(s["input_ids"], seq_length, pad_id) for s in samples]),
         "loss_mask": torch.stack([_pad(s["loss_mask"].bool(), seq_length, False) for s in samples]),

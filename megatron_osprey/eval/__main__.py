@@ -1,14 +1,19 @@
 """python -m megatron_osprey.eval: acceptance length of drafters x eval splits against a HF target.
 
     python -m megatron_osprey.eval --target TARGET --drafter [NAME=]PATH [--drafter ...] \
-        --data SPLIT.jsonl [--data ...] --output DIR [--steps 5 --topk 1 --draft-tokens 6 \
-        --temperature 0 --max-new-tokens 256 --limit N --verify-lossless] \
+        --data SPLIT.jsonl [--data ...] --output DIR [--steps 5 --topk 1 --draft-tokens 6 [8 ...] \
+        --temperature 0 [1 ...] --max-new-tokens 4096 --prompt-messages first_user --limit N --verify-lossless] \
         [--names A B ...] [--train-domain [NAME=]DOMAIN ...] [--method [NAME=]METHOD ...]
 
 Each split is named by its file stem; each drafter by NAME=, --names, or its directory. A drafter's
 training domain comes from --train-domain or its run_config.yaml (train_domain); its method
 (matrix group) from --method or its variant (osprey / eagle3). Writes DIR/results.json,
 DIR/matrix.md and DIR/matrix.png. Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
+
+Defaults are the paper's benchmark protocol: the first user message of each conversation, up to 4096 new
+tokens, steps 5 / topk 1 / 6 draft tokens, greedy. `--temperature` and `--draft-tokens` take lists and
+every combination is one sweep row in results.json and matrix.md (with topk 1, d draft tokens means
+d - 1 steps); sampling rows use lossless rejection sampling and report their --seed.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", action="extend", nargs="+", default=[], help="[NAME=]METHOD, in --drafter order")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--topk", type=int, default=1)
-    parser.add_argument("--draft-tokens", type=int, default=None, help="default steps + 1 (6 at steps 5)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=None,
+                        help="one or more; default steps + 1 (6 at steps 5); with topk 1 each sets steps = value - 1")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (a sweep)")
+    parser.add_argument("--max-new-tokens", type=int, default=4096, help="the paper's benchmark: 4096")
+    parser.add_argument("--prompt-messages", choices=("first_user", "before_assistant"), default="first_user",
+                        help="the first user message (the paper's benchmark) or every message before the first "
+                             "assistant turn")
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of each split")
     parser.add_argument("--verify-lossless", action="store_true", help="also decode with the target alone and compare")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -88,8 +97,10 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         target=args.target, data=list(args.data), output=args.output,
         drafters=[DrafterSpec(n, p, domains.get(n), methods.get(n)) for n, p in zip(names, paths)],
-        steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, limit=args.limit, verify_lossless=args.verify_lossless,
+        steps=args.steps, topk=args.topk,
+        draft_tokens=args.draft_tokens[0] if args.draft_tokens and len(args.draft_tokens) == 1 else args.draft_tokens,
+        temperature=args.temperature[0] if len(args.temperature) == 1 else args.temperature,
+        max_new_tokens=args.max_new_tokens, prompt_messages=args.prompt_messages, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
         target_backend=args.target_backend,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
@@ -105,9 +116,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    for name, m in results["matrices"].items():
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"{name}: mean AL {fmt(m['mean'])}, ID {fmt(m['id_mean'])}, OOD {fmt(m['ood_mean'])}")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for row in results["sweep"]:
+        setting = (f"T={row['temperature']:g} draft tokens {row['draft_tokens']}"
+                   + (f" seed {row['seed']}" if row["temperature"] else ""))
+        for name, m in row["matrices"].items():
+            print(f"{setting} {name}: mean AL {fmt(m['mean'])}, ID {fmt(m['id_mean'])}, OOD {fmt(m['ood_mean'])}")
     mismatches = results["lossless"]["mismatches"]
     if mismatches:
         for m in mismatches[:10]:

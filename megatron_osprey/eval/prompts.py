@@ -1,4 +1,9 @@
-"""Eval prompts: each conversation up to its first assistant turn, in the target's chat template."""
+"""Eval prompts in the target's chat template: by default the first user message of each conversation.
+
+The paper's benchmark (Osprey's custom eval benchmarker) sends only the first user message of each held-out
+conversation; `before_assistant` keeps every message before the first assistant turn (a system prompt
+included), this project's earlier protocol.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +24,15 @@ class EvalPrompt:
     input_ids: torch.Tensor
 
 
-def prompt_messages(messages) -> list[dict]:
-    """The messages before the first assistant turn (the whole conversation when it has none)."""
+PROMPT_MODES = ("first_user", "before_assistant")
+
+
+def prompt_messages(messages, mode: str = "first_user") -> list[dict]:
+    """first_user: the first user message alone; before_assistant: every message before the first assistant turn."""
+    if mode not in PROMPT_MODES:
+        raise ValueError(f"--prompt-messages must be one of {PROMPT_MODES}, got {mode!r}.")
+    if mode == "first_user":
+        return [dict(m) for m in messages if m["role"] == "user"][:1]
     out = []
     for message in messages:
         if message["role"] == "assistant":
@@ -29,13 +41,17 @@ def prompt_messages(messages) -> list[dict]:
     return out
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None, enable_thinking: bool | None = None) -> list[EvalPrompt]:
+def load_prompts(path: str | Path, tokenizer, limit: int | None = None, enable_thinking: bool | None = None,
+                 mode: str = "first_user") -> list[EvalPrompt]:
     """All prompts of a conversations JSONL in file order (the first `limit` only when asked)."""
     prompts = []
     for conversation in read_conversations(path):
         if limit is not None and len(prompts) >= limit:
             break
-        text = render_generation_prompt(tokenizer, prompt_messages(conversation.messages), enable_thinking)
+        messages = prompt_messages(conversation.messages, mode)
+        if not messages:
+            raise ValueError(f"--data {path}: conversation {conversation.id!r} has no user message to prompt with.")
+        text = render_generation_prompt(tokenizer, messages, enable_thinking)
         # The template already holds BOS and every special token; adding them again would double BOS.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:

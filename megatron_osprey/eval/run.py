@@ -33,7 +33,10 @@ class DrafterSpec:
 
 @dataclass
 class EvalConfig:
-    """python -m megatron_osprey.eval settings (defaults: the paper's serving config)."""
+    """python -m megatron_osprey.eval settings (defaults: the paper's serving config and benchmark protocol).
+
+    `temperature` and `draft_tokens` take one value or a list; every combination is one sweep row.
+    """
 
     target: Path
     drafters: list[DrafterSpec]
@@ -41,9 +44,10 @@ class EvalConfig:
     output: Path
     steps: int = 5
     topk: int = 1
-    draft_tokens: int | None = 6
-    temperature: float = 0.0
-    max_new_tokens: int = 256
+    draft_tokens: int | None | list = 6
+    temperature: float | list = 0.0
+    max_new_tokens: int = 4096  # the paper's benchmark; CPU runs pass less
+    prompt_messages: str = "first_user"  # the paper's: the first user message only
     limit: int | None = None
     verify_lossless: bool = False
     dtype: str = "float32"
@@ -53,6 +57,28 @@ class EvalConfig:
     progress: bool = True
     target_backend: str = "hf"  # or "megatron": the Megatron-Core model (exact recompute, no KV cache)
     extra: dict = field(default_factory=dict)
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def sweep_settings(config: EvalConfig) -> list[dict]:
+    """One SpecConfig keyword set per (temperature, draft tokens) combination, in flag order.
+
+    With topk 1 a chain of d draft tokens has d - 1 steps (SGLang's rule), so each --draft-tokens
+    value sets the steps; with topk > 1 --steps stays and the draft tokens choose the tree's size.
+    """
+    settings = []
+    for temperature in _as_list(config.temperature):
+        for draft_tokens in _as_list(config.draft_tokens):
+            steps = config.steps
+            if config.topk == 1 and draft_tokens is not None:
+                steps = int(draft_tokens) - 1
+            settings.append(dict(steps=steps, topk=config.topk, draft_tokens=draft_tokens,
+                                 temperature=float(temperature), max_new_tokens=config.max_new_tokens,
+                                 seed=config.seed))
+    return settings
 
 
 def split_names(paths: list[Path]) -> list[str]:
@@ -129,19 +155,20 @@ def _target_factory(config: EvalConfig, model):
 
 def run_eval(config: EvalConfig) -> dict:
     """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
-    if config.verify_lossless and config.temperature != 0:
+    settings = sweep_settings(config)
+    if config.verify_lossless and any(kw["temperature"] != 0 for kw in settings):
         raise ValueError("--verify-lossless compares greedy outputs token by token; it needs --temperature 0.")
-    spec_kwargs = dict(steps=config.steps, topk=config.topk, draft_tokens=config.draft_tokens,
-                       temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed)
-    SpecConfig(**spec_kwargs)  # validate the draft shape before any loading
+    for kw in settings:
+        SpecConfig(**kw)  # validate every draft shape before any loading
     splits = split_names(config.data)
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):
         raise ValueError(f"--drafter names must be distinct, got {names}.")
     model, tokenizer, device = _load_target(config)
     vocab_size, generation_config = _target_facts(config, model)
-    spec = SpecConfig(**spec_kwargs, eos_token_ids=_eos_ids(config.target, generation_config, tokenizer))
-    prompts = {name: load_prompts(path, tokenizer, config.limit, config.enable_thinking)
+    eos = _eos_ids(config.target, generation_config, tokenizer)
+    specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
+    prompts = {name: load_prompts(path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
                for name, path in zip(splits, config.data)}
     drafters = []
     for item in config.drafters:
@@ -155,8 +182,9 @@ def run_eval(config: EvalConfig) -> dict:
 
     from tqdm import tqdm
 
-    total = len(drafters) * sum(len(p) for p in prompts.values())
-    cells, cell_records, mismatches = [], [], []
+    total = len(specs) * len(drafters) * sum(len(p) for p in prompts.values())
+    cells = [[] for _ in specs]
+    cell_records, mismatches = [], []
     references = {split: {} for split in splits}  # target-only decodes, shared by the drafters
     with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
             _target_factory(config, model) as make_target:
@@ -164,34 +192,62 @@ def run_eval(config: EvalConfig) -> dict:
             drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
             target = make_target(list(drafter.config.aux_layer_ids))
             session = benchmark.make_session(drafter)
-            for split in splits:
-                progress.set_description(f"{item.name} on {split}")
-                results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless, progress,
-                                                 references[split])
-                requests = [r.to_dict() for r in results]
-                summary = summarize(requests)
-                cells.append(Cell(item.name, method, domain, split, summary))
-                cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
-                                     "split": split, "summary": summary, "requests": requests})
-                mismatches += [{"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at}
-                               for r in results if r.mismatch_at is not None]
+            for index, spec in enumerate(specs):
+                for split in splits:
+                    progress.set_description(f"{item.name} on {split}")
+                    results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless,
+                                                     progress, references[split])
+                    requests = [r.to_dict() for r in results]
+                    summary = summarize(requests)
+                    cells[index].append(Cell(item.name, method, domain, split, summary))
+                    cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
+                                         "split": split, **_setting(spec), "summary": summary, "requests": requests})
+                    mismatches += [{"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at,
+                                    **_setting(spec)} for r in results if r.mismatch_at is not None]
             loaded.drafter.to("cpu")
-    matrices = build_matrices(cells, splits)
+    sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
+    first = specs[0]
     results = {
         "format": RESULTS_TAG,
         "config": {**{k: v for k, v in asdict(config).items() if k not in ("drafters", "data", "extra")},
-                   "target": str(config.target), "output": str(config.output), "eos_token_ids": list(spec.eos_token_ids),
-                   "draft_tokens": spec.draft_tokens, **config.extra},
+                   "target": str(config.target), "output": str(config.output), "eos_token_ids": list(eos),
+                   **_setting(first), "sweep_temperature": _as_list(config.temperature),
+                   "sweep_draft_tokens": _as_list(config.draft_tokens), **config.extra},
         "drafters": [{"name": item.name, "path": str(item.path), "method": method, "train_domain": domain,
                       "variant": loaded.drafter.config.variant, "source": loaded.source}
                      for item, loaded, domain, method in drafters],
         "splits": [{"name": s, "path": str(p), "requests": len(prompts[s])} for s, p in zip(splits, config.data)],
         "cells": cell_records,
-        "matrices": matrices,
+        "matrices": sweep[0]["matrices"],  # the first combination (the only one without a sweep)
+        "sweep": sweep,
         "lossless": {"checked": config.verify_lossless, "mismatches": mismatches},
     }
     write_results(results, Path(config.output))
     return results
+
+
+def _setting(spec: SpecConfig) -> dict:
+    """The sweep coordinates of one run; the seed matters (and is reported) whenever sampling."""
+    return {"steps": spec.steps, "topk": spec.topk, "draft_tokens": spec.draft_tokens,
+            "temperature": spec.temperature, "seed": spec.seed,
+            "sampling": "greedy" if spec.temperature == 0 else "lossless rejection sampling"}
+
+
+def sweep_markdown(sweep: list[dict], column: str | None = None) -> str:
+    """One row per (setting, method): mean, in-domain and out-of-domain AL (`column`: one more sweep key)."""
+    extra = [column] if column else []
+    head = ["temperature", "draft tokens", "steps", "topk", *[c.replace("_", " ") for c in extra], "seed", "decoding",
+            "method", "mean AL", "ID AL", "OOD AL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for row in sweep:
+        for method, m in row["matrices"].items():
+            seed = row["seed"] if row["temperature"] != 0 else "-"
+            cells = [f"{row['temperature']:g}", row["draft_tokens"], row["steps"], row["topk"],
+                     *[row[c] for c in extra], seed, row["sampling"], method, fmt(m["mean"]), fmt(m["id_mean"]),
+                     fmt(m["ood_mean"])]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_results(results: dict, output: Path) -> None:
@@ -202,5 +258,9 @@ def write_results(results: dict, output: Path) -> None:
               f"{cfg['draft_tokens']}, temperature {cfg['temperature']}, max new tokens {cfg['max_new_tokens']}; "
               + ", ".join(f"{s['name']}: {s['requests']} prompts" for s in results["splits"]) + ".")
     write_text_atomic(output / "results.json", json.dumps(results, indent=2) + "\n")
-    write_text_atomic(output / "matrix.md", matrix_markdown(results["matrices"], header))
+    text = matrix_markdown(results["matrices"], header)
+    if len(results.get("sweep") or []) > 1:
+        column = "batch_size" if "batch_size" in results["sweep"][0] else None
+        text += "\n## Sweep (one row per setting and method)\n\n" + sweep_markdown(results["sweep"], column)
+    write_text_atomic(output / "matrix.md", text)
     plot_matrices(results["matrices"], output / "matrix.png")

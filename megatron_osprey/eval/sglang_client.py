@@ -1,8 +1,9 @@
 """Measure AL and throughput of a running SGLang server from its per-request meta info.
 
-Requests go one at a time (batch 1, the paper's setting) to SGLang's native ``/generate`` with the
-prompt's token ids, so the prompt is exactly the one ``python -m megatron_osprey.eval`` decodes.
-AL per request = ``completion_tokens / spec_verify_ct`` from ``meta_info``.
+Requests go to SGLang's native ``/generate`` with the prompt's token ids, so the prompt is exactly the
+one ``python -m megatron_osprey.eval`` decodes: one at a time (batch 1, the paper's setting) or
+``batch_size`` in flight at once (the server batches them). AL per request =
+``completion_tokens / spec_verify_ct`` from ``meta_info``; throughput = completion tokens / wall time.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from megatron_osprey.eval.prompts import EvalPrompt
@@ -50,16 +52,29 @@ def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
     return payload["meta_info"], time.perf_counter() - start
 
 
-def bench_prompts(config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate) -> list[dict]:
-    """Send every prompt in order and record each request."""
-    records = []
-    for prompt in prompts:
+def bench_prompts(config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate,
+                  batch_size: int = 1) -> list[dict]:
+    """Send every prompt, `batch_size` in flight at once, and record each request (in prompt order)."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}.")
+
+    def one(prompt: EvalPrompt) -> dict:
         meta, seconds = send(config, prompt.input_ids.tolist())
-        records.append(request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds))
+        record = request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(al=f"{records[-1]['acceptance_length']:.2f}")
-    return records
+            progress.set_postfix(al=f"{record['acceptance_length']:.2f}")
+        return record
+
+    if batch_size == 1:
+        return [one(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(max_workers=batch_size) as pool:
+        return list(pool.map(one, prompts))
+
+
+def throughput(records: list[dict], wall_seconds: float) -> float | None:
+    """Completion tokens per second of wall time over a whole (possibly batched) run."""
+    return sum(r["completion_tokens"] for r in records) / wall_seconds if wall_seconds > 0 else None
 
 
 def wait_for_server(url: str, timeout_s: float) -> None:

@@ -2,17 +2,18 @@
 
 Layouts (all HF-style, no ``model.`` prefix; ``d2t`` int64 [Vd] and ``t2d`` bool [V] buffers in each):
 
-* ``sglang`` (Osprey): architecture ``Qwen3ForCausalLMEagle3`` (q/k-norm bodies) or
-  ``LlamaForCausalLMEagle3``; ``swap_h_and_emb: true``; its own ``embed_tokens``; one-layer drafters
+* ``sglang`` (Osprey): architecture ``OspreyQwen3ForCausalLMEagle3`` (q/k-norm bodies) or
+  ``OspreyLlamaForCausalLMEagle3``, names only the plugin registers (stock SGLang refuses them rather
+  than serve a half-loaded draft); ``swap_h_and_emb: true``; its own ``embed_tokens``; one-layer drafters
   name their layer ``midlayer``, deeper ones ``layers.{i}``. SGLang's fused layer computes
   ``cat(input_layernorm(a), hidden_norm(b))`` with residual ``b``; in swap mode ``a = g`` and ``b`` is
   the embedding stream, so the reference ``hidden_norm`` (on g) is SGLang's ``input_layernorm`` and
   the reference ``input_layernorm`` (on the stream) is SGLang's ``hidden_norm``. QKV column order
   is unchanged (first H columns read g).
-* ``sglang`` (EAGLE-3): ``LlamaForCausalLMEagle3``, ``midlayer.*`` for the published one-layer
-  drafter; the reference names already match SGLang's (``input_layernorm`` on the embedding,
-  ``hidden_norm`` on g). Deeper EAGLE-3 drafters write ``layers.{i}`` with plain extra layers and
-  need the plugin (``megatron_osprey.export.sglang_plugin``), which reads ``eagle3_extra_layers``.
+* ``sglang`` (EAGLE-3): stock ``LlamaForCausalLMEagle3``, ``midlayer.*`` for the published one-layer
+  drafter (Llama layer, no plugin); the reference names already match SGLang's (``input_layernorm`` on
+  the embedding, ``hidden_norm`` on g). Deeper EAGLE-3 drafters write ``layers.{i}`` and
+  ``eagle3_extra_layers`` (fused or plain) under the plugin's ``OspreyLlamaForCausalLMEagle3``.
 * ``speculators``: vLLM speculators' ``Eagle3Speculator`` (one fused Llama layer, ``layers.0.*``,
   ``transformer_layer_config``); only the one-layer EAGLE-3 drafter fits it.
 """
@@ -23,10 +24,15 @@ import dataclasses
 
 import torch
 
+from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
 from megatron_osprey.models.reference_drafter import DrafterConfig
 
 EXPORT_TAG = "megatron_osprey.export/1"
-SGLANG_ARCHS = ("Qwen3ForCausalLMEagle3", "LlamaForCausalLMEagle3")
+STOCK_SGLANG_ARCH = "LlamaForCausalLMEagle3"
+# Read back as well: exports written before the plugin had names of its own.
+LEGACY_QWEN3_ARCH = "Qwen3ForCausalLMEagle3"
+SGLANG_ARCHS = (*PLUGIN_ARCHITECTURES, STOCK_SGLANG_ARCH, LEGACY_QWEN3_ARCH)
+QK_NORM_ARCHS = (PLUGIN_ARCHITECTURES[1], LEGACY_QWEN3_ARCH)
 SPECULATORS_ARCH = "Eagle3Speculator"
 _SWAP = {"hidden_norm": "input_layernorm", "input_layernorm": "hidden_norm"}
 
@@ -107,11 +113,18 @@ def reference_state_from_sglang(tensors: dict[str, torch.Tensor], cfg: DrafterCo
     return out
 
 
+def sglang_architecture(cfg: DrafterConfig) -> str:
+    """Stock LlamaForCausalLMEagle3 for a one-layer Llama EAGLE-3 draft; the plugin's names otherwise."""
+    if cfg.variant == "eagle3" and cfg.num_layers == 1 and not cfg.qk_layernorm:
+        return STOCK_SGLANG_ARCH
+    return PLUGIN_ARCHITECTURES[1] if cfg.qk_layernorm else PLUGIN_ARCHITECTURES[0]
+
+
 def sglang_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None) -> dict:
     """config.json for SGLang's EAGLE-3 draft loader (and the plugin)."""
     qwen = cfg.qk_layernorm
     config = {
-        "architectures": [SGLANG_ARCHS[0] if qwen else SGLANG_ARCHS[1]],
+        "architectures": [sglang_architecture(cfg)],
         "model_type": "qwen3" if qwen else "llama",
         **_body_config(cfg, max_position_embeddings),
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -215,8 +228,9 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         rms_norm_eps=body.get("rms_norm_eps", 1e-6),
         rope_theta=body.get("rope_theta", 10000.0),
         rope_scaling=body.get("rope_scaling"),
-        qk_layernorm=config.get("architectures", [""])[0] == SGLANG_ARCHS[0],
+        qk_layernorm=config.get("architectures", [""])[0] in QK_NORM_ARCHS,
         aux_layer_ids=list(aux),
         variant="osprey" if config.get("swap_h_and_emb") else "eagle3",
-        eagle3_extra_layers=config.get("eagle3_extra_layers", "fused" if body["num_hidden_layers"] > 1 else "plain"),
+        # A third-party multi-layer draft without the key is SGLang's stock layout: plain extra layers.
+        eagle3_extra_layers=config.get("eagle3_extra_layers", "plain"),
     )

@@ -8,6 +8,19 @@ distribution at position t+1+k, restricted and renormalized to the draft
 vocabulary, where the predicted token x_{t+2+k} is an assistant token and the
 target's argmax is in the draft vocabulary. Step k is weighted decay^k (0.8).
 
+Two conventions differ from the reference (SpecForge, which Osprey's release
+trains with); each has a flag for the reference one, and `ttt_loss()` and the
+trainer share `ttt_objective()`, so they normalise the same way:
+
+* mask alignment, `mask_alignment`: "predicted" (default) counts row t of step
+  k when the token it predicts, x_{t+2+k}, is an assistant token; "reference"
+  counts it when x_{t+k} is (SpecForge shifts the target and the inputs by one
+  but not the loss mask, so its mask trails the predicted token by two).
+* normalisation, `normalization`: "tokens" (default) divides the weighted sum
+  of every step's losses by the number of counted rows of step 0 (summed over
+  micro-batches and data-parallel ranks, Megatron's per-token contract);
+  "reference" divides each step by all B*T rows, counted or not.
+
 Logits arrive sharded over the (padded) draft vocabulary exactly like the
 drafter's output layer; only per-row scalars cross TP ranks, never a vocabulary.
 """
@@ -20,12 +33,24 @@ import torch
 from torch import Tensor
 
 
+MASK_ALIGNMENTS = ("predicted", "reference")
+NORMALIZATIONS = ("tokens", "reference")
+
+
 @dataclasses.dataclass
 class TTTLossConfig:
-    """K steps (Osprey 5, EAGLE-3 7) weighted decay**k."""
+    """K steps (5 for both arms in the paper) weighted decay**k; the two conventions of the module docstring."""
 
     ttt_steps: int = 5
     decay: float = 0.8
+    mask_alignment: str = "predicted"
+    normalization: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if self.mask_alignment not in MASK_ALIGNMENTS:
+            raise ValueError(f"--ttt-mask-alignment must be one of {MASK_ALIGNMENTS}, got {self.mask_alignment!r}.")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--ttt-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}.")
 
     def weights(self) -> list[float]:
         return [self.decay**k for k in range(self.ttt_steps)]
@@ -120,9 +145,11 @@ def drafter_inputs(input_ids: Tensor) -> Tensor:
     return shift_rows(input_ids, 1)
 
 
-def step_mask(loss_mask: Tensor, target_in_draft: Tensor, k: int) -> Tensor:
-    """Rows of step k that count: x_{t+2+k} is an assistant token and target argmax(t+1+k) is drafted."""
-    return shift_rows(loss_mask.bool(), 2 + k, False) & shift_rows(target_in_draft.bool(), 1 + k, False)
+def step_mask(loss_mask: Tensor, target_in_draft: Tensor, k: int, mask_alignment: str = "predicted") -> Tensor:
+    """Rows of step k that count: target argmax(t+1+k) is drafted and x_{t+2+k} ("predicted") or x_{t+k}
+    ("reference") is an assistant token."""
+    offset = 2 + k if mask_alignment == "predicted" else k
+    return shift_rows(loss_mask.bool(), offset, False) & shift_rows(target_in_draft.bool(), 1 + k, False)
 
 
 @dataclasses.dataclass
@@ -142,6 +169,7 @@ def ttt_step_terms(
     target_in_draft: Tensor,
     draft_vocab_size: int,
     group=None,
+    mask_alignment: str = "predicted",
 ) -> list[TTTStepTerms]:
     """Per-step sums of the soft CE, the argmax agreement and sum min(p, q) over counted rows.
 
@@ -152,7 +180,7 @@ def ttt_step_terms(
     """
     terms = []
     for k, logits in enumerate(drafter_logits):
-        mask = step_mask(loss_mask, target_in_draft, k).reshape(-1)
+        mask = step_mask(loss_mask, target_in_draft, k, mask_alignment).reshape(-1)
         target_k = shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1])
         result = vocab_parallel_soft_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target_k, draft_vocab_size, group
@@ -166,6 +194,21 @@ def ttt_step_terms(
     return terms
 
 
+def ttt_objective(terms: list[TTTStepTerms], config: TTTLossConfig, rows: int) -> tuple[Tensor, Tensor]:
+    """(numerator, denominator) of the TTT loss of one micro-batch of `rows` = B*T rows.
+
+    The numerator is sum_k decay^k * loss_sum_k; the denominator is step 0's counted rows
+    ("tokens") or B*T ("reference"). Summed over micro-batches and ranks before dividing,
+    as Megatron's per-token loss contract does.
+    """
+    numerator = sum(weight * term.loss_sum for weight, term in zip(config.weights(), terms))
+    if config.normalization == "reference":
+        denominator = torch.tensor(rows, device=terms[0].count.device)
+    else:
+        denominator = terms[0].count
+    return numerator, denominator
+
+
 def ttt_loss(
     drafter_logits: list[Tensor],
     target_logits: Tensor,
@@ -175,14 +218,15 @@ def ttt_loss(
     config: TTTLossConfig,
     group=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """sum_k decay^k * (mean soft CE of step k), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k)."""
-    terms = ttt_step_terms(drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group)
-    total = drafter_logits[0].new_zeros((), dtype=torch.float32)
+    """The TTT loss of one batch (ttt_objective's ratio), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k)."""
+    terms = ttt_step_terms(drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group,
+                           config.mask_alignment)
+    numerator, denominator = ttt_objective(terms, config, loss_mask.numel())
+    total = numerator / denominator.clamp(min=1).to(torch.float32)
     metrics: dict[str, Tensor] = {}
-    for k, (weight, term) in enumerate(zip(config.weights(), terms)):
+    for k, term in enumerate(terms):
         denominator = term.count.clamp(min=1).to(torch.float32)
         step_loss = term.loss_sum / denominator
-        total = total + weight * step_loss
         metrics[f"ploss/{k}"] = step_loss.detach()
         metrics[f"acc/{k}"] = term.agree_sum / denominator
         metrics[f"accept/{k}"] = term.accept_sum / denominator
@@ -193,17 +237,23 @@ def ttt_loss(
 def reference_ttt_loss(
     drafter_logits: list[Tensor], target_full_logits: Tensor, loss_mask: Tensor, t2d: Tensor, config: TTTLossConfig
 ) -> tuple[Tensor, list[float]]:
-    """The same loss written plainly, one row at a time, on full (unsharded) tensors; for tests."""
+    """The same loss written plainly, one row at a time, on full (unsharded) tensors; for tests.
+
+    Returns the loss and the per-step mean soft CE over counted rows.
+    """
     draft_ids = torch.nonzero(t2d).flatten()
     batch, seq = loss_mask.shape
-    total = torch.zeros(())
-    per_step = []
+    weighted_sum = torch.zeros(())
+    per_step, step0_rows = [], 0
     for k, logits in enumerate(drafter_logits):
         losses = []
         for b in range(batch):
             for t in range(seq):
-                j = t + 1 + k  # the target position this row is trained toward
-                if j + 1 >= seq or not loss_mask[b, j + 1]:
+                j = t + 1 + k  # the target position this row is trained toward (it predicts x_{j+1})
+                if j >= seq:  # past the sequence: padding rows of the shifted step
+                    continue
+                masked_token = j + 1 if config.mask_alignment == "predicted" else t + k
+                if masked_token >= seq or not loss_mask[b, masked_token]:
                     continue
                 full = target_full_logits[b, j].float()
                 if not t2d[full.argmax()]:
@@ -211,7 +261,9 @@ def reference_ttt_loss(
                 p = torch.softmax(full[draft_ids], dim=-1)
                 log_q = torch.log_softmax(logits[b, t, : draft_ids.numel()].float(), dim=-1)
                 losses.append(-(p * log_q).sum())
-        step = torch.stack(losses).mean() if losses else torch.zeros(())
-        per_step.append(float(step.detach()))
-        total = total + config.decay**k * step
-    return total, per_step
+        step_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+        step0_rows = len(losses) if k == 0 else step0_rows
+        per_step.append(float(step_sum.detach()) / max(len(losses), 1))
+        weighted_sum = weighted_sum + config.decay**k * step_sum
+    denominator = batch * seq if config.normalization == "reference" else max(step0_rows, 1)
+    return weighted_sum / denominator, per_step

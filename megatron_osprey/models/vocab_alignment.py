@@ -3,11 +3,21 @@
 A target token whose bytes exist as one backbone token copies that row (after
 translating the space/byte markers of each vocabulary style: byte-level BPE's
 `Ġ`-alphabet, SentencePiece's `▁` and `<0xNN>` byte fallback, tiktoken-style raw
-bytes). Otherwise its decoded string is tokenized by the backbone tokenizer and
-those rows are averaged; a byte sequence that is not valid UTF-8 is averaged over
-the backbone's byte tokens. Special tokens map to the backbone's token of the
-same role (bos, eos, pad, unk) or the same string; what is left falls back to the
-mean row. The report counts each class.
+bytes). What happens to the other rows is a policy:
+
+* ``reference`` (default; the rule of Osprey's released aligner, which gives its
+  paper's 109,566 copied / 18,393 averaged / 297 single rows for Qwen3 -> Llama-3):
+  the token's string as the target tokenizer decodes it (a partial UTF-8 sequence
+  becomes U+FFFD) is tokenized by the backbone; one resulting token is a "single"
+  row, several are "averaged". Special tokens have no special case: their literal
+  string (``<|eot_id|>``) is tokenized the same way. A token that tokenizes to
+  nothing, and every row beyond the tokenizer (config padding), is zero.
+* ``bytes_and_roles`` (this project's earlier rule): a partial UTF-8 sequence is
+  averaged over the backbone's byte tokens; a special token maps to the backbone
+  token of the same role (bos, eos, pad, unk) or string, else the mean row; rows
+  beyond the tokenizer and unmapped rows get the mean row.
+
+The report counts each class and names the policy and the rule behind each class.
 """
 
 from __future__ import annotations
@@ -21,6 +31,26 @@ import torch
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
 RAW_BYTES = "raw_bytes"
+POLICIES = ("reference", "bytes_and_roles")
+# What made each class of row, per policy (written into the report).
+RULES = {
+    "reference": {
+        "copied": "the same bytes exist as one backbone token: that row",
+        "single": "the decoded string (partial UTF-8 -> U+FFFD, special tokens literally) is one backbone token: "
+                  "that row",
+        "averaged": "the decoded string (special tokens literally) is several backbone tokens: their mean",
+        "unmapped": "the decoded string tokenizes to nothing: a zero row",
+        "unused": "beyond the tokenizer (config padding): a zero row",
+    },
+    "bytes_and_roles": {
+        "copied": "the same bytes exist as one backbone token: that row",
+        "averaged": "the decoded string re-tokenized (a partial UTF-8 sequence: its byte tokens): their mean",
+        "special": "a special token mapped to the backbone's token of the same role or string",
+        "fallback": "no counterpart (special tokens without one, undecodable tokens): the mean row",
+        "unused": "beyond the tokenizer (config padding): the mean row",
+    },
+}
+KINDS = ("copied", "single", "averaged", "special", "fallback", "unmapped", "unused")
 
 
 @lru_cache(maxsize=1)
@@ -51,6 +81,16 @@ class VocabView:
     role_ids: dict[str, int]  # bos/eos/pad/unk -> id
     encode: object  # callable(str) -> list[int]
     size: int
+    # callable(token) -> the string the tokenizer decodes the token to (None: decode its bytes,
+    # invalid UTF-8 replaced by U+FFFD as byte-level decoders do)
+    token_string: object = None
+
+    def decoded(self, token) -> str:
+        """The token as its tokenizer decodes it on its own."""
+        if self.token_string is not None:
+            return self.token_string(token)
+        data = self.token_bytes(token)
+        return "" if data is None else data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token) -> bytes | None:
         """The bytes a vocabulary entry stands for, or None when it has no byte meaning."""
@@ -134,6 +174,7 @@ def view_of(tokenizer, source: str = "tokenizer") -> VocabView:
         role_ids=roles,
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
         size=max(vocab.values()) + 1,
+        token_string=lambda token: tokenizer.convert_tokens_to_string([token]),
     )
 
 
@@ -142,18 +183,88 @@ class Alignment:
     """Per target id, the backbone rows to average (one row for a copy) and the class of the row."""
 
     sources: list[list[int]]
-    kinds: list[str]  # copied | averaged | special | fallback | unused
+    kinds: list[str]  # one of KINDS (which ones a policy uses: RULES[policy])
     special_map: dict[str, str]
+    policy: str = "reference"
+    partial_utf8: int = 0  # target tokens whose bytes are not valid UTF-8 on their own
+    special_tokens: int = 0  # target tokens the tokenizer marks special
 
     def counts(self) -> dict[str, int]:
-        out = {k: 0 for k in ("copied", "averaged", "special", "fallback", "unused")}
+        out = {k: 0 for k in RULES[self.policy]}
         for kind in self.kinds:
             out[kind] += 1
         return out
 
+    @property
+    def empty_row(self) -> str:
+        """What a row with no source rows holds: zero (reference) or the backbone's mean row."""
+        return "zero" if self.policy == "reference" else "mean"
 
-def align_vocabularies(backbone: VocabView, target: VocabView, target_rows: int) -> Alignment:
+
+def align_vocabularies(backbone: VocabView, target: VocabView, target_rows: int, policy: str = "reference") -> Alignment:
     """Map each of the `target_rows` target ids (the config's vocab, maybe padded) to backbone rows."""
+    if policy not in POLICIES:
+        raise ValueError(f"--alignment-policy must be one of {POLICIES}, got {policy!r}.")
+    if policy == "reference":
+        return _align_reference(backbone, target, target_rows)
+    return _align_bytes_and_roles(backbone, target, target_rows)
+
+
+def _copy_source(backbone: VocabView, target: VocabView, token) -> int | None:
+    """The backbone id spelling the same bytes as `token`, if there is one."""
+    data = target.token_bytes(token)
+    if data is None:
+        return None
+    spelled = backbone.bytes_to_token(data)
+    return backbone.vocab.get(spelled) if spelled is not None else None
+
+
+def _is_partial_utf8(target: VocabView, token) -> bool:
+    data = target.token_bytes(token)
+    if data is None:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _align_reference(backbone: VocabView, target: VocabView, target_rows: int) -> Alignment:
+    """Osprey's released rule: copy, else tokenize the decoded string; no special cases; zero rows."""
+    by_id = {i: t for t, i in target.vocab.items()}
+    sources: list[list[int]] = []
+    kinds: list[str] = []
+    special_map: dict[str, str] = {}
+    partial = specials = 0
+    backbone_by_id = {i: t for t, i in backbone.vocab.items()}
+    for target_id in range(target_rows):
+        token = by_id.get(target_id)
+        if token is None:
+            sources.append([])
+            kinds.append("unused")
+            continue
+        is_special = target_id in target.special_ids
+        specials += is_special
+        # A special token's own string, when the backbone has it, is a copy like any other.
+        match = backbone.vocab.get(token) if is_special and isinstance(token, str) else _copy_source(backbone, target, token)
+        if match is not None:
+            sources.append([match])
+            kinds.append("copied")
+        else:
+            partial += _is_partial_utf8(target, token) and not is_special
+            ids = list(backbone.encode(target.decoded(token)))
+            sources.append(ids)
+            kinds.append("unmapped" if not ids else "single" if len(ids) == 1 else "averaged")
+        if is_special:
+            names = [backbone_by_id.get(i, str(i)) for i in sources[-1]]
+            special_map[target.special_ids[target_id]] = f"{kinds[-1]}: {names}"
+    return Alignment(sources=sources, kinds=kinds, special_map=special_map, policy="reference",
+                     partial_utf8=partial, special_tokens=specials)
+
+
+def _align_bytes_and_roles(backbone: VocabView, target: VocabView, target_rows: int) -> Alignment:
+    """This project's earlier rule: byte tokens for partial UTF-8, specials by role, mean rows."""
     by_id = {i: t for t, i in target.vocab.items()}
     backbone_special_by_string = {s: i for i, s in backbone.special_ids.items()}
     backbone_role_by_id = {i: r for r, i in backbone.role_ids.items()}
@@ -161,6 +272,7 @@ def align_vocabularies(backbone: VocabView, target: VocabView, target_rows: int)
     sources: list[list[int]] = []
     kinds: list[str] = []
     special_map: dict[str, str] = {}
+    partial = 0
     for target_id in range(target_rows):
         token = by_id.get(target_id)
         if token is None:
@@ -199,13 +311,15 @@ def align_vocabularies(backbone: VocabView, target: VocabView, target_rows: int)
             ids = backbone.encode(data.decode("utf-8"))
         except UnicodeDecodeError:
             ids = backbone.byte_token_ids(data)  # a partial UTF-8 sequence: its bytes
+            partial += 1
         if ids:
             sources.append(list(ids))
             kinds.append("averaged")
         else:
             sources.append([])
             kinds.append("fallback")
-    return Alignment(sources=sources, kinds=kinds, special_map=special_map)
+    return Alignment(sources=sources, kinds=kinds, special_map=special_map, policy="bytes_and_roles",
+                     partial_utf8=partial, special_tokens=len(target.special_ids))
 
 
 def _name(view: VocabView, token_id: int) -> str:
@@ -217,14 +331,14 @@ def _name(view: VocabView, token_id: int) -> str:
 
 @torch.no_grad()
 def aligned_rows(matrix: torch.Tensor, alignment: Alignment) -> torch.Tensor:
-    """Target-vocabulary rows: copies, averages over the listed backbone rows, mean row otherwise."""
-    mean = matrix.float().mean(dim=0)
+    """Target-vocabulary rows: copies, averages over the listed backbone rows; empty rows per the policy."""
+    empty = torch.zeros(matrix.shape[1]) if alignment.empty_row == "zero" else matrix.float().mean(dim=0)
     rows = torch.empty(len(alignment.sources), matrix.shape[1], dtype=torch.float32)
     for target_id, source_ids in enumerate(alignment.sources):
         if source_ids:
             rows[target_id] = matrix[source_ids].float().mean(dim=0)
         else:
-            rows[target_id] = mean
+            rows[target_id] = empty
     return rows.to(matrix.dtype)
 
 
@@ -236,7 +350,7 @@ def alignment_report(alignment: Alignment, backbone: VocabView, target: VocabVie
     def show(token):
         return token if isinstance(token, str) else repr(token)
 
-    samples: dict[str, list] = {k: [] for k in ("copied", "averaged", "special", "fallback")}
+    samples: dict[str, list] = {k: [] for k in RULES[alignment.policy] if k != "unused"}
     for target_id, (kind, sources) in enumerate(zip(alignment.kinds, alignment.sources)):
         if kind in samples and len(samples[kind]) < examples:
             samples[kind].append({
@@ -246,7 +360,11 @@ def alignment_report(alignment: Alignment, backbone: VocabView, target: VocabVie
                 "backbone_tokens": [show(back_by_id.get(i, "?")) for i in sources],
             })
     return {
+        "policy": alignment.policy,
         "counts": alignment.counts(),
+        "rules": RULES[alignment.policy],
+        "partial_utf8_tokens": alignment.partial_utf8,
+        "special_tokens_count": alignment.special_tokens,
         "target_rows": len(alignment.kinds),
         "backbone_vocab_style": backbone.style,
         "target_vocab_style": target.style,

@@ -32,6 +32,7 @@ class AdaptConfig:
     token_counts: Path | None = None
     variant: str = "osprey"
     overwrite: bool = False
+    alignment_policy: str = "reference"  # or "bytes_and_roles" (models/vocab_alignment.py)
 
 
 @dataclasses.dataclass
@@ -166,7 +167,7 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
             f"--target {config.target}: the tokenizer has ids up to {target_view.size - 1} but config.json "
             f"says vocab_size={target.vocab_size}."
         )
-    alignment = align_vocabularies(backbone_view, target_view, target.vocab_size)
+    alignment = align_vocabularies(backbone_view, target_view, target.vocab_size, config.alignment_policy)
     report = alignment_report(alignment, backbone_view, target_view)
 
     with SafetensorsCheckpoint(hf_dir) as ckpt:

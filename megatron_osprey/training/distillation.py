@@ -7,6 +7,8 @@ import functools
 from pathlib import Path
 from typing import Callable
 
+import math
+
 import torch
 from megatron.core.utils import unwrap_model
 
@@ -15,14 +17,17 @@ from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
-from megatron_osprey.losses.ttt import drafter_inputs, ttt_step_terms
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+from megatron_osprey.losses.ttt import drafter_inputs, ttt_objective, ttt_step_terms
+from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
 from megatron_osprey.training.assembly import TrainSpec, run_training
 from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
 from megatron_osprey.training.loop import TrainState
+
+
+PAD_MULTIPLE = 16
 
 
 @dataclasses.dataclass
@@ -34,22 +39,21 @@ class DistillResult:
 
 
 def drafter_arch(cfg: DistillConfig) -> DrafterArch:
-    """Osprey: Stage 3's saved arch. EAGLE-3: the target's own layer shape, K-token draft vocab."""
+    """Osprey: Stage 3's saved arch. EAGLE-3: Llama-style layers of the target's width, K-token draft vocab."""
     if cfg.drafter.drafter_init:
         saved = load_run_config(cfg.drafter.drafter_init)
         if "drafter" not in saved:
             raise ValueError(f"--drafter-init {cfg.drafter.drafter_init}: run_config.yaml has no drafter section.")
         return DrafterArch.from_dict(saved["drafter"])
     target = ModelArch.from_hf_config(Path(cfg.target.target))
-    if not target.is_dense:
-        raise ValueError("--baseline eagle3 builds its layer from a dense target's shape; this target is MoE.")
     return DrafterArch(
-        body=target.with_num_layers(cfg.drafter.eagle3_num_layers),
+        body=eagle3_body(target, cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         draft_vocab_size=min(cfg.drafter.draft_vocab_size, target.vocab_size),
         aux_layer_ids=tuple(resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers)),
         variant="eagle3",
+        eagle3_extra_layers=cfg.drafter.eagle3_extra_layers,
     )
 
 
@@ -98,17 +102,20 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         drafter = unwrap_model(model)
         dtype = drafter.fusion_fc.weight.dtype
         logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps)
-        terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group)
-        weights = cfg.ttt.weights()
-        loss = sum(w * t.loss_sum for w, t in zip(weights, terms))
-        return loss, functools.partial(ttt_loss_func, terms)
+        terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group,
+                               cfg.ttt.mask_alignment)
+        # The same numerator and denominator as ttt_loss(): Megatron sums both over
+        # micro-batches and data-parallel ranks before dividing.
+        # B*T of the reference normalisation is the configured sequence length, not the batch's padded one.
+        loss, denominator = ttt_objective(terms, cfg.ttt, batch["loss_mask"].shape[0] * cfg.training.seq_length)
+        return loss, functools.partial(ttt_loss_func, terms, denominator)
 
     return forward_step
 
 
-def ttt_loss_func(terms, loss):
-    """Megatron's per-token contract: (sum, step-0 token count, {metric: [sum, count]})."""
-    count = terms[0].count
+def ttt_loss_func(terms, denominator, loss):
+    """Megatron's per-token contract: (sum, ttt_objective's denominator, {metric: [sum, count]})."""
+    count = denominator
     report = {"lm loss": torch.stack([loss.detach().float(), count.float()])}
     for k, term in enumerate(terms):
         report[f"ploss/{k}"] = torch.stack([term.loss_sum.detach().float(), term.count.float()])
@@ -155,7 +162,9 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
 
     frozen = _FrozenTarget(cfg, arch, dtype, parallel)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id)
+    # Pad each micro-batch to its own longest sample (a multiple that sequence parallelism can split).
+    multiple = math.lcm(PAD_MULTIPLE, cfg.parallel.tensor_model_parallel_size)
+    collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id, multiple=multiple)
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         return micro_batches(source, state.consumed_train_samples, cfg.training.micro_batch_size, parallel.dp_rank,

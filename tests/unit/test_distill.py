@@ -93,6 +93,36 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
     assert abs(losses["online_fp32"] - losses["offline"]) < 1e-2 * losses["offline"]  # bf16 storage only
 
 
+def test_batch_length_padding_gives_the_fixed_length_loss(setup, tmp_path):
+    """Padding a micro-batch only to its longest sample (rounded to 16) leaves the TTT loss unchanged."""
+    from megatron_osprey.base.run_config import load_run_config
+    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.training.checkpointing import load_backbone_weights
+    from transformers import AutoTokenizer
+
+    cfg = tiny_config(setup)
+    arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
+    with parallel_context(ParallelConfig()) as state:
+        model = build_drafter_model(arch, state.config)
+        load_backbone_weights(setup["drafter"] / "megatron", [model])
+        head = TargetHead.from_hf(setup["target"], model.t2d)
+        target = OnlineTarget(setup["target"], state.config, state.device, arch.aux_layer_ids)
+        source = ConversationSamples([str(setup["data"])], AutoTokenizer.from_pretrained(setup["target"]), 256)
+        samples = [source[i] for i in (1, 2)]
+        short = pad_samples(samples, 256, 0, multiple=16)
+        full = pad_samples(samples, 256, 0)
+        assert short["input_ids"].shape[1] < 256 and short["input_ids"].shape[1] % 16 == 0
+        losses = {}
+        for name, batch in (("short", short), ("full", full)):
+            step = distill_forward_step(target, head, cfg, arch.draft_vocab_size, None)
+            with torch.no_grad():
+                loss, reduce = step(iter([batch]), model)
+            losses[name] = (loss.item(), int(reduce(loss)[1]))
+    assert losses["full"][0] > 0
+    assert abs(losses["short"][0] - losses["full"][0]) <= 1e-5 * losses["full"][0], losses
+    assert losses["short"][1] == losses["full"][1]  # the same counted rows
+
+
 def test_eagle3_baseline_through_the_same_entry(setup):
     cfg = tiny_config(setup, training__train_iters=3, drafter__baseline="eagle3", drafter__draft_vocab_size=64)
     cfg.drafter.drafter_init = None

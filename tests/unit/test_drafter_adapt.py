@@ -16,21 +16,42 @@ from megatron_osprey.training.checkpointing import load_checkpoint
 
 @pytest.fixture(scope="module")
 def alignment(real_tokenizers):
-    return align_vocabularies(view_of(real_tokenizers["qwen3"]), view_of(real_tokenizers["llama3"]), 128256)
+    return align_vocabularies(view_of(real_tokenizers["qwen3"]), view_of(real_tokenizers["llama3"]), 128256,
+                              policy="bytes_and_roles")
 
 
 def test_qwen3_to_llama3_counts_match_the_paper(adapted_drafter):
+    # The default (reference) rule reproduces the paper and the released aligner exactly.
     counts = adapted_drafter["report"]["counts"]
-    assert counts["copied"] == 109_566  # Osprey reports 109,566 copied
-    assert counts["averaged"] == 18_434  # Osprey reports 18,393 averaged: 41 rows differ in class
-    assert counts["copied"] + counts["averaged"] + counts["special"] + counts["fallback"] == 128_256
+    assert adapted_drafter["report"]["policy"] == "reference"
+    assert counts == {"copied": 109_566, "single": 297, "averaged": 18_393, "unmapped": 0, "unused": 0}
+    assert adapted_drafter["report"]["partial_utf8_tokens"] == 375  # 297 of them land on one U+FFFD token
     on_disk = json.loads((adapted_drafter["drafter"] / "tokenizer_alignment.json").read_text())
-    assert on_disk["counts"] == counts
-    assert on_disk["special_tokens"]["<|eot_id|>"].startswith("<|im_end|>")
+    assert on_disk["counts"] == counts and on_disk["rules"]["single"].startswith("the decoded string")
+    assert on_disk["special_tokens"]["<|eot_id|>"].startswith("averaged: ['<', '|'")  # the literal string
 
 
-def test_known_tokens_in_each_class(real_tokenizers, alignment):
+def test_reference_rule_on_known_tokens(real_tokenizers):
     qwen, llama = real_tokenizers["qwen3"], real_tokenizers["llama3"]
+    reference = align_vocabularies(view_of(qwen), view_of(llama), 128300)  # 44 padding rows
+    partial = llama.convert_tokens_to_ids("¬¬")  # bytes AC AC: two UTF-8 continuation bytes, no lead byte
+    assert llama.convert_tokens_to_string(["¬¬"]) == "\ufffd\ufffd"
+    assert reference.kinds[partial] == "single" and reference.sources[partial] == [qwen.convert_tokens_to_ids("ï¿½ï¿½")]
+    eot = llama.convert_tokens_to_ids("<|eot_id|>")
+    assert reference.kinds[eot] == "averaged" and reference.sources[eot] == qwen.encode("<|eot_id|>")
+    assert reference.kinds[-44:] == ["unused"] * 44 and reference.sources[-1] == []
+    matrix = torch.randn(len(qwen), 8)
+    from megatron_osprey.models.vocab_alignment import aligned_rows
+
+    rows = aligned_rows(matrix, reference)
+    assert torch.equal(rows[-1], torch.zeros(8))  # the reference zeroes rows beyond the tokenizer
+    torch.testing.assert_close(rows[eot], matrix[qwen.encode("<|eot_id|>")].mean(0))
+    assert torch.equal(rows[partial], matrix[reference.sources[partial][0]])
+
+
+def test_bytes_and_roles_policy_on_known_tokens(real_tokenizers, alignment):
+    qwen, llama = real_tokenizers["qwen3"], real_tokenizers["llama3"]
+    assert alignment.counts() == {"copied": 109_566, "averaged": 18_434, "special": 1, "fallback": 255, "unused": 0}
     the = llama.convert_tokens_to_ids("Ġthe")
     assert alignment.kinds[the] == "copied" and alignment.sources[the] == [qwen.convert_tokens_to_ids("Ġthe")]
     double_zero = llama.convert_tokens_to_ids("00")  # Qwen splits digits
@@ -40,14 +61,19 @@ def test_known_tokens_in_each_class(real_tokenizers, alignment):
     assert alignment.kinds[eot] == "special" and alignment.sources[eot] == [qwen.convert_tokens_to_ids("<|im_end|>")]
     bos = llama.convert_tokens_to_ids("<|begin_of_text|>")  # Qwen3 has no BOS
     assert alignment.kinds[bos] == "fallback" and alignment.sources[bos] == []
+    partial = llama.convert_tokens_to_ids("¬¬")  # averaged over its two byte tokens
+    assert alignment.kinds[partial] == "averaged" and alignment.sources[partial] == [qwen.convert_tokens_to_ids("¬")] * 2
 
 
-def test_identical_tokenizers_copy_every_row(real_tokenizers):
+@pytest.mark.parametrize("policy", ["reference", "bytes_and_roles"])
+def test_identical_tokenizers_copy_every_row(real_tokenizers, policy):
     view = view_of(real_tokenizers["qwen3"])
-    same = align_vocabularies(view, view, 151936)
+    same = align_vocabularies(view, view, 151936, policy=policy)
     real = len(real_tokenizers["qwen3"])
     assert all(same.sources[i] == [i] for i in range(real))
-    assert same.counts()["averaged"] == 0 and same.counts()["fallback"] == 0
+    counts = same.counts()
+    assert sum(counts.get(kind, 0) for kind in ("single", "averaged", "fallback", "unmapped")) == 0
+    assert counts["copied"] + counts.get("special", 0) == real
     assert same.counts()["unused"] == 151936 - real  # the config's padding rows
 
 

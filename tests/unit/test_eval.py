@@ -65,6 +65,37 @@ def test_prompts_stop_at_the_first_assistant_turn_in_file_order(tiny_setup):
     assert "two plus 1?" in text and "never part" not in text and "four" not in text
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert [p.id for p in load_prompts(tiny_setup / "math.jsonl", tok, limit=1)] == ["math-0"]
+    # The paper's benchmark sends the first user message alone; before_assistant keeps the system prompt.
+    assert "be brief" not in text
+    earlier = tok.decode(load_prompts(tiny_setup / "math.jsonl", tok, mode="before_assistant")[1].input_ids)
+    assert "be brief" in earlier and "two plus 1?" in earlier and "never part" not in earlier
+
+
+def test_eval_defaults_are_the_papers_protocol():
+    from megatron_osprey.eval.__main__ import build_config, parse_args
+
+    args = parse_args(["--target", "T", "--drafter", "D", "--data", "x.jsonl", "--output", "O"])
+    config = build_config(args)
+    assert (config.max_new_tokens, config.prompt_messages, config.temperature, config.steps, config.topk) == (
+        4096, "first_user", 0.0, 5, 1)
+
+
+def test_cli_sweeps_temperature_and_draft_tokens_one_row_per_combination(tiny_setup, tmp_path):
+    assert _cli(tiny_setup, tmp_path, "--temperature", "0", "1", "--draft-tokens", "2", "3", "--seed", "7") == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = [(r["temperature"], r["draft_tokens"], r["steps"], r["seed"], r["sampling"]) for r in results["sweep"]]
+    assert rows == [(0.0, 2, 1, 7, "greedy"), (0.0, 3, 2, 7, "greedy"),
+                    (1.0, 2, 1, 7, "lossless rejection sampling"), (1.0, 3, 2, 7, "lossless rejection sampling")]
+    assert len(results["cells"]) == 2 * 2 * 4  # drafters x splits x combinations
+    assert results["matrices"] == results["sweep"][0]["matrices"]
+    for row in results["sweep"]:
+        cells = [c for c in results["cells"] if (c["temperature"], c["draft_tokens"]) == (row["temperature"], row["draft_tokens"])]
+        assert len(cells) == 4
+        for cell in cells:  # a chain of d draft tokens emits at most d tokens per verify
+            assert all(1 <= n <= row["draft_tokens"] for r in cell["requests"] for n in r["accept_lengths"])
+    table = (tmp_path / "matrix.md").read_text().split("## Sweep")[1]
+    assert table.count("| eagle3 |") + table.count("| osprey |") == 4  # one row per combination and method
+    assert "| 1 | 3 | 2 | 1 | 7 | lossless rejection sampling |" in table
 
 
 def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup, tmp_path):

@@ -61,7 +61,7 @@ def test_sglang_and_hf_exports_read_back_bit_identical(case, tmp_path):
 def test_sglang_config_and_names_follow_the_serving_layout(tmp_path):
     export_drafter(make_drafter("osprey", 2, True).to(torch.bfloat16), "sglang", tmp_path / "o")
     config = json.loads((tmp_path / "o" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3ForCausalLMEagle3"] and config["swap_h_and_emb"] is True
+    assert config["architectures"] == ["OspreyQwen3ForCausalLMEagle3"] and config["swap_h_and_emb"] is True
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert (config["draft_vocab_size"], config["vocab_size"], config["target_hidden_size"]) == (DRAFT_VOCAB, VOCAB, 24)
     assert config["num_hidden_layers"] == 2 and config["torch_dtype"] == "bfloat16"
@@ -146,6 +146,9 @@ def test_plugin_weight_names_cover_every_exported_tensor(tmp_path):
     assert len(fused) == len([k for k in tensors if k not in ("d2t", "t2d")]) - 2 * 3  # per layer q,k,v -> 1 and gate,up -> 1
     assert layer_kinds({"num_hidden_layers": 3, "eagle3_extra_layers": "plain"}) == ["fused", "plain", "plain"]
     assert layer_kinds({"num_hidden_layers": 2, "swap_h_and_emb": True}) == ["fused", "fused"]
+    # A multi-layer EAGLE-3 config that does not say is refused, never assumed fused.
+    with pytest.raises(ValueError, match="eagle3_extra_layers"):
+        layer_kinds({"num_hidden_layers": 2})
 
 
 def test_speculators_round_trip_and_refusals(tmp_path):
@@ -195,7 +198,7 @@ def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapte
     ckpt = adapted_drafter["drafter"] / "megatron"
     assert export_main(["--checkpoint", str(ckpt), "--format", "sglang", "--output", str(tmp_path / "sg")]) == 0
     config = json.loads((tmp_path / "sg" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3ForCausalLMEagle3"] and config["num_hidden_layers"] == 2
+    assert config["architectures"] == ["OspreyQwen3ForCausalLMEagle3"] and config["num_hidden_layers"] == 2
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # 8-layer target
     assert (tmp_path / "sg" / "tokenizer.json").is_file()  # the target's tokenizer travels along
     reference = read_export(tmp_path / "sg")

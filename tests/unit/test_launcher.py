@@ -47,7 +47,7 @@ def test_distill_recipes_carry_the_paper_settings():
     qwen = get_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16:math")
     argv = entry_args(qwen, "distill")
     assert qwen.drafter.domain == "math" and qwen.layout.world_size == 2
-    iters = math.ceil(3 * 65_000 / 16)
+    iters = math.ceil(3 * 65_000 / 2)  # the paper: global batch 2, 97,500 updates
     assert _flag(argv, "--train-iters") == str(iters)
     assert _flag(argv, "--lr-warmup-iters") == str(round(0.04 * iters))
     assert (_flag(argv, "--lr"), _flag(argv, "--clip-grad"), _flag(argv, "--seq-length")) == ("0.0001", "1", "4096")
@@ -57,7 +57,7 @@ def test_distill_recipes_carry_the_paper_settings():
 
     eagle = entry_args(get_recipe("qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16"), "distill")
     assert (_flag(eagle, "--baseline"), _flag(eagle, "--eagle3-num-layers"), _flag(eagle, "--ttt-steps"),
-            _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "7", "32000")
+            _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "5", "32000")
     assert "--drafter-init" not in eagle
 
     llama = entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_fp8"), "distill")
@@ -195,7 +195,7 @@ def test_plan_refuses_a_layout_whose_tp_does_not_divide_the_heads(capsys):
     with pytest.raises(LayoutError, match=r"--target-tensor-model-parallel-size 16 does not divide .*\(8\)"):
         make_plan(resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16",
                                  ["layout.target_tensor_model_parallel_size=16", "layout.gpus_per_node=16"]))
-    with pytest.raises(LayoutError, match=r"micro-batch-size 1 x data parallel 32 = 32 .*does not divide the global batch size \(16\)"):
+    with pytest.raises(LayoutError, match=r"micro-batch-size 1 x data parallel 32 = 32 .*does not divide the global batch size \(2\)"):
         make_plan(resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16", ["layout.gpus_per_node=32"]))
     with pytest.raises(LayoutError, match="expert-model-parallel-size x expert-tensor-parallel = 16"):
         make_plan(resolve_recipe("minimax_m25_osprey_distill_4gpu_b200_bf16",
@@ -240,3 +240,28 @@ def test_every_recipe_argv_parses_with_its_entry_point():
             config_from_args(entry_args(recipe, "pretrain")[2:])
             checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_osprey_distill_2gpu_h100_bf16", "qwen3_8b_eagle3_distill_2gpu_h100_bf16",
+                                  "qwen3_8b_eagle3_2layer_distill_2gpu_b200_bf16"])
+def test_qwen3_8b_recipes_are_the_papers_budget(name):
+    """One 4096-token sequence per GPU on 2 GPUs: global batch 2, 3 epochs of 65,000 = 97,500 updates."""
+    recipe = get_recipe(name)
+    t = recipe.training
+    assert (t.micro_batch_size, t.global_batch_size, t.seq_length, t.lr, t.lr_warmup_fraction, t.clip_grad, t.epochs) == (
+        1, 2, 4096, 1e-4, 0.04, 1.0, 3)
+    plan = make_plan(recipe)
+    assert plan.data_parallel_size == 2 and plan.iterations == 97_500 and plan.tokens == 97_500 * 2 * 4096
+    lines = "\n".join(plan.lines())
+    assert "97,500 iterations" in lines
+    assert "3 epochs x 65,000 examples / global batch 2; global batch 2 (1 per data-parallel rank)" in lines
+    assert "warmup 3,900 iterations, clip 1" in lines
+
+
+def test_distill_paper_recipe_has_the_papers_budget():
+    from megatron_osprey.config.distill_recipes import distill_recipe
+
+    for name in ("osprey_distill_paper_bf16", "eagle3_distill_paper_bf16"):
+        cfg = distill_recipe(name)
+        assert (cfg.training.global_batch_size, cfg.training.num_train_iters(), cfg.optimizer.lr,
+                cfg.optimizer.clip_grad, cfg.lr_warmup_fraction, cfg.warmup_iters()) == (2, 97_500, 1e-4, 1.0, 0.04, 3900)

@@ -59,3 +59,54 @@ def test_bench_tool_against_a_fake_server(tmp_path):
     assert summary["mean_acceptance_length"] == pytest.approx((10 / 2 + 10 / 3 + 10 / 4) / 3)
     assert summary["pooled_acceptance_length"] == pytest.approx(30 / 9)
     assert "| chat (d) | **" in (tmp_path / "out" / "matrix.md").read_text()
+
+
+def test_bench_sweeps_temperature_and_batch_size(tmp_path):
+    import time
+
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+
+    build_tiny_tokenizer("qwen3").save_pretrained(tmp_path / "target")
+    lock, state = threading.Lock(), {"in_flight": 0, "peak": [], "temps": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                state["in_flight"] += 1
+                state["peak"].append((body["sampling_params"]["temperature"], state["in_flight"]))
+            time.sleep(0.05)
+            with lock:
+                state["in_flight"] -= 1
+            meta = {"completion_tokens": 12, "spec_verify_ct": 4, "finish_reason": "length"}
+            data = json.dumps({"text": "x", "meta_info": meta}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = [{"id": f"r{i}", "conversations": [{"role": "system", "content": "sys"},
+                                              {"role": "user", "content": f"hi {i}"}]} for i in range(4)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        rc = main(["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
+                   "--data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
+                   "--train-domain", "chat", "--temperature", "0", "1", "--batch-size", "1", "4", "--seed", "3"])
+    finally:
+        server.shutdown()
+    assert rc == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["temperature"], r["batch_size"], r["sampling"]) for r in results["sweep"]] == [
+        (0.0, 1, "greedy"), (0.0, 4, "greedy"), (1.0, 1, "lossless rejection sampling"),
+        (1.0, 4, "lossless rejection sampling")]
+    assert results["config"]["max_new_tokens"] == 4096 and results["config"]["prompt_messages"] == "first_user"
+    peaks = [p for _, p in state["peak"]]
+    assert max(peaks[:4]) == 1 and max(peaks[4:8]) > 1  # batch 1 one at a time, batch 4 concurrently
+    for cell in results["cells"]:
+        assert cell["summary"]["mean_acceptance_length"] == 3.0 and cell["summary"]["throughput_tokens_per_s"] > 0
+    assert "| 1 | None | None | None | 4 | 3 | lossless rejection sampling | osprey |" in (tmp_path / "out" / "matrix.md").read_text()

@@ -19,12 +19,16 @@ def target(tmp_path_factory):
     return directory, make_target(directory)
 
 
+CONVENTIONS = [("predicted", "tokens"), ("reference", "reference"), ("reference", "tokens"), ("predicted", "reference")]
+
+
+@pytest.mark.parametrize("alignment,normalization", CONVENTIONS)
 @pytest.mark.parametrize("draft_vocab,steps", [(200, 5), (TARGET_VOCAB, 3)], ids=["reduced_k5", "full_k3"])
-def test_megatron_ttt_loss_equals_step_by_step_reference(target, draft_vocab, steps):
+def test_megatron_ttt_loss_equals_step_by_step_reference(target, draft_vocab, steps, alignment, normalization):
     target_dir, hf = target
     arch, reference = make_drafter(draft_vocab)
     batch = make_batch()
-    config = TTTLossConfig(ttt_steps=steps)
+    config = TTTLossConfig(ttt_steps=steps, mask_alignment=alignment, normalization=normalization)
     ids = drafter_inputs(batch["input_ids"])
 
     with torch.no_grad():
@@ -55,6 +59,48 @@ def test_masks_follow_the_shift_convention():
     assert step_mask(loss_mask, in_draft, 0).tolist() == [[True, False, True, False, False, False]]
     # step 1, row t: loss_mask[t+3], in_draft[t+2]
     assert step_mask(loss_mask, in_draft, 1).tolist() == [[False, True, False, False, False, False]]
+    # SpecForge's alignment: loss_mask[t+k] (two tokens behind the predicted one), same in_draft
+    assert step_mask(loss_mask, in_draft, 0, "reference").tolist() == [[True, False, True, True, True, False]]
+    assert step_mask(loss_mask, in_draft, 1, "reference").tolist() == [[False, True, True, True, False, False]]
+
+
+def test_default_conventions_are_pinned():
+    config = TTTLossConfig()
+    assert (config.ttt_steps, config.decay, config.mask_alignment, config.normalization) == (5, 0.8, "predicted", "tokens")
+    with pytest.raises(ValueError, match="--ttt-normalization"):
+        TTTLossConfig(normalization="mean")
+
+
+@pytest.mark.parametrize("alignment,normalization", CONVENTIONS)
+def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normalization):
+    """The trainer's (sum, denominator) pair over two micro-batches equals ttt_loss on their concatenation
+    (every step's loss counted the same way), for every convention."""
+    from megatron_osprey.config.distill import DistillConfig
+    from megatron_osprey.training.distillation import distill_forward_step, ttt_loss_func
+
+    target_dir, _ = target
+    arch, reference = make_drafter(200)
+    batch = make_batch()
+    cfg = DistillConfig()
+    cfg.ttt = TTTLossConfig(ttt_steps=3, mask_alignment=alignment, normalization=normalization)
+    with parallel_context(ParallelConfig()):
+        model = build_drafter_model(arch, ParallelConfig())
+        load_reference_state(model, reference.state_dict(), 0, 1)
+        head = TargetHead.from_hf(target_dir, reference.t2d)
+        step = distill_forward_step(None, head, cfg, arch.draft_vocab_size, None)
+        numerator = denominator = 0
+        with torch.no_grad():
+            for row in range(batch["input_ids"].shape[0]):  # one micro-batch per row
+                micro = {key: value[row : row + 1] for key, value in batch.items()}
+                loss, loss_func = step(iter([micro]), model)
+                total, count, report = loss_func(loss)
+                numerator, denominator = numerator + total, denominator + count
+            draft_logits, in_draft = head(batch["final_hidden"])
+            logits, _ = model.ttt_forward(drafter_inputs(batch["input_ids"]), batch["aux_hidden"], 3)
+            expected, _ = ttt_loss(logits, draft_logits, batch["loss_mask"], in_draft, arch.draft_vocab_size, cfg.ttt)
+    assert abs(numerator.item() / denominator.item() - expected.item()) < 1e-5
+    if normalization == "reference":
+        assert denominator.item() == batch["loss_mask"].numel()
 
 
 def test_metrics_for_a_perfect_drafter():

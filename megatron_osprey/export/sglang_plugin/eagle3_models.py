@@ -1,12 +1,19 @@
-"""SGLang draft classes for Osprey (``swap_h_and_emb``, own embedding, every layer fused) and deep EAGLE-3.
+"""SGLang draft classes for drafters stock SGLang cannot serve: Osprey (every layer fused, own embedding,
+``swap_h_and_emb``) and multi-layer EAGLE-3 (fused or plain extra layers).
 
-Imported only by SGLang (see the package docstring). Per forward, with ``g`` the fused target
-features (``fc(aux)``, or the previous draft step's pre-norm hidden) and ``e`` the drafter's own
-embedding: Osprey runs every layer on ``side = g, stream = e``; EAGLE-3 on ``side = e, stream = g``
-in its first layer and, for ``eagle3_extra_layers = "plain"``, ordinary decoder layers after it.
-A fused layer attends over ``cat(input_layernorm(side), hidden_norm(stream))`` with the stream as
-its residual; the (hidden, residual) pair SGLang's fused-add norms carry is summed before each
-fused layer so the stream is whole. Names follow megatron_osprey.export.layouts.
+Written against sglang==0.5.23 (the ``serve`` extra pins it; its model API changes between releases) and
+imported only by SGLang (see the package docstring). The classes are registered under names stock
+SGLang does not know (``OspreyLlamaForCausalLMEagle3``, ``OspreyQwen3ForCausalLMEagle3``), so an export
+that needs this plugin fails to load without it instead of serving a half-loaded model, and stock
+``LlamaForCausalLMEagle3`` drafts (one-layer EAGLE-3 baselines, third-party drafts) keep SGLang's own code.
+
+Per forward, with ``g`` the fused target features (``fc(aux)``, or the previous draft step's pre-norm
+hidden) and ``e`` the drafter's embedding: Osprey runs every layer on ``side = g, stream = e``; EAGLE-3
+on ``side = e, stream = g``. A fused layer attends over ``cat(input_layernorm(side), hidden_norm(stream))``,
+a plain one over ``input_layernorm(stream)``; both add attention and MLP outputs to the stream. The layers
+are driven here, not through their own forward(): SGLang's decoder layers hand the residual and the
+tensor-parallel sums to per-layer stage boundaries whose interface moves between releases, so the
+attention and the MLP are built to complete their own sums. Names follow megatron_osprey.export.layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from sglang.srt.distributed import get_pp_group
+from sglang.srt.layers.layer_boundary import layer_stack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import QKVParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -26,9 +33,23 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.llama import LlamaDecoderLayer
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3 as StockLlamaEagle3
 from sglang.srt.models.qwen3 import Qwen3DecoderLayer
+from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.utils import add_prefix
 
-from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, needs_plugin, plugin_param_name
+from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
+
+
+def _llama_layer(config, index: int, quant_config, prefix: str) -> nn.Module:
+    # stage_boundaries=False: attention and MLP reduce over TP themselves, no boundaries are built.
+    return LlamaDecoderLayer(config, index, quant_config=quant_config, prefix=prefix, stage_boundaries=False)
+
+
+def _qwen3_layer(config, index: int, quant_config, prefix: str) -> nn.Module:
+    layer = Qwen3DecoderLayer(config, index, quant_config=quant_config, prefix=prefix)
+    # A Qwen3 layer leaves both TP sums to its stage boundaries, which this forward does not use.
+    layer.self_attn.o_proj.reduce_results = True
+    layer.mlp.down_proj.reduce_results = True
+    return layer
 
 
 def _make_fused(layer: nn.Module, config, quant_config, prefix: str) -> nn.Module:
@@ -38,24 +59,25 @@ def _make_fused(layer: nn.Module, config, quant_config, prefix: str) -> nn.Modul
         2 * config.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
         bias=False, quant_config=quant_config, prefix=add_prefix("qkv_proj", prefix),
     )
-    # Qwen3 layers leave the all-reduce to their LayerCommunicator, which a fused forward bypasses.
-    if hasattr(attn.o_proj, "reduce_results"):
-        attn.o_proj.reduce_results = True
     layer.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     return layer
 
 
-def _fused_forward(layer, positions, side, stream, forward_batch):
-    attn_in = torch.cat([layer.input_layernorm(side), layer.hidden_norm(stream)], dim=-1)
+def _layer_forward(layer: nn.Module, fused: bool, positions, side, stream, forward_batch):
+    """One layer on the whole stream (pre-norm attention and MLP, both added to the stream)."""
+    if fused:
+        attn_in = torch.cat([layer.input_layernorm(side), layer.hidden_norm(stream)], dim=-1)
+    else:
+        attn_in = layer.input_layernorm(stream)
     out = layer.self_attn(positions=positions, hidden_states=attn_in, forward_batch=forward_batch)
-    out, residual = layer.post_attention_layernorm(out, stream)
-    return layer.mlp(out), residual
+    normed, stream = layer.post_attention_layernorm(out, stream)  # fused add: stream + attention
+    return stream + layer.mlp(normed)
 
 
 class OspreyDraftModel(nn.Module):
     """Embedding, fc, fused/plain layers and final norm; returns (hidden for logits, [pre-norm hidden])."""
 
-    def __init__(self, config, layer_cls, quant_config=None, prefix: str = ""):
+    def __init__(self, config, make_layer, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
@@ -63,11 +85,15 @@ class OspreyDraftModel(nn.Module):
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
         self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
         self.kinds = layer_kinds(config)
+        if make_layer is _qwen3_layer and "plain" in self.kinds:
+            raise ValueError("a Qwen3-bodied draft has only fused layers (Osprey); plain layers are EAGLE-3's "
+                             "Llama layers. Re-export the drafter with tools/export_checkpoint.py.")
         layers = []
-        for index, kind in enumerate(self.kinds):
-            layer_prefix = add_prefix(f"layers.{index}", prefix)
-            layer = layer_cls(config, index, quant_config=quant_config, prefix=layer_prefix)
-            layers.append(_make_fused(layer, config, quant_config, layer_prefix) if kind == "fused" else layer)
+        with layer_stack():
+            for index, kind in enumerate(self.kinds):
+                layer_prefix = add_prefix(f"layers.{index}", prefix)
+                layer = make_layer(config, index, quant_config, layer_prefix)
+                layers.append(_make_fused(layer, config, quant_config, layer_prefix) if kind == "fused" else layer)
         self.layers = nn.ModuleList(layers)
         self.swap_h_and_emb = bool(getattr(config, "swap_h_and_emb", False))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -80,36 +106,25 @@ class OspreyDraftModel(nn.Module):
         if g.shape[0] == 0:  # idle batch
             return g, [g]
         side, stream = (g, embeds) if self.swap_h_and_emb else (embeds, g)
-        residual = None
         for kind, layer in zip(self.kinds, self.layers):
-            if kind == "fused":
-                if residual is not None:
-                    stream, residual = stream + residual, None
-                stream, residual = _fused_forward(layer, positions, side, stream, forward_batch)
-            else:
-                stream, residual = layer(positions, stream, forward_batch, residual)
-        to_logits, to_aux = self.norm(stream, residual)
-        return to_logits, [to_aux]
+            stream = _layer_forward(layer, kind == "fused", positions, side, stream, forward_batch)
+        return self.norm(stream), [stream]
 
 
-class LlamaForCausalLMEagle3(StockLlamaEagle3):
-    """SGLang's EAGLE-3 draft class, extended to Osprey and deep EAGLE-3 drafts; stock behaviour otherwise."""
+class OspreyLlamaForCausalLMEagle3(StockLlamaEagle3):
+    """A draft with Llama layers that stock SGLang cannot serve (Osprey, multi-layer EAGLE-3)."""
 
-    layer_cls = LlamaDecoderLayer
+    make_layer = staticmethod(_llama_layer)
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
-        self.osprey_plugin = needs_plugin(config) or type(self) is not LlamaForCausalLMEagle3
-        if not self.osprey_plugin:
-            super().__init__(config, quant_config=quant_config, prefix=prefix)
-            return
         nn.Module.__init__(self)
-        self.osprey_plugin = True
-        self.config = config
-        self.quant_config = quant_config
-        self.pp_group = get_pp_group()
-        self.model = OspreyDraftModel(config, self.layer_cls, quant_config, add_prefix("model", prefix))
         if getattr(config, "draft_vocab_size", None) is None:
             raise ValueError("an Osprey draft config.json must set draft_vocab_size (tools/export_checkpoint.py does).")
+        self.config = config
+        self.quant_config = quant_config
+        self.pp_group = get_parallel().pp_group
+        self._draft_window_size = get_spec().speculative_draft_window_size
+        self.model = OspreyDraftModel(config, self.make_layer, quant_config, add_prefix("model", prefix))
         self.load_lm_head_from_target = False
         self.lm_head = ParallelLMHead(config.draft_vocab_size, config.hidden_size, quant_config=quant_config,
                                       prefix=add_prefix("lm_head", prefix))
@@ -121,10 +136,9 @@ class LlamaForCausalLMEagle3(StockLlamaEagle3):
         self.loaded_own_embedding = False
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Load an exported draft; the stacked q/k/v and gate/up shards go through SGLang's loaders."""
-        if not self.osprey_plugin:
-            return super().load_weights(weights)
+        """Load an exported draft; every tensor must land in a parameter and every parameter be loaded."""
         params = dict(self.named_parameters())
+        shards: dict[str, set] = {}
         for name, tensor in weights:
             if name == "d2t":  # draft id -> target id offsets
                 self.hot_token_id = tensor + torch.arange(tensor.shape[0], device=tensor.device)
@@ -138,13 +152,16 @@ class LlamaForCausalLMEagle3(StockLlamaEagle3):
             param = params[param_name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor) if shard is None else loader(param, tensor, shard)
-            self.loaded_own_embedding |= param_name == "model.embed_tokens.weight"
-        if not self.loaded_own_embedding:
-            raise RuntimeError("this draft checkpoint has no embed_tokens.weight; re-export it with tools/export_checkpoint.py.")
+            shards.setdefault(param_name, set()).add(shard)
+        missing = sorted(set(params) - set(shards))
+        if missing:
+            raise RuntimeError(f"the draft checkpoint has no weights for {missing[:4]} ({len(missing)} parameters); "
+                               f"re-export it with tools/export_checkpoint.py.")
+        self.loaded_own_embedding = True
 
     def set_embed(self, embed):
         """Keep the drafter's own (vocabulary-aligned) embedding instead of the target's."""
-        if self.osprey_plugin and self.loaded_own_embedding:
+        if self.loaded_own_embedding:
             return
         return super().set_embed(embed)
 
@@ -152,10 +169,10 @@ class LlamaForCausalLMEagle3(StockLlamaEagle3):
         return self.hot_token_id
 
 
-class Qwen3ForCausalLMEagle3(LlamaForCausalLMEagle3):
-    """The same draft on Qwen3 layers (per-head q/k RMSNorm), Osprey's name for Qwen3-bodied drafters."""
+class OspreyQwen3ForCausalLMEagle3(OspreyLlamaForCausalLMEagle3):
+    """The same draft on Qwen3 layers (per-head q/k RMSNorm): Osprey drafters pruned from Qwen3."""
 
-    layer_cls = Qwen3DecoderLayer
+    make_layer = staticmethod(_qwen3_layer)
 
 
-EntryClass = [LlamaForCausalLMEagle3, Qwen3ForCausalLMEagle3]
+EntryClass = [OspreyLlamaForCausalLMEagle3, OspreyQwen3ForCausalLMEagle3]

@@ -13,21 +13,37 @@ STACKED = (
     ("up_proj", "gate_up_proj", 1),
 )
 BUFFERS = ("d2t", "t2d")
+# The architecture names only this plugin registers (Llama or Qwen3 layers). Stock SGLang refuses them,
+# so a draft that needs the plugin cannot be served half-loaded without it.
+PLUGIN_ARCHITECTURES = ("OspreyLlamaForCausalLMEagle3", "OspreyQwen3ForCausalLMEagle3")
+
+
+def _getter(config):
+    return config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
 
 
 def needs_plugin(config) -> bool:
     """True when SGLang's stock EAGLE-3 draft class would serve this config wrongly."""
-    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    get = _getter(config)
     return bool(get("swap_h_and_emb", False)) or int(get("num_hidden_layers", 1)) > 1
 
 
 def layer_kinds(config) -> list[str]:
-    """"fused" (reads cat(side, stream), width 2H) or "plain" per layer, as the export wrote them."""
-    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    """"fused" (reads cat(side, stream), width 2H) or "plain" per layer, as the export wrote them.
+
+    A multi-layer EAGLE-3 config must say which (`eagle3_extra_layers`); nothing is assumed.
+    """
+    get = _getter(config)
     n = int(get("num_hidden_layers", 1))
-    if get("swap_h_and_emb", False) or get("eagle3_extra_layers", "fused") == "fused":
+    if get("swap_h_and_emb", False) or n == 1:
         return ["fused"] * n
-    return ["fused"] + ["plain"] * (n - 1)
+    extra = get("eagle3_extra_layers", None)
+    if extra not in ("fused", "plain"):
+        raise ValueError(
+            f"a {n}-layer EAGLE-3 draft config must set eagle3_extra_layers to 'fused' or 'plain' (got {extra!r}); "
+            f"re-export it with tools/export_checkpoint.py."
+        )
+    return ["fused"] * n if extra == "fused" else ["fused"] + ["plain"] * (n - 1)
 
 
 def plugin_param_name(name: str) -> tuple[str, object] | None:

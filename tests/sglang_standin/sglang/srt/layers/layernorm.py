@@ -1,0 +1,25 @@
+"""sglang.srt.layers.layernorm stand-in: RMSNorm with SGLang's fused residual add (forward_native)."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x, residual=None):
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        if residual is not None:
+            x = x + residual.to(torch.float32)
+            residual = x.to(orig_dtype)
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"Expected hidden_size to be {self.hidden_size}, but found: {x.shape[-1]}")
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        x = (x * self.weight.to(torch.float32)).to(orig_dtype)
+        return x if residual is None else (x, residual)
