@@ -19,6 +19,7 @@ from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.arch import ModelArch
 from megatron_osprey.models.gpt import build_gpt_model, causal_logits
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.speculative import DraftSession
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
 from tests.tiny_models import truncated_logits
 
@@ -142,13 +143,16 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(smollm2_di
         for key, reference in expected.items():
             stored = sample[key]
             assert stored.shape == reference.shape, key
-            # The store is bf16: the Megatron target's float32 values, rounded once. Measured: every
-            # element within one bf16 rounding (2^-9 relative) of HF's float32 value.
-            relative = ((stored - reference).abs() / reference.abs().clamp_min(1e-3)).max().item()
-            worst = max(worst, relative)
-            assert relative <= 2.0**-8, key
-            assert (stored == reference.bfloat16().float()).float().mean().item() > 0.999, key
-    assert worst > 0  # bf16 rounding is visible: the comparison is not against the stored values themselves
+            # The store is bf16: the Megatron target's float32 values, rounded once (|values| reach 2.5e4,
+            # SmolLM2's massive activations). Measured: every element within one bf16 ulp (2^-8 relative)
+            # of HF's float32 value plus at most 6.3e-5 (the float32 difference of the two targets), and
+            # 99.8% equal to HF's value rounded to bf16.
+            diff = (stored - reference).abs()
+            excess = (diff - 2.0**-8 * reference.abs()).max().item()
+            worst = max(worst, diff.max().item())
+            assert excess < 5e-4, key
+            assert (stored == reference.bfloat16().float()).float().mean().item() > 0.99, key
+    assert worst > 1.0  # bf16 rounding of large values is visible: HF's values are not the stored ones
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,7 @@ def adapted(pruned, smollm2_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("smollm2_adapted") / "out"
     with parallel_context(ParallelConfig()) as state:
-        report = adapt_drafter(AdaptConfig(backbone=pruned[0] / "hf", target=smollm2_dir, output=out), state)
+        report = adapt_drafter(AdaptConfig(backbone=pruned[0], target=smollm2_dir, output=out), state)
     return load_drafter(out).drafter, report
 
 
@@ -177,6 +181,53 @@ def greedy_reference(smollm2, prompt_ids):
 MAX_NEW = 24
 
 
+class ScriptedSession(DraftSession):
+    """A draft session that proposes the reference continuation, except at every `miss`-th position.
+
+    It costs no model work and makes the real target accept several drafts per round and reject the
+    rest, so verify, tree masks and KV-cache commits are exercised with multi-token acceptance (the
+    adapted drafter at initialization, a 2-layer logit lens of SmolLM2, gets none accepted)."""
+
+    def __init__(self, script: list[int], vocab: int, miss: int = 7):
+        self.script, self.vocab, self.miss = script, vocab, miss
+        self.seq, self.nodes = [], []
+
+    def _logits(self, seq):
+        logits = torch.zeros(self.vocab)
+        n = len(seq)
+        right = self.script[n] if n < len(self.script) and seq == self.script[:n] else 0
+        # A miss proposes two wrong tokens, so the chain and the tree both get a rejection there.
+        first, second = ((right + 1) % self.vocab, (right + 2) % self.vocab) if n % self.miss == 0 else (right, (right + 1) % self.vocab)
+        logits[first], logits[second] = 10.0, 5.0
+        return logits
+
+    def _path(self, node):
+        path = []
+        while node >= 0:
+            parent, token = self.nodes[node]
+            path.insert(0, token)
+            node = parent
+        return path
+
+    def start(self, prompt_ids, first_token, aux):
+        self.seq, self.nodes = prompt_ids.tolist() + [first_token], []
+        return self._logits(self.seq)
+
+    def extend(self, tokens, aux):
+        self.seq, self.nodes = self.seq + tokens.tolist(), []
+        return self._logits(self.seq)
+
+    def expand(self, parents, tokens):
+        out = []
+        for parent, token in zip(parents, tokens.tolist()):
+            out.append(self._logits(self.seq + self._path(parent) + [token]))
+            self.nodes.append((parent, token))
+        return torch.stack(out)
+
+    def end_round(self):
+        self.nodes = []
+
+
 @pytest.mark.parametrize("shape", [dict(steps=4, topk=1), dict(steps=3, topk=3, draft_tokens=8)], ids=["chain", "tree"])
 def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, smollm2, smollm2_tokenizer, prompt_ids,
                                                                greedy_reference):
@@ -188,11 +239,13 @@ def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, s
     assert list(drafter.config.aux_layer_ids) == list(SMOLLM2_AUX)
     assert smollm2_tokenizer.decode(greedy_reference[0]).startswith("```python\ndef ")  # real text, not noise
     target = HFTargetModel(smollm2, list(SMOLLM2_AUX))
-    accepted = []
+    cfg = SpecConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), **shape)
+    scripted = []
     for ids, expected in zip(prompt_ids, greedy_reference):
-        result = speculative_generate(target, ReferenceDraftSession(drafter), ids,
-                                      SpecConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), **shape))
+        result = speculative_generate(target, ReferenceDraftSession(drafter), ids, cfg)
         assert result.tokens == expected, smollm2_tokenizer.decode(result.tokens)
-        accepted += result.accept_lengths
-    # Drafts were accepted, so the comparison covers multi-token commits, not only one-token rounds.
-    assert max(accepted) >= 3 and len(accepted) < sum(len(e) for e in greedy_reference)
+        result = speculative_generate(target, ScriptedSession(ids.tolist() + expected, VOCAB), ids, cfg)
+        assert result.tokens == expected, smollm2_tokenizer.decode(result.tokens)
+        scripted += result.accept_lengths[:-1]  # the last round may be cut by max_new_tokens or EOS
+    # Full rounds and rounds cut by a rejection: multi-token commits after partial acceptance were checked.
+    assert max(scripted) == shape["steps"] + 1 and min(scripted) < shape["steps"] + 1
