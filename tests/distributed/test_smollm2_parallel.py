@@ -7,7 +7,7 @@ stage. TP=1 is in tests/unit/test_smollm2_stages.py.
 
 import pytest
 
-from megatron_osprey.models.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch
 from tests.distributed.launch import run_torchrun
 
 # About a minute on 2 free cores; the limits leave room for a machine shared with other jobs.

@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.arch import ModelArch
-from megatron_osprey.models.gpt import build_gpt_model, causal_logits
+from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.speculative import DraftSession
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
-from tests.tiny_models import truncated_logits
+from tests.tiny_models import causal_logits, truncated_logits
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>
@@ -67,7 +67,7 @@ def test_megatron_logits_equal_hf_and_round_trip_is_bit_identical(smollm2_dir, s
 @pytest.fixture(scope="module")
 def pruned(smollm2_dir, tmp_path_factory):
     """Stage 1: SmolLM2 pruned to its first 2 layers (the Osprey arm's same-family backbone)."""
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 
     out = tmp_path_factory.mktemp("smollm2_pruned") / "out"
     with parallel_context(ParallelConfig()) as state:
@@ -159,7 +159,7 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(smollm2_di
 def adapted(pruned, smollm2_dir, tmp_path_factory):
     """Stage 3 on the pruned SmolLM2 backbone for the SmolLM2 target: the drafter at initialization."""
     from megatron_osprey.eval.loading import load_drafter
-    from megatron_osprey.models.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
 
     out = tmp_path_factory.mktemp("smollm2_adapted") / "out"
     with parallel_context(ParallelConfig()) as state:
