@@ -87,7 +87,7 @@ def emit(check: str, ok: bool, **fields) -> dict:
 
 
 def _drafter_arch(body: dict, target_hidden: int):
-    from megatron_osprey.models.arch import ModelArch
+    from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.models.drafter_arch import DrafterArch
 
     vocab = body["vocab_size"]
@@ -125,7 +125,7 @@ def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
     from megatron_osprey.config.pretrain import PretrainConfig
-    from megatron_osprey.models.arch import ModelArch
+    from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.training.pretraining import model_provider
     from megatron_osprey.training.setup import build_model_chunks
 
@@ -138,7 +138,7 @@ def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
     from megatron_osprey.config.distill import DistillConfig
-    from megatron_osprey.models.target_head import TargetHead
+    from megatron_osprey.models.targets.lm_head import TargetHead
     from megatron_osprey.training.distillation import distill_forward_step
     from megatron_osprey.training.loop import train_step
 
