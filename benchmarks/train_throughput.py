@@ -25,8 +25,15 @@ QWEN3_4B_2LAYER = {
 }
 
 
+# A toy shape of the same family, for the CPU dry run of benchmarks/gpu_check.py.
+TINY = {**QWEN3_4B_2LAYER, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512}
+SHAPES = {"qwen3_4b_2layer": QWEN3_4B_2LAYER, "tiny": TINY}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_4b_2layer")
     parser.add_argument("--seq-length", type=int, default=None, help="default 4096 on GPU, 256 on CPU")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--num-microbatches", type=int, default=1)
@@ -65,7 +72,7 @@ def main(argv=None) -> dict:
     cfg.model.fp8_format, cfg.model.fp8_recipe = args.fp8_format, args.fp8_recipe
     validate_numerics(cfg.model)
     cfg.parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)
-    arch = ModelArch.from_hf_config(QWEN3_4B_2LAYER)
+    arch = ModelArch.from_hf_config(SHAPES[args.shape])
     with parallel_context(cfg.parallel) as state:
         gbs = args.micro_batch_size * args.num_microbatches * state.dp_size
         cfg.training.micro_batch_size, cfg.training.global_batch_size = args.micro_batch_size, gbs

@@ -119,16 +119,21 @@ def _aux(recipe: Recipe) -> list[str]:
     return ["--aux-layer-ids", *map(str, ids)] if ids else []
 
 
-def _shared_tensor_parallel(recipe: Recipe, flags: list[str]) -> list[str]:
-    """Online distillation runs drafter and target on one TP group: the target's size wins.
+def shared_tensor_parallel(recipe: Recipe) -> tuple[int, bool]:
+    """(TP size, sequence parallel) of distillation: drafter and target share one TP group, the larger size wins.
 
     A MoE target at TP > 1 also needs sequence parallelism (Megatron-Core's MoE with TP).
     """
     lay = recipe.layout
     size = max(lay.tensor_model_parallel_size, lay.target_tensor_model_parallel_size)
+    return size, lay.sequence_parallel or bool(recipe.target.num_experts and size > 1)
+
+
+def _shared_tensor_parallel(recipe: Recipe, flags: list[str]) -> list[str]:
+    size, sequence_parallel = shared_tensor_parallel(recipe)
     flags = list(flags)
     flags[flags.index("--tensor-model-parallel-size") + 1] = str(size)
-    if recipe.target.num_experts and size > 1 and "--sequence-parallel" not in flags:
+    if sequence_parallel and "--sequence-parallel" not in flags:
         flags.append("--sequence-parallel")
     return flags
 

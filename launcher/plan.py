@@ -8,8 +8,14 @@ Memory model (estimates, meant to catch layouts that cannot fit, not to replace 
   attention, no recomputation), divided by TP under sequence parallelism, times the TTT steps for
   distillation, plus the LM-head logits (BF16 logits and an FP32 softmax: 6 bytes per entry) of every
   TTT step; under pipeline parallelism the first stage holds PP micro-batches of its layers.
+- TTT attention (distillation): the 34*s*b*h term covers one causal flash attention per step; the
+  drafter's TTT attention also keeps, per layer, the diagonal keys of earlier steps and its padded
+  fused-kernel inputs: megatron_osprey.models.ttt_attention.ttt_attention_bytes, linear in s (measured
+  by benchmarks/ttt_attention_memory.py). The exact masked attention it replaced kept K*s^2 scores.
 - frozen target: megatron_osprey.models.memory_estimate (weights / (TP*PP*EP) and prefill activations,
-  with a 3 GiB runtime reserve); FP8 target forward keeps 1-byte weights.
+  with a 3 GiB runtime reserve), in BF16: the frozen target is built in BF16 (or FP32), never FP8, so a
+  recipe that asks for a target FP8 forward (drafter.target_fp8_format) is refused rather than planned
+  with 1-byte weights it would not get.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import dataclasses
 import math
 
 from megatron_osprey.models.memory_estimate import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory
-from launcher.commands import ENTRY_POINTS
+from megatron_osprey.models.ttt_attention import ttt_attention_bytes
+from launcher.commands import ENTRY_POINTS, shared_tensor_parallel
 from launcher.recipe import GPU_MEMORY_GIB, Recipe
 from launcher.shapes import ModelShape
 
@@ -139,8 +146,8 @@ def _check_model(recipe: Recipe, stage: str, checks: list[str]) -> int:
                    "TP x PP x CP =", "layout")
     dp = lay.world_size // model_parallel
     if cp > 1:
-        _check_divides(checks, "sequence length", t.seq_length, 2 * cp, "2 x --context-parallel-size",
-                       "layout.context_parallel_size")
+        raise LayoutError(f"recipe {recipe.run_name} ({stage}): --context-parallel-size {cp} (layout.context_parallel_size) "
+                          f"is not supported: batches are not split per context-parallel rank; use 1.")
     _check_divides(checks, "global batch size", t.global_batch_size, t.micro_batch_size * dp,
                    f"--micro-batch-size {t.micro_batch_size} x data parallel {dp} =", "training.global_batch_size")
     return dp
@@ -199,23 +206,47 @@ def _trained_memory(recipe: Recipe, stage: str, dp: int) -> list[tuple[str, int]
         ("activations", activations),
         ("logits", logits),
     ]
+    if stage == "distill":
+        heads = math.ceil(m.num_attention_heads / tp)
+        ttt = ttt_attention_bytes(b, heads, s, m.head_dim, steps, act_bytes)
+        memory.append(("TTT attention", ttt * math.ceil(m.num_layers / pp) * in_flight))
     if frozen:
         memory.append(("frozen embedding", frozen * weight_bytes // tp))
     return memory
 
 
+def _refuse_target_fp8(recipe: Recipe, stage: str) -> None:
+    """The distill and extract entry points build the target in BF16: no flag carries a target FP8 format."""
+    fmt = recipe.drafter.target_fp8_format
+    if fmt:
+        raise LayoutError(
+            f"recipe {recipe.run_name} ({stage}) asks for an FP8 target forward (drafter.target_fp8_format={fmt}), "
+            f"which is not implemented: the frozen target is built in BF16 and would need about twice the "
+            f"planned weight memory. Use the matching _bf16 recipe or --set drafter.target_fp8_format=null."
+        )
+
+
 def _target_memory(recipe: Recipe) -> list[tuple[str, int]]:
     lay, t = recipe.layout, recipe.training
-    fp8 = bool(recipe.drafter.target_fp8_format)
     estimate = estimate_target_memory(
         recipe.target.arch(), tensor_parallel=lay.target_tensor_model_parallel_size,
         pipeline_parallel=lay.target_pipeline_model_parallel_size,
         expert_parallel=lay.target_expert_model_parallel_size,
         expert_tensor_parallel=lay.target_expert_tensor_parallel_size, micro_batch_size=t.micro_batch_size,
-        seq_length=t.seq_length, num_captured_layers=4, bytes_per_param=1 if fp8 else (2 if t.bf16 else 4),
+        seq_length=t.seq_length, num_captured_layers=4, bytes_per_param=2 if t.bf16 else 4,
         bytes_per_activation=2 if t.bf16 else 4,
     )
     return [("target weights", estimate.weight_bytes), ("target activations", estimate.activation_bytes)]
+
+
+def _target_head_bytes(recipe: Recipe) -> int:
+    """Distillation's TargetHead, in both modes: float32 rows of the LM head per TP rank, plus the draft rows."""
+    tp, target = recipe.layout.tensor_model_parallel_size, recipe.target
+    rows = math.ceil(target.vocab_size / tp)
+    draft = recipe.drafter.draft_vocab_size
+    if draft and draft != target.vocab_size:
+        rows += math.ceil(draft / tp)
+    return rows * target.hidden_size * 4
 
 
 def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
@@ -223,27 +254,36 @@ def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
     stage = stage or recipe.stage
     if stage not in ENTRY_POINTS:
         raise ValueError(f"--stage {stage!r} is not one of {', '.join(ENTRY_POINTS)}.")
+    if stage == "distill" and recipe.target is not None:
+        # What the distill command runs: drafter and target on one TP group (launcher.commands).
+        size, sequence_parallel = shared_tensor_parallel(recipe)
+        recipe = dataclasses.replace(recipe, layout=dataclasses.replace(
+            recipe.layout, tensor_model_parallel_size=size, sequence_parallel=sequence_parallel))
     lay, t = recipe.layout, recipe.training
     checks: list[str] = []
     memory: list[tuple[str, int]] = []
     dp = lay.world_size
+    online = stage == "extract" or (stage == "distill" and recipe.drafter.mode == "online")
+    target_checks: list[str] = []
+    if stage in TARGET_STAGES:
+        if recipe.target is None:
+            raise ValueError(f"recipe {recipe.name} has no target shape; `{stage}` needs one.")
+        _refuse_target_fp8(recipe, stage)
+        # The target first: in distillation its TP size is also the drafter's.
+        target_dp = _check_target(recipe, stage, target_checks)
+        if stage == "extract":
+            dp = target_dp
     if stage in TRAINED_STAGES:
         if recipe.model is None:
             raise ValueError(f"recipe {recipe.name} has no model shape; `{stage}` trains one.")
         dp = _check_model(recipe, stage, checks)
         memory += _trained_memory(recipe, stage, dp)
-    online = stage == "extract" or (stage == "distill" and recipe.drafter.mode == "online")
+    checks += target_checks
     if stage in TARGET_STAGES:
-        if recipe.target is None:
-            raise ValueError(f"recipe {recipe.name} has no target shape; `{stage}` needs one.")
-        target_dp = _check_target(recipe, stage, checks)
-        if stage == "extract":
-            dp = target_dp
         if online:
             memory += _target_memory(recipe)
-        else:
-            target = recipe.target
-            memory.append(("target LM head", target.vocab_size * target.hidden_size * 2))
+        if stage == "distill":
+            memory.append(("target LM head", _target_head_bytes(recipe)))
     if memory:
         memory.append(("runtime reserve", RUNTIME_RESERVE_BYTES))
     budget_gib = GPU_MEMORY_GIB.get(recipe.hardware)

@@ -178,6 +178,9 @@ class Recipe:
             raise ValueError(f"recipe {self.name}: stage {self.stage!r} is not one of {', '.join(STAGES)}.")
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
+        if self.precision == "mxfp8" and self.hardware != "b200":
+            raise ValueError(f"recipe {self.name}: MXFP8 needs Blackwell (b200); a {self.hardware.upper()} has no "
+                             f"MXFP8 GEMMs: use precision fp8 or bf16.")
         if self.drafter.method not in ("osprey", "eagle3"):
             raise ValueError(f"recipe {self.name}: drafter.method must be osprey or eagle3, got {self.drafter.method!r}.")
         if self.drafter.mode not in ("online", "offline"):

@@ -32,7 +32,11 @@ STAGE_TEMPLATES = {
 GPUS_PER_NODE = 8
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Characters that would change the meaning of a double-quoted shell word.
-_UNSAFE = re.compile(r'["$`\\\n]')
+_UNSAFE = re.compile(r'["$`\\\n\r]')
+# Values on #SBATCH lines: sbatch reads the whole line as options, so a space or newline would add options
+# (or shell lines); these take plain names, times and paths only.
+_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_.,:@+/%=-]+")
+_SBATCH_VALUES = ("job_name", "time", "log_dir", "partition", "account")
 
 
 @dataclasses.dataclass
@@ -80,6 +84,8 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
     paths = recipe.resolved_paths()
     partition = options.partition or recipe.slurm.partition or os.environ.get("SBATCH_PARTITION")
     account = options.account or recipe.slurm.account or os.environ.get("SBATCH_ACCOUNT")
+    _check_sbatch_value("partition", partition, "--partition, slurm.partition or SBATCH_PARTITION")
+    _check_sbatch_value("account", account, "--account, slurm.account or SBATCH_ACCOUNT")
     sbatch_lines = [f"#SBATCH --partition={partition}"] if partition else []
     sbatch_lines += [f"#SBATCH --account={account}"] if account else []
     cpus = recipe.data.preprocess_workers if stage == "preprocess" else recipe.slurm.cpus_per_task
@@ -115,6 +121,10 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
         "eval_steps": d.eval_steps,
         "eval_topk": d.eval_topk,
         "eval_draft_tokens": d.eval_draft_tokens,
+        "eval_data": " ".join(recipe.domain_path("eval_data", domain) for domain in recipe.drafter.eval_domains)
+        if recipe.target is not None else "",
+        "method": recipe.drafter.method,
+        "train_domain": recipe.drafter.domain or "",
         **resources,
         **{f"path_{key}": value for key, value in paths.items()},
     }
@@ -122,7 +132,17 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
         if key not in ("entry", "extra_args", "sbatch_options") and _UNSAFE.search(str(value)):
             raise ValueError(f"{key} = {value!r} contains a quote, $, backslash or newline; "
                              "use a plain path or name in the recipe, --set or the environment.")
+    for key in _SBATCH_VALUES:
+        if key in context:
+            _check_sbatch_value(key, context[key], "the recipe or --set")
     return context
+
+
+def _check_sbatch_value(key: str, value, source: str) -> None:
+    """A value bound for an #SBATCH line: letters, digits and _ . , : @ + / % = - only."""
+    if value is not None and value != "" and not _SBATCH_SAFE.fullmatch(str(value)):
+        raise ValueError(f"{key} = {value!r} (from {source}) may hold only letters, digits and _ . , : @ + / % = -; "
+                         "a space, quote or newline would add lines or options to the sbatch script.")
 
 
 def render_text(text: str, context: dict, source: str) -> str:

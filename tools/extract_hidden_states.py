@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                        help="collective timeout; raise it when loading a large (e.g. FP8-dequantised MoE) target is slow")
     parser.add_argument("--shard", default=None, help="i/n: take slice i of n (default: Slurm array task, else 0/1)")
     parser.add_argument("--encoding", choices=("bf16", "int8"), default="bf16")
     parser.add_argument("--samples-per-shard", type=int, default=64)
@@ -121,6 +123,7 @@ def main(argv=None) -> int:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel, seed=args.seed,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     with parallel_context(parallel) as state:
         result = extract_hidden_states(config, state)

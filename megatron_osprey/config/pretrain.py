@@ -153,6 +153,15 @@ def validate_training(training: TrainingSection, parallel: ParallelConfig, world
     for name in ("micro_batch_size", "global_batch_size", "seq_length"):
         if getattr(training, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(training, name)}.")
+    if parallel.context_parallel_size != 1:
+        # Megatron-Core expects each CP rank to hold its zigzag slice of the sequence
+        # (get_batch_on_this_cp_rank) and scales the rotary table by CP; our batches are whole
+        # sequences, so CP > 1 would train on wrong positions without an error. The drafter's TTT
+        # attention is not context-parallel either.
+        raise ValueError(
+            f"--context-parallel-size {parallel.context_parallel_size} is not supported: batches are not split "
+            f"per context-parallel rank; use --context-parallel-size 1 (and --sequence-parallel for long sequences)."
+        )
     parallel.validate(world_size)
     dp = world_size // parallel.model_parallel_size()
     if training.global_batch_size % (training.micro_batch_size * dp):

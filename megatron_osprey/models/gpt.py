@@ -12,6 +12,18 @@ from megatron_osprey.parallel import ParallelConfig
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
+def have_fused_softmax() -> bool:
+    """True when Megatron-Core's fused masked softmax can run: CUDA and apex's softmax kernels.
+
+    masked_softmax_fusion makes megatron-core import apex's `scaled_masked_softmax_cuda` /
+    `scaled_upper_triang_masked_softmax_cuda` at the first step; the `gpu` extra installs TE, not apex.
+    """
+    import importlib.util
+
+    kernels = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+    return torch.cuda.is_available() and all(importlib.util.find_spec(name) is not None for name in kernels)
+
+
 def resolve_transformer_impl(requested: str = "auto") -> str:
     """`auto` picks Transformer Engine when TE and CUDA are present, the local spec otherwise."""
     if requested not in TRANSFORMER_IMPLS:
@@ -138,7 +150,7 @@ def transformer_config(
         perform_initialization=perform_initialization,
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=have_fused_softmax(),
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -63,6 +63,8 @@ class ParallelConfig:
                 f"({self.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) x "
                 f"--pipeline-model-parallel-size ({self.pipeline_model_parallel_size})."
             )
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1.")
         if self.context_parallel_size > 1 and not torch.cuda.is_available():

@@ -14,7 +14,7 @@ from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.base.run_config import load_run_config, save_run_config
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_osprey.models.drafter import DrafterArch
+from megatron_osprey.models.drafter_arch import DrafterArch
 from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
 
 BACKBONE_STAGES = ("prune", "pretrain")

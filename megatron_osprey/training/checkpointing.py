@@ -87,6 +87,8 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
 # --- training checkpoints: model + optimizer + scheduler + RNG + data position -------------
 
 CHECKPOINT_FORMAT_VERSION = 1
+# Transformer Engine modules' non-tensor state (FP8 amax history / scales) in a state dict.
+EXTRA_STATE_SUFFIX = "_extra_state"
 
 
 def parallel_layout() -> dict[str, int]:
@@ -244,11 +246,17 @@ def load_model_weights(root: str | Path, module, iteration: int | None = None) -
     """A model's weights from any of our checkpoints (Stage 1/3 or training), resharded to this layout.
 
     Training checkpoints also hold the optimizer, scheduler and counters as common
-    state; only the model's own keys are taken.
+    state; only the model's own keys are taken. Transformer Engine modules add
+    `_extra_state` entries (their FP8 scaling state) that a checkpoint written with the
+    local spec (Stage 1 and 3 on a CPU) does not have: those start fresh.
     """
     wanted = module.sharded_state_dict()
-    loaded, iteration = load_checkpoint(root, wanted, iteration)
-    module.load_state_dict({key: loaded[key] for key in wanted})
+    weights = {key: value for key, value in wanted.items() if not key.endswith(EXTRA_STATE_SUFFIX)}
+    loaded, iteration = load_checkpoint(root, weights, iteration)
+    missing, unexpected = module.load_state_dict({key: loaded[key] for key in weights}, strict=False)
+    missing = [key for key in missing if not key.endswith(EXTRA_STATE_SUFFIX)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {root}: missing keys {missing}, unexpected keys {unexpected}.")
     return iteration
 
 

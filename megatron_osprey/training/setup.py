@@ -4,8 +4,33 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from megatron_osprey.config.pretrain import OptimizerSection
 from megatron_osprey.parallel import ParallelConfig
+
+
+def training_device() -> torch.device:
+    """This rank's GPU when CUDA is present (torch.cuda.set_device ran at initialization), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def place_on_device(chunks: list, device: torch.device) -> list:
+    """Move every parameter, buffer and rotary table of `chunks` to `device`.
+
+    Megatron-Core creates its own layers on the GPU, but plain torch modules (the drafter's
+    fusion_fc, torch norms) and registered buffers (d2t / t2d) start on the CPU; without this a
+    run without the distributed optimizer's flat buffer meets a device mismatch at step 1.
+    RotaryEmbedding keeps `inv_freq` as a plain attribute, which Module.to does not move.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    for chunk in chunks:
+        chunk.to(device)
+        for module in chunk.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.inv_freq = module.inv_freq.to(device)
+    return chunks
 
 
 def build_model_chunks(model_provider: Callable, parallel: ParallelConfig, *, bf16: bool,
@@ -30,6 +55,8 @@ def build_model_chunks(model_provider: Callable, parallel: ParallelConfig, *, bf
     if initialize is not None:
         # Before the optimizer exists: its fp32 master copies are taken from these weights.
         initialize(chunks)
+    # Before Float16Module and DDP: both take the parameters where they are.
+    chunks = place_on_device(chunks, training_device())
     if bf16:
         chunks = [Float16Module(get_model_config(c), c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(

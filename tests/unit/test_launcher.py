@@ -30,6 +30,10 @@ def test_every_recipe_plans_and_its_name_states_its_gpus_hardware_and_precision(
         assert name.endswith(f"_{recipe.hardware}_{recipe.precision}") or recipe.hardware == "cpu", name
         stages = [recipe.stage] + (["extract"] if recipe.target is not None else [])
         for stage in stages:
+            if recipe.drafter.target_fp8_format and stage in ("distill", "extract"):
+                with pytest.raises(LayoutError, match="FP8 target forward .* not implemented"):
+                    make_plan(recipe, stage)
+                continue
             plan = make_plan(recipe, stage)
             assert plan.world_size == recipe.layout.world_size
             if recipe.hardware != "cpu":
@@ -140,7 +144,8 @@ def test_yaml_recipe_file_with_base_and_overrides(tmp_path):
     assert recipe.training.global_batch_size == 32 and recipe.training.micro_batch_size == 2
     assert recipe.drafter.aux_layer_ids == [2, 39, 76] and recipe.drafter.domain == "code"
     plan = make_plan(recipe)
-    assert plan.data_parallel_size == 16 and plan.iterations == math.ceil(3 * 65_000 / 32)
+    # 16 ranks over the shared TP group of drafter and target (the target's TP 4): DP 4.
+    assert plan.data_parallel_size == 4 and plan.iterations == math.ceil(3 * 65_000 / 32)
 
     bare = tmp_path / "bare.yaml"
     bare.write_text("stage: pretrain\nhardware: h100\nprecision: bf16\nmodel: qwen3_4b_2layer\n"
@@ -182,8 +187,30 @@ def test_plan_sizes_the_frozen_target_and_the_hidden_state_store():
     disk = [b for k, b in plan.disk if k.startswith("hidden states")]
     assert disk[0] == 65_000 * 4096 * 4 * 4096 * 2  # 32 KiB per token at Ht=4096
     assert disk[1] == int(disk[0] * 0.45)
-    fp8 = dict(make_plan(get_recipe("qwen3_8b_osprey_distill_2gpu_h100_fp8")).memory)
-    assert fp8["target weights"] == QWEN3_8B.num_parameters()
+    # The target is built in BF16 whatever the recipe says: an FP8 target claim is refused, not planned at 1 byte.
+    with pytest.raises(LayoutError, match=r"drafter.target_fp8_format=hybrid\), which is not implemented"):
+        make_plan(get_recipe("qwen3_8b_osprey_distill_2gpu_h100_fp8"))
+    bf16 = resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_fp8", ["drafter.target_fp8_format=null"])
+    assert dict(make_plan(bf16).memory)["target weights"] == QWEN3_8B.num_parameters() * 2
+    with pytest.raises(ValueError, match="MXFP8 needs Blackwell"):
+        resolve_recipe("qwen3_8b_osprey_distill_2gpu_b200_mxfp8", ["hardware=h100"])
+
+
+def test_plan_uses_distillations_shared_tensor_parallel_size_and_an_fp32_target_head():
+    # distill runs drafter and target on one TP group (the larger size): Llama-70B TP 4 on 8 GPUs is DP 2,
+    # MiniMax TP 8 on 8 GPUs is DP 1 (and sequence parallel, as the command adds it).
+    llama = make_plan(get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16"))
+    assert llama.data_parallel_size == 2
+    assert "--tensor-model-parallel-size 4" in " ".join(entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16"), "distill"))
+    minimax = resolve_recipe("minimax_m25_osprey_distill_8gpu_h100_fp8", ["drafter.target_fp8_format=null"])
+    assert make_plan(minimax).data_parallel_size == 1
+    assert "--sequence-parallel" in entry_args(minimax, "distill")
+    # TargetHead keeps float32 rows of the LM head per TP rank, online and offline alike.
+    for mode in ("online", "offline"):
+        recipe = resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16", [f"drafter.mode={mode}"])
+        assert dict(make_plan(recipe).memory)["target LM head"] == QWEN3_8B.vocab_size * QWEN3_8B.hidden_size * 4
+    head = dict(llama.memory)["target LM head"]
+    assert head == -(-LLAMA33_70B.vocab_size // 4) * LLAMA33_70B.hidden_size * 4
 
 
 def test_plan_refuses_a_layout_whose_tp_does_not_divide_the_heads(capsys):
@@ -201,7 +228,8 @@ def test_plan_refuses_a_layout_whose_tp_does_not_divide_the_heads(capsys):
         make_plan(resolve_recipe("minimax_m25_osprey_distill_4gpu_b200_bf16",
                                  ["layout.target_expert_tensor_parallel_size=4"]), "extract")
     with pytest.raises(LayoutError, match=r"needs about .* GiB per GPU .*more than the 79.6 GiB of a H100"):
-        make_plan(resolve_recipe("minimax_m25_osprey_distill_8gpu_h100_fp8", ["drafter.target_fp8_format=null"]))
+        make_plan(resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16",
+                                 ["layout.target_tensor_model_parallel_size=1", "layout.gpus_per_node=1"]))
 
 
 def test_stage_commands_print_then_run_or_only_print(monkeypatch, capsys):

@@ -50,3 +50,15 @@ def test_megatron_target_matches_hf_target(target, topk, draft_tokens):
     for hf_run, mg_run, reference, mg_reference in zip(hf_runs, mg_runs, greedy, mg_greedy):
         assert mg_run.tokens == hf_run.tokens == reference == mg_reference  # lossless, and the same target
         assert mg_run.verify_count == hf_run.verify_count
+
+
+def test_megatron_target_feeds_the_model_on_its_own_device(target):
+    # The committed sequence lives on the CPU; a model on a GPU got CPU ids (a device mismatch).
+    # "meta" stands in for the GPU: every input must follow the model there.
+    directory, _ = target
+    with MegatronTargetModel.open(directory, AUX) as megatron:
+        megatron.model.to("meta")
+        rotary = megatron.model.rotary_pos_emb
+        rotary.inv_freq = rotary.inv_freq.to("meta")
+        logits, aux = megatron.prefill(torch.arange(5))
+    assert logits.device.type == "meta" and aux.device.type == "meta" and logits.shape == (5, VOCAB)

@@ -97,15 +97,20 @@ def test_every_template_renders_for_every_recipe_and_parses(tmp_path):
     for name in RECIPES:
         recipe = get_recipe(name)
         for stage, template in STAGE_TEMPLATES.items():
-            if not (TEMPLATE_DIR / f"{template}.sbatch").is_file():
-                continue  # eval_sglang.sbatch belongs to another change
             if stage in ("regenerate", "extract", "distill", "adapt", "eval") and recipe.target is None:
                 continue
             script = render(recipe, stage)
             assert "{{" not in script and script.startswith("#!/bin/bash\n")
-            for line in ("set -euo pipefail", "#SBATCH --signal=TERM@300", "#SBATCH --requeue",
+            for line in ("set -euo pipefail", "TERM@300", "#SBATCH --requeue",
                          ': "${SLURM_JOB_ID:?', "git -C", "SLURM_RESTART_COUNT"):
                 assert line in script, (name, stage, line)
+            # A script that traps TERM itself needs the signal sent to the batch shell (B:).
+            signal = "#SBATCH --signal=B:TERM@300" if "trap on_term TERM" in script else "#SBATCH --signal=TERM@300"
+            assert signal in script, (name, stage)
+            # Slurm 22.05-23.02 gives each srun task one CPU unless srun itself asks (the --overlap
+            # client step of regenerate shares the servers' allocation).
+            for srun in (line.strip() for line in script.splitlines() if line.strip().startswith("srun ")):
+                assert "--cpus-per-task=" in srun or "--overlap" in srun, (name, stage, srun)
             path = tmp_path / f"{name}-{stage}.sbatch"
             path.write_text(script)
             check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
@@ -256,3 +261,49 @@ def test_submit_dry_run_prints_and_submit_calls_sbatch(tmp_path, fake_bin, capsy
     assert path.read_text().strip() == out.strip()
     assert cli.main(["submit", "tiny_cpu_demo_1proc_fp32", "--dry-run"]) == 2
     assert "has no Slurm template" in capsys.readouterr().err
+
+
+def test_eval_sglang_renders_the_recipes_target_drafter_and_tp(tmp_path, fake_bin):
+    recipe = resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16:code", [f"paths.root={tmp_path}/runs"])
+    script = render(recipe, "eval")
+    paths = recipe.resolved_paths()
+    # 70B at the target's TP 4: four GPUs, and SGLang started with --tp-size 4; logs where submit creates them.
+    for line in ("#SBATCH --gpus-per-node=4", f"#SBATCH --output={paths['logs']}/%x-%j.out",
+                 "#SBATCH --signal=B:TERM@300"):
+        assert line in script
+    done, lines = _run(script, tmp_path, fake_bin)
+    assert done.returncode == 0, done.stderr + done.stdout
+    (bench,) = [c for c in _python_calls(lines) if c["args"][:1] == ["tools/sglang_bench.py"]]
+    log = Path(paths["logs"]) / f"osprey-eval-{recipe.run_name}-77-restart0.log"
+    # The server runs in the background and may be stopped before the fake records it: read the echoed command.
+    server = next(line for line in log.read_text().splitlines() if line.startswith("server: ")).split()[1:]
+    assert server[1:3] == ["-m", "sglang.launch_server"]
+    assert _flag(server, "--tp-size") == "4" and _flag(server, "--model-path") == paths["target"]
+    assert _flag(server, "--speculative-draft-model-path") == paths["export"]
+    data = [a for i, a in enumerate(bench["args"]) if i and bench["args"][i - 1] == "--data"]
+    assert data == [recipe.domain_path("eval_data", d) for d in recipe.drafter.eval_domains]
+    assert _flag(bench["args"], "--output") == paths["eval_output"] and _flag(bench["args"], "--train-domain") == "code"
+
+
+@pytest.mark.parametrize("where,value", [
+    ("option", "batch\n#SBATCH --wrap=evil"), ("option", "batch; rm -rf ~"), ("env", "batch\ntouch /tmp/owned"),
+    ("recipe", "gpu --wrap=x"), ("account", "proj\rx"),
+])
+def test_sbatch_values_that_would_inject_lines_or_options_are_refused(monkeypatch, where, value):
+    from launcher.render import SubmitOptions
+
+    value = value.replace("\\n", "\n").replace("\\r", "\r")
+    monkeypatch.delenv("SBATCH_PARTITION", raising=False)
+    monkeypatch.delenv("SBATCH_ACCOUNT", raising=False)
+    overrides, options = [], SubmitOptions()
+    if where == "option":
+        options = SubmitOptions(partition=value)
+    elif where == "account":
+        options = SubmitOptions(account=value)
+    elif where == "env":
+        monkeypatch.setenv("SBATCH_PARTITION", value)
+    else:
+        overrides = [f"slurm.partition={value}"]
+    recipe = resolve_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", overrides)
+    with pytest.raises(ValueError, match="may hold only letters, digits"):
+        render(recipe, "pretrain", options)

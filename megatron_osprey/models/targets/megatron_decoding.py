@@ -56,8 +56,12 @@ class MegatronTargetModel(TargetModel):
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, new: int):
         """Logits and aux rows of the last `new` tokens; visible[i, j]: token i attends to token j."""
         model = self.model
+        # The committed sequence is kept on the CPU; the model may sit on a GPU.
+        device = next(model.parameters()).device
+        length = int(positions.max()) + 1
+        ids, positions, visible = ids.to(device), positions.to(device), visible.to(device)
         hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])
-        rotary = model.rotary_pos_emb(int(positions.max()) + 1)[positions]
+        rotary = model.rotary_pos_emb(length)[positions]
         self.capture.clear()
         hidden = model.decoder(hidden_states=hidden, attention_mask=~visible[None, None], rotary_pos_emb=rotary)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
