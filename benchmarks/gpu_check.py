@@ -224,6 +224,8 @@ def check_train_steps(sizes: Sizes, state) -> dict:
 
 
 def check_checkpoint(sizes: Sizes, state) -> dict:
+    from megatron.core.utils import unwrap_model
+
     from megatron_osprey.training import checkpointing
     from megatron_osprey.training.optimizer import sharding_metadata
     from megatron_osprey.training.setup import place_on_device
@@ -239,7 +241,7 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
         same = _max_diff(run.model[0], fresh.model[0])
         # The model weights into a model of the other optimizer layout, through dist-ckpt's reshard path.
         _, other = _backbone_chunks(sizes, state, False)
-        bare = checkpointing.unwrap(other[0])
+        bare = unwrap_model(other[0])
         checkpointing.load_model_weights(tmp, bare)
         place_on_device([bare], state.device)
         other_diff = _max_diff(run.model[0], other[0])
@@ -249,7 +251,7 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
 
 
 def _max_diff(a, b) -> float:
-    from megatron_osprey.training.checkpointing import unwrap
+    from megatron.core.utils import unwrap_model as unwrap
 
     pa, pb = dict(unwrap(a).named_parameters()), dict(unwrap(b).named_parameters())
     return max(float((pa[n].float() - pb[n].float()).abs().max()) for n in pa)
