@@ -83,6 +83,7 @@ def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normaliz
     batch = make_batch()
     cfg = DistillConfig()
     cfg.ttt = TTTLossConfig(ttt_steps=3, mask_alignment=alignment, normalization=normalization)
+    cfg.training.seq_length = batch["input_ids"].shape[1]  # the reference B*T: T is the configured length
     with parallel_context(ParallelConfig()):
         model = build_drafter_model(arch, ParallelConfig())
         load_reference_state(model, reference.state_dict(), 0, 1)
