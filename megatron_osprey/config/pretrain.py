@@ -40,6 +40,8 @@ class TrainingSection:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
+    # Megatron's --check-for-nan-in-loss-and-grad stops at the first; fp16 loss scaling may want a little slack.
+    max_nonfinite_loss_steps: int = 1  # stop after this many consecutive NaN/inf losses; 0: never
 
     def num_train_iters(self) -> int:
         """--train-iters, or --train-samples rounded up to whole global batches."""
@@ -65,6 +67,8 @@ class OptimizerSection:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = False
+    # On resume, take --lr/--min-lr/--train-iters... from the flags, not the checkpoint (Megatron's flag).
+    override_opt_param_scheduler: bool = False
     # Megatron-LM's default is the DP-reshardable distributed-optimizer format.
     dist_ckpt_optim_fully_reshardable: bool = False
 
@@ -151,6 +155,8 @@ def validate_training(training: TrainingSection, parallel: ParallelConfig, world
     """Batch sizes divide, and the run has a length."""
     if (training.train_iters is None) == (training.train_samples is None):
         raise ValueError("pass exactly one of --train-iters or --train-samples.")
+    if training.max_nonfinite_loss_steps < 0:
+        raise ValueError(f"--max-nonfinite-loss-steps must be >= 0, got {training.max_nonfinite_loss_steps}.")
     for name in ("micro_batch_size", "global_batch_size", "seq_length"):
         if getattr(training, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(training, name)}.")

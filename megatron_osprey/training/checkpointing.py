@@ -171,10 +171,47 @@ def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_sa
     return save_checkpoint(root, iteration, state, run_config)
 
 
+# The scheduler's state -> the flag that sets it (callers rename the decay / warmup length's source).
+SCHEDULER_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+}
+
+
+def scheduler_flags(decay_iters_flag: str | None, length_flag: str, warmup_flag: str = "--lr-warmup-iters") -> dict:
+    """SCHEDULER_FLAGS naming what really sets the decay length: --lr-decay-iters, or the run's length."""
+    return SCHEDULER_FLAGS | {"lr_decay_steps": decay_iters_flag or f"{length_flag} (the decay length)",
+                              "lr_warmup_steps": warmup_flag}
+
+
+def check_scheduler_unchanged(root: str | Path, saved: dict, scheduler, flags: dict[str, str]) -> None:
+    """Refuse a resume whose schedule flags differ from the checkpoint's, unless the scheduler overrides.
+
+    Megatron's scheduler silently keeps the checkpoint's values
+    (use_checkpoint_opt_param_scheduler), while the printed and saved config
+    would show the new ones: the record would be false.
+    """
+    if scheduler.override_opt_param_scheduler:
+        return
+    current = scheduler.state_dict()
+    for key, flag in flags.items():
+        if key in saved and key in current and saved[key] != current[key]:
+            raise ValueError(
+                f"--load {root}: {flag} gives {key} = {current[key]} but the checkpoint's schedule has "
+                f"{saved[key]}; rerun with the checkpoint's value, or pass --override-opt-param-scheduler to "
+                f"switch to the new schedule from iteration {saved.get('num_steps')}."
+            )
+
+
 @torch.no_grad()  # fp32 main params of the distributed optimizer are views of leaf parameters
 def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, scheduler, metadata: dict, *,
                              iteration: int | None = None, load_optim: bool = True,
-                             load_rng: bool = True) -> dict[str, Any]:
+                             load_rng: bool = True,
+                             scheduler_flags: dict[str, str] | None = None) -> dict[str, Any]:
     """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
     from megatron.core import dist_checkpointing
 
@@ -205,6 +242,9 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
             f"TP/PP layout; pass --no-load-optim (the model weights still reshard)."
         )
 
+    if load_optim and "opt_param_scheduler" in common:
+        check_scheduler_unchanged(root, common["opt_param_scheduler"], scheduler, scheduler_flags or SCHEDULER_FLAGS)
+
     state = _model_sharded_state_dict(model_chunks, metadata)
     model_state = state["model"] if len(model_chunks) == 1 else state
     if load_optim:
@@ -222,8 +262,13 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
         for i, chunk in enumerate(model_chunks):
             unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if load_optim:
+        # Param groups carry their own max_lr / min_lr, which the optimizer state would bring back.
+        fresh = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps(optimizer, loaded["optimizer"])
+        if scheduler.override_opt_param_scheduler:
+            for group, values in zip(optimizer.param_groups, fresh):
+                group.update(values)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if "rng_state" in loaded:
         restore_rng_state(loaded["rng_state"])

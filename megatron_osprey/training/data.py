@@ -78,6 +78,46 @@ def check_prefixes(prefixes: list[str]) -> None:
             )
 
 
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's indexed-dataset .idx magic
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def indexed_sequence_count(prefix: str) -> int:
+    """The number of documents (sequences) PREFIX.idx records, read from its 34-byte header."""
+    import struct
+
+    path = prefix + ".idx"
+    with open(path, "rb") as stream:
+        head = stream.read(34)
+    if len(head) < 34 or head[:9] != _INDEX_HEADER:
+        raise ValueError(f"--data-path {prefix}: {path} is not a Megatron indexed-dataset index (bad or "
+                         f"truncated header); rerun tools/preprocess_data.py.")
+    return struct.unpack("<Q", head[18:26])[0]
+
+
+def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[int], split: str) -> None:
+    """Every split that must yield samples gets at least one document of every prefix.
+
+    GPTDataset loops for ever looking for enough epochs of a split with no
+    tokens, so an empty split is refused here, with Megatron's own rounding.
+    """
+    for prefix in prefixes:
+        count = indexed_sequence_count(prefix)
+        if count == 0:
+            raise ValueError(f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
+                             f"skipped when it was preprocessed (see tools/preprocess_data.py's report).")
+        for name, bounds, size in zip(SPLIT_NAMES, split_matrix, sizes):
+            if bounds is None or size == 0:
+                continue
+            docs = int(round(bounds[1] * float(count))) - int(round(bounds[0] * float(count)))
+            if docs == 0:
+                hint = " or --eval-iters 0" if name == "validation" else ""
+                raise ValueError(
+                    f"--split {split}: the {name} split of {prefix} gets 0 of its {count} documents; "
+                    f"use more data, or a --split that gives it at least one{hint}."
+                )
+
+
 def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_interval: int) -> list[int]:
     """Samples to draw per split: every evaluation re-reads the same first `eval_iters` batches."""
     valid = eval_iters * global_batch_size if eval_iters > 0 and eval_interval > 0 else 0
@@ -105,6 +145,7 @@ def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_lengt
         # The model applies the causal mask itself; a [s, s] mask per sample is waste.
         create_attention_mask=False,
     )
+    check_split_documents(prefixes, config.split_matrix, sizes, data.split)
     # Every rank reads its own batches (no TP broadcast): each must hold the datasets.
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
@@ -114,14 +155,37 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
+def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, source: str) -> None:
+    """Refuse a batch holding a token id the model has no embedding row for.
+
+    Out-of-range labels are masked to -inf logits (loss inf) and out-of-range
+    inputs index past the embedding (an error on one TP size, silent on
+    another): either way the run would train on garbage, so stop naming the data.
+    """
+    top = max(int(batch["tokens"].max()), int(batch["labels"].max()))
+    if top >= vocab_size:
+        raise ValueError(
+            f"--data-path {source}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the data "
+            f"was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's tokenizer."
+        )
+
+
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  device: torch.device | str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-    """This DP rank's micro-batches from sample `consumed_samples` on, as Megatron's pretraining sampler orders them."""
+                  device: torch.device | str = "cpu", vocab_size: int | None = None,
+                  source: str = "") -> Iterator[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches from sample `consumed_samples` on, as Megatron's pretraining sampler orders them.
+
+    With `vocab_size`, every batch is checked before it is trained on (a max over
+    [micro_batch, seq] ids; a scan of the whole corpus up front would read every
+    byte of a multi-terabyte dataset on every rank).
+    """
     stride = micro_batch_size * dp_size
     index = consumed_samples
     size = len(dataset)
     while True:
         start = index + dp_rank * micro_batch_size
         batch = collate([dataset[(start + i) % size] for i in range(micro_batch_size)])
+        if vocab_size is not None:
+            check_token_ids(batch, vocab_size, source)
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         index += stride

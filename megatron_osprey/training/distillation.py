@@ -185,9 +185,13 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     metadata = sharding_metadata(cfg.optimizer) | {"use_distributed_optimizer": cfg.optimizer.use_distributed_optimizer}
     state = TrainState()
     if resume is not None:
+        length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
         info = checkpointing.load_training_checkpoint(
             cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng)
+            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng,
+            scheduler_flags=checkpointing.scheduler_flags(
+                "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None, length,
+                warmup_flag=f"--lr-warmup-fraction x {length}"))
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 

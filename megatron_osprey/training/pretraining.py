@@ -110,7 +110,10 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     if resume is not None:
         info = checkpointing.load_training_checkpoint(
             cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng)
+            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng,
+            scheduler_flags=checkpointing.scheduler_flags(
+                "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
+                "--train-iters" if cfg.training.train_iters is not None else "--train-samples"))
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"]
         notes.append(f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}")
@@ -125,7 +128,8 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
 
     def iterators(dataset, consumed: int):
         # Interleaved pipelines take one iterator per virtual stage, each at the same position.
-        its = [data.micro_batches(dataset, consumed, mbs, dp_rank, dp_size, parallel.device) for _ in model]
+        its = [data.micro_batches(dataset, consumed, mbs, dp_rank, dp_size, parallel.device,
+                                  vocab_size=arch.vocab_size, source=" ".join(cfg.data.data_path)) for _ in model]
         return its if len(its) > 1 else its[0]
 
     train_iterator = iterators(train_ds, state.consumed_train_samples)
