@@ -301,6 +301,21 @@ def _check_header(found: StoreHeader, expected: StoreHeader, where: Path) -> Non
         )
 
 
+def _checked_shard_file(store_dir: Path, name: str, where: Path) -> str:
+    """A manifest's shard name, refused unless it is a plain file name that resolves inside the store.
+
+    Manifests are data: a crafted `../../x` or a symlink out of the store must
+    not make the reader open files elsewhere.
+    """
+    root = store_dir.resolve()
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise StoreMismatchError(f"{where} names shard {name!r}, which is not a plain file name in {store_dir}; "
+                                 f"the manifest was not written by this store's writers.")
+    if not (root / name).resolve().is_relative_to(root):
+        raise StoreMismatchError(f"{where} names shard {name!r}, which resolves outside {store_dir}; refusing it.")
+    return name
+
+
 def _read_shard_meta(path: Path) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as f:
         return f.metadata() or {}
@@ -680,7 +695,7 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
     seen_ids: dict[str, str] = {}
     for p, part in sorted(loaded, key=lambda item: (item[1]["writer"]["rank"], item[1]["writer"]["tag"])):
         for s in (ShardRecord(**s) for s in part["shards"]):
-            f = store_dir / s.file
+            f = store_dir / _checked_shard_file(store_dir, s.file, p)
             if not f.exists() or f.stat().st_size != s.num_bytes:
                 raise CorruptShardError(f"{f} (listed in {p.name}) is missing or has the wrong size.")
             for sid in json.loads(_read_shard_meta(f)["sample_ids"]):
@@ -755,6 +770,8 @@ class HiddenStateStore:
             raise StoreMismatchError(f"hidden-state store {self.store_dir} does not match this run: {'; '.join(wrong)}. "
                                      f"Re-extract hidden states for this target or point to the right store.")
         self.shards = [ShardRecord(**s) for s in self.manifest["shards"]]
+        for rec in self.shards:
+            _checked_shard_file(self.store_dir, rec.file, path)
         self._starts = [0]
         for s in self.shards:
             self._starts.append(self._starts[-1] + s.num_samples)
