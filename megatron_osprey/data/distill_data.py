@@ -58,6 +58,28 @@ class StoreSamples:
     def __getitem__(self, index: int) -> dict:
         return self.store[index]
 
+    def loss_masks(self) -> Iterator[torch.Tensor]:
+        """Every sample's loss mask in store order, read without the hidden states."""
+        from safetensors import safe_open
+
+        for rec in self.store.shards:
+            with safe_open(str(self.store.store_dir / rec.file), framework="pt") as shard:
+                offsets = shard.get_tensor("token_offsets").tolist()
+                mask = shard.get_tensor("loss_mask")
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                yield mask[a:b]
+
+
+def loss_token_survivors(source: SampleSource, seq_length: int) -> tuple[int, int]:
+    """(samples, loss tokens) that still train once every sample is cut to seq_length, as collate cuts it."""
+    masks = source.loss_masks() if hasattr(source, "loss_masks") else (source[i]["loss_mask"] for i in range(len(source)))
+    samples = tokens = 0
+    for mask in masks:
+        kept = int(mask[:seq_length].sum())
+        samples += kept > 0
+        tokens += kept
+    return samples, tokens
+
 
 def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
     """The global sample order of one epoch (identical on every rank)."""

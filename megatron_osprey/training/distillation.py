@@ -137,6 +137,29 @@ def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
+def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> str:
+    """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
+
+    Rank 0 counts (a pass over the data) and broadcasts, so every rank refuses together.
+    """
+    from megatron_osprey.data.distill_data import loss_token_survivors
+
+    counts = torch.zeros(2, dtype=torch.long, device=parallel.device)
+    if parallel.rank == 0:
+        counts[:] = torch.tensor(loss_token_survivors(source, cfg.training.seq_length))
+    torch.distributed.broadcast(counts, src=0)
+    samples, tokens = counts.tolist()
+    data = (f"--hidden-states {cfg.target.hidden_states}" if cfg.target.mode == "offline"
+            else f"--data-path {' '.join(cfg.data.data_path)}")
+    if tokens == 0:
+        raise ValueError(
+            f"{data}: none of its {len(source)} samples keeps an assistant token within --seq-length "
+            f"{cfg.training.seq_length}, so there is nothing to train on (prompts only, or every prompt longer "
+            f"than --seq-length); add assistant turns (tools/regenerate.py) or raise --seq-length.")
+    return (f"{samples} of {len(source)} samples keep assistant tokens within --seq-length "
+            f"{cfg.training.seq_length}: {tokens} loss tokens")
+
+
 def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     """Validate, build, (re)load, train; collective over every rank of `parallel`."""
     from transformers import AutoTokenizer
@@ -153,6 +176,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
 
     arch = drafter_arch(cfg)
     source = build_sources(cfg, arch, tokenizer)
+    notes.append(check_loss_tokens(cfg, source, parallel))
     draft_ids = None
     if cfg.drafter.baseline:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
