@@ -44,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--target-backend", choices=("hf", "megatron"), default="hf",
                         help="run the target as a HF model (default) or as a Megatron-Core model (exact recompute per verify)")
+    parser.add_argument("--truncate-prompts", action="store_true",
+                        help="keep the last tokens of a prompt too long for the target's max_position_embeddings "
+                             "(default: refuse it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT/results.json")
     return parser.parse_args(argv)
 
 
@@ -91,7 +95,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
-        target_backend=args.target_backend,
+        target_backend=args.target_backend, truncate_prompts=args.truncate_prompts, overwrite=args.overwrite,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
 
     try:
         results = run_eval(build_config(args))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for name, m in results["matrices"].items():
