@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="refuse layouts whose per-GPU estimate exceeds this (default: the device's memory)")
     parser.add_argument("--enable-thinking", choices=("true", "false"), default=None)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete a store made from other data, another target or other settings (default: refuse)")
     return parser.parse_args(argv)
 
 
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, shard_index=index, num_shards=count,
         params_dtype=args.params_dtype, transformer_impl=args.transformer_impl, enable_thinking=thinking,
+        overwrite=args.overwrite,
     )
     config.validate()
     parallel = ParallelConfig(

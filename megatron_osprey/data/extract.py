@@ -59,6 +59,7 @@ class ExtractConfig:
     transformer_impl: str = "auto"
     enable_thinking: bool | None = None
     finalize: bool = True  # merge the manifest parts once every writer is complete
+    overwrite: bool = False  # a store made from other inputs or settings is deleted instead of refused
 
     def validate(self) -> None:
         """Raise one clear error on a bad field."""
@@ -84,6 +85,51 @@ class ExtractResult:
     seconds: float
     store_bytes_estimate: int
     manifest: Path | None
+
+
+SETTINGS_NAME = "extract_settings.json"
+
+
+def extract_settings(config: ExtractConfig, aux_ids) -> dict:
+    """Everything a stored sample depends on besides its id: the data, the target and how it was run."""
+    from megatron_osprey.data.fingerprint import file_sha256, model_fingerprint
+
+    return {
+        "data_sha256": file_sha256(config.data_path),
+        "target": model_fingerprint(config.target_dir),
+        "aux_layer_ids": list(aux_ids),
+        "max_length": config.max_length,
+        "enable_thinking": config.enable_thinking,
+        "encoding": config.store.encoding,
+        "outliers_per_token": config.store.outliers_per_token,
+        "samples_per_shard": config.store.samples_per_shard,
+        "params_dtype": config.params_dtype,
+    }
+
+
+def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[str], None]) -> None:
+    """Refuse a store made from other inputs or settings (--overwrite: empty it); then record ours.
+
+    Run by one process per job before any writer opens the store.
+    """
+    import shutil
+
+    from megatron_osprey.data.fingerprint import settings_differences, write_settings
+
+    store = Path(config.store.store_dir)
+    record = store / SETTINGS_NAME
+    diffs = settings_differences(record, settings)
+    if not record.is_file() and store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir()):
+        diffs = [f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)"]
+    if diffs and not config.overwrite:
+        raise ValueError(
+            f"--output {store} holds hidden states from other inputs or settings ({'; '.join(diffs)}); resuming "
+            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output.")
+    if diffs:
+        say(f"extract: --overwrite: deleting {store} ({'; '.join(diffs)})")
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    write_settings(record, settings)
 
 
 def contiguous_slice(count: int, index: int, parts: int) -> range:
@@ -169,6 +215,9 @@ def extract_hidden_states(
     arch = ModelArch.from_hf_config(config.target_dir)
     aux_ids = validate_aux_layer_ids(config.aux_layer_ids or default_aux_layer_ids(arch.num_layers), arch.num_layers)
     final_id = arch.num_layers - 1
+    if state.rank == 0:
+        check_store_settings(config, extract_settings(config, aux_ids), say)
+    dist.barrier()
 
     # Disk preflight before any weight is read: this task's replicas together.
     tokens = sum(len(s) for s in samples)
