@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,72 @@ def read_latest_iteration(root: str | Path) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{pointer} does not hold an iteration number: {text!r}.")
     return int(text)
+
+
+# What torch distributed checkpointing's .metadata pickles (measured on this repo's checkpoints):
+# its own metadata/planner dataclasses, torch.Size, dtypes and the layout helper. Anything else
+# in that file can run code on load, so it is refused before torch unpickles it.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                     "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """A pickle that names a global no genuine checkpoint metadata holds."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals a genuine .metadata needs (the role torch.load's weights_only plays)."""
+
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES:
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise _ForbiddenGlobal(f"it references {module}.{name}, which checkpoint metadata never holds")
+
+
+def check_checkpoint_metadata(path: str | Path) -> None:
+    """Read PATH/.metadata with an allow-list unpickler first; refuse a crafted or truncated one.
+
+    torch's FileSystemReader unpickles .metadata with plain pickle (code can run);
+    the other files it and Megatron read go through torch.load's weights-only mode.
+    """
+    meta = Path(path) / ".metadata"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {meta} is missing.")
+    try:
+        with open(meta, "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except _ForbiddenGlobal as exc:
+        raise ValueError(f"{meta}: refusing to load this checkpoint: {exc}. Load only checkpoints you trust.") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{meta} is truncated or corrupt ({type(exc).__name__}); use another iteration "
+                         f"(--ckpt-step) or a fresh copy of the checkpoint.") from None
+
+
+def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
+    """dist_checkpointing.load after the metadata check, with one clear sentence for a damaged checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_checkpoint_metadata(path)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(path))
+    except (CheckpointException, RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        # torch gathers every rank's failure into a CheckpointException (a BaseException): name the first.
+        cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
+        cause = getattr(cause, "exc", cause)  # torch wraps it with its traceback
+        lines = str(cause).strip().splitlines()
+        first = lines[0] if lines else ""
+        exc = cause if isinstance(cause, BaseException) else exc
+        raise ValueError(f"{path}: the checkpoint cannot be read ({type(exc).__name__}: {first[:300]}); a file "
+                         f"in it is truncated or corrupt. Load another iteration (--ckpt-step) or a fresh copy.") from exc
 
 
 def save_checkpoint(
@@ -68,8 +135,6 @@ def save_checkpoint(
 
 def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int | None = None) -> tuple[dict, int]:
     """Load (resharding as needed) the named or latest iteration; returns (state, iteration)."""
-    from megatron.core import dist_checkpointing
-
     root = Path(root)
     if iteration is None:
         iteration = read_latest_iteration(root)
@@ -80,7 +145,7 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
-    return dist_checkpointing.load(sharded_state_dict, str(path)), iteration
+    return _dist_load(sharded_state_dict, path), iteration
 
 
 # --- training checkpoints: model + optimizer + scheduler + RNG + data position -------------
@@ -225,6 +290,7 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
+    check_checkpoint_metadata(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = common.get("layout") == parallel_layout()
     notes = []
@@ -254,7 +320,7 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
         state["rng_state"] = _rng_sharded_object(None)
     elif load_rng:
         notes.append("RNG states not restored: the parallel layout changed since the save")
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _dist_load(state, path)
 
     if len(model_chunks) == 1:
         unwrap(model_chunks[0]).load_state_dict(loaded["model"])
