@@ -8,7 +8,12 @@
 Each split is named by its file stem; each drafter by NAME=, --names, or its directory. A drafter's
 training domain comes from --train-domain or its run_config.yaml (train_domain); its method
 (matrix group) from --method or its variant (osprey / eagle3). Writes DIR/results.json,
-DIR/matrix.md and DIR/matrix.png. Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
+DIR/matrix.md and DIR/matrix.png (an existing results.json needs --overwrite). Exit status: 0 ok,
+1 --verify-lossless found a mismatch, 2 bad input.
+
+Trust: a Megatron drafter checkpoint is torch distributed-checkpoint data, which torch unpickles; its
+.metadata is checked against an allow-list first, but evaluate only checkpoints you trust. Exported
+drafters (safetensors + JSON, tools/export_checkpoint.py) hold no code.
 """
 
 from __future__ import annotations

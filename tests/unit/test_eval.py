@@ -215,3 +215,9 @@ def test_an_existing_results_json_needs_overwrite(tiny_setup, tmp_path, capsys):
     assert "results.json already exists; pass --overwrite" in capsys.readouterr().err
     assert (tmp_path / "results.json").read_bytes() == first
     assert _cli(tiny_setup, tmp_path, "--overwrite") == 0
+
+
+def test_help_says_a_megatron_checkpoint_must_be_trusted(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "evaluate only checkpoints you trust" in " ".join(capsys.readouterr().out.split())
