@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     try:
         out = export_checkpoint(ExportConfig(args.checkpoint, args.format, args.output, args.overwrite))
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, read-only or full output
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} as {args.format} -> {out}")

@@ -117,7 +117,6 @@ def main(argv=None) -> int:
         params_dtype=args.params_dtype, transformer_impl=args.transformer_impl, enable_thinking=thinking,
         overwrite=args.overwrite,
     )
-    config.validate()
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -125,8 +124,13 @@ def main(argv=None) -> int:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel, seed=args.seed,
     )
-    with parallel_context(parallel) as state:
-        result = extract_hidden_states(config, state)
+    try:
+        config.validate()
+        with parallel_context(parallel) as state:
+            result = extract_hidden_states(config, state)
+    except (ValueError, OSError) as error:  # bad input, a mismatching store, a read-only or full disk
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if rank0:
         rate = result.num_tokens / result.seconds if result.seconds else 0.0
         print(f"extract: wrote {result.num_samples} samples ({result.num_tokens} tokens, {rate:.0f} tokens/s on "

@@ -186,8 +186,9 @@ def validate_optimizer(optimizer: OptimizerSection, training: TrainingSection) -
     if optimizer.min_lr > optimizer.lr:
         raise ValueError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}.")
     decay = optimizer.lr_decay_iters or training.num_train_iters()
-    if optimizer.lr_warmup_iters > decay:
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} exceeds the decay length {decay}.")
+    if optimizer.lr_warmup_iters >= decay:  # Megatron's scheduler asserts warmup < decay
+        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must be below the decay length {decay} "
+                         f"(--lr-decay-iters, else the run's length).")
 
 
 def validate_numerics(model: ModelSection) -> None:

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
     try:
         results = run_eval(build_config(args))
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, read-only or full output
         print(f"error: {error}", file=sys.stderr)
         return 2
     for name, m in results["matrices"].items():

@@ -96,6 +96,39 @@ def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
                          f"in it is truncated or corrupt. Load another iteration (--ckpt-step) or a fresh copy.") from exc
 
 
+def check_writable(directory: str | Path, flag: str) -> None:
+    """Create `directory` and write a probe file in it, so a read-only --save fails now, not at the first save."""
+    import os
+    import tempfile
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".write_probe.{os.getpid()}."):
+            pass
+    except OSError as exc:
+        raise OSError(exc.errno, f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a "
+                                 f"directory this job can write.") from None
+
+
+def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> BaseException:
+    """A failed save on a full disk surfaces as torch's "unexpected pos N vs M": say that the disk is full."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
+    cause = getattr(cause, "exc", cause)
+    free = shutil.disk_usage(root).free
+    full = (getattr(cause, "errno", None) == errno.ENOSPC or "unexpected pos" in str(cause)
+            or "No space left" in str(cause) or free < (16 << 20))
+    if not full:
+        return exc
+    return OSError(errno.ENOSPC, f"saving iteration {iteration} to {root} failed: the disk is full "
+                                 f"({free / 2**20:.1f} MiB free). The previous checkpoint and the latest pointer are "
+                                 f"untouched; free space, then resume with --load {root}.")
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -115,7 +148,15 @@ def save_checkpoint(
             shutil.rmtree(staging)  # left by a save that was killed midway
         staging.mkdir()
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict, str(staging))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(sharded_state_dict, str(staging))
+    except (CheckpointException, RuntimeError, OSError) as exc:
+        explained = _explain_failed_save(exc, root, iteration)
+        if explained is exc:
+            raise
+        raise explained from None
     torch.distributed.barrier()
     if rank == 0:
         save_run_config(staging / "run_config.yaml", run_config)

@@ -170,6 +170,8 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
 
     cfg.validate(parallel.world_size)
     cfg.optimizer.lr_warmup_iters = cfg.warmup_iters()
+    if cfg.checkpoint.save:
+        checkpointing.check_writable(cfg.checkpoint.save, "--save")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.target)
     is_writer = parallel.rank == 0
     notes: list[str] = []

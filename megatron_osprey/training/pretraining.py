@@ -85,6 +85,8 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     arch = backbone_arch(cfg)
     validate_against_model(cfg, arch.max_position_embeddings, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
+    if cfg.checkpoint.save:
+        checkpointing.check_writable(cfg.checkpoint.save, "--save")
     is_writer = parallel.rank == 0
     train_iters = cfg.training.num_train_iters()
     run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size,

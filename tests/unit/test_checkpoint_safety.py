@@ -62,3 +62,33 @@ def test_a_genuine_checkpoint_loads_and_a_truncated_one_is_named(backbone, tmp_p
     (iteration_dir(root, 0) / ".metadata").write_bytes((iteration_dir(root, 0) / ".metadata").read_bytes()[:40])
     with pytest.raises(ValueError, match=r"\.metadata is truncated or corrupt"):
         load(backbone, root)
+
+
+def test_a_full_disk_during_a_save_says_so_and_leaves_the_last_checkpoint(backbone, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    from megatron_osprey.training.checkpointing import read_latest_iteration, save_checkpoint
+
+    root = copy_checkpoint(backbone, tmp_path)
+    arch = ModelArch.from_hf_config(backbone / "hf")
+
+    def out_of_space(*args, **kwargs):  # what torch's zip writer raises when a write comes up short
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dist_checkpointing, "save", out_of_space)
+    with parallel_context(ParallelConfig()) as state:
+        model = build_gpt_model(arch, state.config, transformer_impl="local")
+        with pytest.raises(OSError, match=r"saving iteration 5 to .* failed: the disk is full \(.* MiB free\)\. "
+                                          r"The previous checkpoint and the latest pointer are untouched"):
+            save_checkpoint(root, 5, model.sharded_state_dict(), {"stage": "test"})
+    assert read_latest_iteration(root) == 0 and not iteration_dir(root, 5).exists()
+
+
+def test_a_truncated_safetensors_file_is_named(backbone, tmp_path):
+    from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
+
+    shutil.copytree(backbone / "hf", tmp_path / "hf")
+    weights = next((tmp_path / "hf").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"{weights.name} is not a readable safetensors file .* truncated or corrupt"):
+        SafetensorsCheckpoint(tmp_path / "hf")

@@ -108,3 +108,30 @@ def test_resume_refuses_a_changed_schedule_or_honours_it_when_asked(work):
     expected = [2e-4 + 0.5 * (2e-3 - 2e-4) * (1 + math.cos(math.pi * (step - 2) / 4)) for step in (3, 4, 5)]
     assert lr_history(resumed) == pytest.approx(expected, rel=1e-6)
     assert resumed.state.iteration == 6
+
+
+def test_an_unwritable_save_is_refused_before_training(work, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=r"--save .*a_file/ckpt is not writable"):
+        tiny(work, checkpoint__save=str(blocker / "ckpt"))
+
+
+def test_the_entry_point_prints_one_line_for_bad_input(work, capsys):
+    from megatron_osprey.pretrain import main
+
+    prefix = write_docs(work / "data" / "empty2_text_document", [])
+    code = main(["--recipe", "tiny_pretrain_cpu_fp32", "--backbone", str(work / "backbone"), "--data-path", prefix,
+                 "--train-iters", "4", "--no-progress-bar"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: --data-path" in err and "holds 0 documents" in err and "Traceback" not in err
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_naming_the_flag():
+    # Megatron's scheduler would stop on a bare `assert lr_warmup_steps < lr_decay_steps`.
+    cfg = config_from_args(["--recipe", "tiny_pretrain_cpu_fp32", "--train-iters", "2", "--hf-model", "x",
+                            "--data-path", "p"])
+    from megatron_osprey.config.pretrain import validate_optimizer
+
+    with pytest.raises(ValueError, match=r"--lr-warmup-iters 2 must be below the decay length 2"):
+        validate_optimizer(cfg.optimizer, cfg.training)
