@@ -240,3 +240,10 @@ def test_every_recipe_argv_parses_with_its_entry_point():
             config_from_args(entry_args(recipe, "pretrain")[2:])
             checked += 1
     assert checked > 10
+
+
+def test_plan_refuses_a_zero_batch_size_in_one_line(capsys):
+    recipe = "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
+    assert cli.main(["plan", recipe, "--set", "training.micro_batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "training.micro_batch_size must be >= 1, got 0" in err and "Traceback" not in err
