@@ -132,6 +132,29 @@ def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[s
     write_settings(record, settings)
 
 
+def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:
+    """Refuse at start, before the target is loaded, when another process holds this writer's lock."""
+    import fcntl
+    import os
+
+    from megatron_osprey.data.hidden_state_store import lock_path
+
+    path = lock_path(Path(store_dir), tag)
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise ValueError(
+            f"--output {store_dir}: another extract is writing it as writer {tag!r} (lock {path} is held); this run "
+            f"does not wait for it. Let that run finish (rerunning then resumes), or give this one another --shard "
+            f"or --output.") from None
+    finally:
+        os.close(fd)
+
+
 def contiguous_slice(count: int, index: int, parts: int) -> range:
     """The `index`-th of `parts` contiguous, near-equal ranges of range(count)."""
     return range(count * index // parts, count * (index + 1) // parts)
@@ -218,6 +241,11 @@ def extract_hidden_states(
     if state.rank == 0:
         check_store_settings(config, extract_settings(config, aux_ids), say)
     dist.barrier()
+    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():  # this replica's writer
+        from megatron_osprey.data.hidden_state_store import writer_tag
+
+        check_writer_lock_free(config.store.store_dir, writer_tag(config.shard_index * dp_size + dp_rank,
+                                                                  config.num_shards * dp_size))
 
     # Disk preflight before any weight is read: this task's replicas together.
     tokens = sum(len(s) for s in samples)

@@ -234,6 +234,11 @@ def shard_name(tag: str, index: int) -> str:
     return f"shard-{tag}-{index:06d}.safetensors"
 
 
+def lock_path(store_dir: Path, tag: str) -> Path:
+    """The flock file writer `tag` holds while it runs."""
+    return store_dir / f".lock-{tag}"
+
+
 def part_name(tag: str) -> str:
     """File name of writer ``tag``'s manifest part."""
     return f"{_PART_PREFIX}{tag}.json"
@@ -480,7 +485,7 @@ class HiddenStateWriter:
     # -- internals
 
     def _acquire_lock(self) -> int:
-        path = self.store_dir / f".lock-{self.tag}"
+        path = lock_path(self.store_dir, self.tag)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -180,3 +180,25 @@ def test_a_rerun_with_other_data_or_settings_is_refused_or_starts_fresh_with_ove
     fresh = HiddenStateStore(store)
     assert [fresh[i]["sample_id"] for i in range(len(fresh))] == ids
     assert run_with(root, other, store).num_skipped == 11  # the new record now matches
+
+
+def test_a_second_extract_on_a_locked_writer_says_so_before_loading_the_target(target, tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from megatron_osprey.data import extract
+
+    root, _, data = target
+    store = tmp_path / "store"
+    run_with(root, data, store)
+    fd = os.open(store / ".lock-rank00000-of-00001", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a running extract holds
+    loaded = []
+    monkeypatch.setattr(extract, "load_target", lambda *a, **k: loaded.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"another extract is writing it as writer 'rank00000-of-00001' "
+                                             r"\(lock .* is held\); this run does not wait for it"):
+            run_with(root, data, store)
+    finally:
+        os.close(fd)
+    assert not loaded
