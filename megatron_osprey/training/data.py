@@ -95,6 +95,53 @@ def indexed_sequence_count(prefix: str) -> int:
     return struct.unpack("<Q", head[18:26])[0]
 
 
+FULL_SCAN_BYTES = 4 << 30  # up to this much token data is scanned whole before step 1 (a few seconds)
+
+
+def max_token_id(prefix: str) -> int | None:
+    """The largest token id in PREFIX.bin (a chunked scan), or None when the file is over FULL_SCAN_BYTES."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as stream:
+        code = stream.read(18)[17]
+    path = Path(prefix + ".bin")
+    if path.stat().st_size > FULL_SCAN_BYTES or path.stat().st_size == 0:
+        return None
+    tokens = np.memmap(path, dtype=DType.dtype_from_code(code), mode="r")
+    step = 1 << 26
+    return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+
+
+def check_vocabulary(prefixes: list[str], vocab_size: int) -> list[str]:
+    """Refuse a dataset holding an id >= vocab_size before step 1; returns notes for datasets too big to scan.
+
+    Bigger datasets are left to the per-batch check in micro_batches, which
+    still stops before a bad batch is trained on.
+    """
+    notes = []
+    for prefix in prefixes:
+        top = max_token_id(prefix)
+        if top is None:
+            notes.append(f"--data-path {prefix}: over {FULL_SCAN_BYTES >> 30} GiB, so token ids are checked "
+                         f"against the vocabulary ({vocab_size}) batch by batch")
+        elif top >= vocab_size:
+            raise ValueError(
+                f"--data-path {prefix}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the "
+                f"data was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's "
+                f"tokenizer.")
+    return notes
+
+
+def check_has_documents(prefix: str) -> int:
+    """PREFIX's document count; 0 is refused (Megatron would fail to mmap the empty .bin)."""
+    count = indexed_sequence_count(prefix)
+    if count == 0:
+        raise ValueError(f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
+                         f"skipped when it was preprocessed (see tools/preprocess_data.py's report).")
+    return count
+
+
 def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[int], split: str) -> None:
     """Every split that must yield samples gets at least one document of every prefix.
 
@@ -102,10 +149,7 @@ def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[i
     tokens, so an empty split is refused here, with Megatron's own rounding.
     """
     for prefix in prefixes:
-        count = indexed_sequence_count(prefix)
-        if count == 0:
-            raise ValueError(f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
-                             f"skipped when it was preprocessed (see tools/preprocess_data.py's report).")
+        count = check_has_documents(prefix)
         for name, bounds, size in zip(SPLIT_NAMES, split_matrix, sizes):
             if bounds is None or size == 0:
                 continue

@@ -96,7 +96,10 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
               flush=True)
 
     resume = resume_iteration(cfg)
-    notes = []
+    prefixes = data.parse_blend(cfg.data.data_path)[0]
+    for prefix in prefixes:
+        data.check_has_documents(prefix)
+    notes = data.check_vocabulary(prefixes, arch.vocab_size)
     if cfg.checkpoint.load and resume is None:
         notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
     model = build_model_chunks(

@@ -395,3 +395,16 @@ def test_credentials_in_server_urls_never_reach_logs_or_the_failures_file(tmp_pa
         backend.close()
     expected = httpx.BasicAuth("alice", "s3cret-pw")._auth_header
     assert seen and all("s3cret" not in u and auth == expected for u, auth in seen)
+
+
+def test_a_non_utf8_input_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    good = json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"}]}) + "\n"
+    latin = json.dumps({"id": "b", "conversations": [{"role": "user", "content": "café"}]}, ensure_ascii=False) + "\n"
+    bad.write_bytes(good.encode() + latin.encode("latin-1"))
+    with pytest.raises(ConversationFormatError, match=r"latin1\.jsonl:2 is not UTF-8 text \(byte 0xe9 at column \d+\)"):
+        list(read_conversations(bad))
+    done = subprocess.run(_cli(["--input", str(bad), "--output", str(tmp_path / "o.jsonl"), "--backend", "server",
+                                "--server-url", "http://127.0.0.1:1", "--served-model-name", "m"]),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "latin1.jsonl:2 is not UTF-8" in done.stderr and "Traceback" not in done.stderr

@@ -49,13 +49,29 @@ def tiny(work, data=None, forward_step=gpt_forward_step, **changes):
         return run_pretrain(cfg, state, forward_step)
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused_before_training_on_them(work):
+def test_token_ids_beyond_the_vocabulary_are_refused_before_training_on_them(work, monkeypatch):
+    from megatron_osprey.training import data
+
     # Token ids up to VOCAB + 40: as if tokenized with a bigger tokenizer than the model's.
     docs = [[(7 * i + j) % (VOCAB + 40) for j in range(80)] + [EOD] for i in range(60)]
     prefix = write_docs(work / "data" / "big_vocab_text_document", docs)
-    with pytest.raises(ValueError, match=rf"--data-path .*big_vocab.*token id \d+ is outside the model's "
-                                         rf"vocabulary of {VOCAB} ids"):
+    assert data.max_token_id(prefix) == VOCAB + 39
+    message = rf"--data-path .*big_vocab.*token id \d+ is outside the model's vocabulary of {VOCAB} ids"
+    steps, real_collate = [], data.collate
+
+    def counting_collate(samples):
+        steps.append(len(samples))
+        return real_collate(samples)
+
+    monkeypatch.setattr(data, "collate", counting_collate)
+    with pytest.raises(ValueError, match=message):
         tiny(work, prefix)
+    assert not steps  # refused by the whole-file scan, before any batch was drawn
+    # A corpus too big to scan is checked batch by batch: the first bad batch stops the run before it trains.
+    monkeypatch.setattr(data, "FULL_SCAN_BYTES", 1)
+    with pytest.raises(ValueError, match=message):
+        tiny(work, prefix)
+    assert steps
 
 
 def nan_forward_step(data_iterator, model):
