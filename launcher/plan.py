@@ -132,6 +132,10 @@ def _check_divides(checks: list[str], what: str, value: int, size: int, flag: st
 def _check_model(recipe: Recipe, stage: str, checks: list[str]) -> int:
     """Validate the trained model's TP/PP/CP/EP; returns its data-parallel size."""
     lay, t = recipe.layout, recipe.training
+    for key in ("micro_batch_size", "global_batch_size", "seq_length"):
+        if getattr(t, key) < 1:  # a size of 0 would only surface as a ZeroDivisionError below
+            raise LayoutError(f"recipe {recipe.run_name}: training.{key} must be >= 1, got {getattr(t, key)} "
+                              f"(--set training.{key}=N).")
     tp, pp, cp, ep = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
                       lay.context_parallel_size, lay.expert_model_parallel_size)
     try:

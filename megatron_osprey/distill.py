@@ -18,9 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     with parallel_context(cfg.parallel) as state:
         try:
             run_distill(cfg, state)
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, OSError) as error:  # bad input or an unusable file: one line, not a traceback
             print(f"error: {error}", file=sys.stderr)
             return 2
+        except FloatingPointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -17,7 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_osprey.training.pretraining import run_pretrain
 
     with parallel_context(cfg.parallel) as state:
-        run_pretrain(cfg, state)
+        try:
+            run_pretrain(cfg, state)
+        except (ValueError, OSError) as error:  # bad input or an unusable file: one line, not a traceback
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        except FloatingPointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     return 0
 
 

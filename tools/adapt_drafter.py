@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     with parallel_context(ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size)) as state:
         try:
             report = adapt_drafter(config, state)
-        except (ValueError, FileNotFoundError, FileExistsError) as error:
+        except (ValueError, OSError) as error:  # OSError: unreadable input, read-only or full output
             print(f"error: {error}", file=sys.stderr)
             return 2
         if state.rank == 0:

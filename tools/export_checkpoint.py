@@ -13,6 +13,10 @@ run_config.yaml / config.json; nothing is fetched.
                one-layer EAGLE-3 -> stock SGLang LlamaForCausalLMEagle3 (midlayer.*), no plugin.
   hf           the reference drafter layout (ReferenceDrafter.from_pretrained reads it).
   speculators  vLLM speculators Eagle3Speculator (one-layer Llama EAGLE-3 only).
+
+Trust: a Megatron checkpoint is torch distributed-checkpoint data, which torch unpickles. Its
+.metadata is checked against an allow-list first, but load only checkpoints you trust. The
+exports written here (safetensors + JSON) hold no code: they are the form to share.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def main(argv=None) -> int:
 
     try:
         out = export_checkpoint(ExportConfig(args.checkpoint, args.format, args.output, args.overwrite))
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, read-only or full output
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} as {args.format} -> {out}")

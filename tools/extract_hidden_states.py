@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="refuse layouts whose per-GPU estimate exceeds this (default: the device's memory)")
     parser.add_argument("--enable-thinking", choices=("true", "false"), default=None)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete a store made from other data, another target or other settings (default: refuse)")
     return parser.parse_args(argv)
 
 
@@ -115,8 +117,8 @@ def main(argv=None) -> int:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
         max_length=args.max_length, micro_batch_size=args.micro_batch_size, shard_index=index, num_shards=count,
         params_dtype=args.params_dtype, transformer_impl=args.transformer_impl, enable_thinking=thinking,
+        overwrite=args.overwrite,
     )
-    config.validate()
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -125,8 +127,13 @@ def main(argv=None) -> int:
         sequence_parallel=args.sequence_parallel, seed=args.seed,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    with parallel_context(parallel) as state:
-        result = extract_hidden_states(config, state)
+    try:
+        config.validate()
+        with parallel_context(parallel) as state:
+            result = extract_hidden_states(config, state)
+    except (ValueError, OSError) as error:  # bad input, a mismatching store, a read-only or full disk
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if rank0:
         rate = result.num_tokens / result.seconds if result.seconds else 0.0
         print(f"extract: wrote {result.num_samples} samples ({result.num_tokens} tokens, {rate:.0f} tokens/s on "

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         preprocess(config)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, ConnectionError, ImportError) as err:
+    except (ValueError, KeyError, OSError, ImportError) as err:  # OSError: missing, read-only or full
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"error: {msg}", file=sys.stderr)
         return 1

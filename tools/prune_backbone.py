@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     )
     try:
         validate(config)  # fail before any process group exists
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, read-only output
         print(f"error: {error}", file=sys.stderr)
         return 2
     parallel = ParallelConfig(
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     with parallel_context(parallel) as state:
         try:
             result = prune_backbone(config, state)
-        except (ValueError, RuntimeError, FileNotFoundError) as error:
+        except (ValueError, RuntimeError, OSError) as error:  # OSError: read-only or full output
             print(f"error: {error}", file=sys.stderr)
             return 2
         if state.rank == 0:

@@ -27,6 +27,7 @@ from megatron_osprey.data.regenerate import (
     ServerBackendConfig,
     regenerate_file,
 )
+from megatron_osprey.data.regenerate.backends import BackendRequestError, redact_credentials
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
     p.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete an --output made from other input, another model or other sampling (default: refuse)")
     return p
 
 
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--backend server needs at least one --server-url.")
         for url in args.server_url:
             if not url.startswith(("http://", "https://")):
-                parser.error(f"--server-url {url!r} must start with http:// or https://.")
+                parser.error(f"--server-url {redact_credentials(url)!r} must start with http:// or https://.")
         key_env = args.api_key_env or "OPENAI_API_KEY"
         api_key = os.environ.get(key_env) or None
         if args.api_key_env and api_key is None:
@@ -115,9 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         ),
         concurrency=args.concurrency,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     try:
         summary = regenerate_file(config, backend)
+    except (ValueError, BackendRequestError) as error:  # ConversationFormatError is a ValueError
+        print(f"error: {redact_credentials(str(error))}", file=sys.stderr)
+        return 2
     finally:
         backend.close()
     print(

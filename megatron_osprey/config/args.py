@@ -47,6 +47,8 @@ ARGUMENT_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--exit-interval", "training.exit_interval", {"type": int}),
         ("--exit-duration-in-mins", "training.exit_duration_in_mins", {"type": float}),
         ("--exit-signal-handler", "training.exit_signal_handler", STORE_TRUE),
+        ("--max-nonfinite-loss-steps", "training.max_nonfinite_loss_steps",
+         {"type": int, "help": "stop with an error after N consecutive NaN/inf losses (default 1; 0: never)"}),
     ],
     "learning rate": [
         ("--lr", "optimizer.lr", {"type": float}),
@@ -61,6 +63,9 @@ ARGUMENT_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--adam-beta1", "optimizer.adam_beta1", {"type": float}),
         ("--adam-beta2", "optimizer.adam_beta2", {"type": float}),
         ("--adam-eps", "optimizer.adam_eps", {"type": float}),
+        ("--override-opt-param-scheduler", "optimizer.override_opt_param_scheduler",
+         {"action": "store_true", "help": "on resume, switch to the schedule these flags give (Megatron-LM's "
+                                          "--override-opt_param-scheduler) instead of refusing a change"}),
     ],
     "data": [
         ("--data-path", "data.data_path", {"nargs": "+", "help": "PREFIX, or WEIGHT PREFIX [WEIGHT PREFIX ...]"}),

@@ -39,6 +39,8 @@ class TrainingSection:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
+    # Megatron's --check-for-nan-in-loss-and-grad stops at the first; fp16 loss scaling may want a little slack.
+    max_nonfinite_loss_steps: int = 1  # stop after this many consecutive NaN/inf losses; 0: never
 
     def num_train_iters(self) -> int:
         """--train-iters, or --train-samples rounded up to whole global batches."""
@@ -64,6 +66,8 @@ class OptimizerSection:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = False
+    # On resume, take --lr/--min-lr/--train-iters... from the flags, not the checkpoint (Megatron's flag).
+    override_opt_param_scheduler: bool = False
     # Megatron-LM's default is the DP-reshardable distributed-optimizer format.
     dist_ckpt_optim_fully_reshardable: bool = False
 
@@ -150,6 +154,8 @@ def validate_training(training: TrainingSection, parallel: ParallelConfig, world
     """Batch sizes divide, and the run has a length."""
     if (training.train_iters is None) == (training.train_samples is None):
         raise ValueError("pass exactly one of --train-iters or --train-samples.")
+    if training.max_nonfinite_loss_steps < 0:
+        raise ValueError(f"--max-nonfinite-loss-steps must be >= 0, got {training.max_nonfinite_loss_steps}.")
     for name in ("micro_batch_size", "global_batch_size", "seq_length"):
         if getattr(training, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(training, name)}.")
@@ -188,8 +194,9 @@ def validate_optimizer(optimizer: OptimizerSection, training: TrainingSection) -
     if optimizer.min_lr > optimizer.lr:
         raise ValueError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}.")
     decay = optimizer.lr_decay_iters or training.num_train_iters()
-    if optimizer.lr_warmup_iters > decay:
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} exceeds the decay length {decay}.")
+    if optimizer.lr_warmup_iters >= decay:  # Megatron's scheduler asserts warmup < decay
+        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must be below the decay length {decay} "
+                         f"(--lr-decay-iters, else the run's length).")
 
 
 def validate_numerics(model: ModelSection) -> None:

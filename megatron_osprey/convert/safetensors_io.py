@@ -53,6 +53,15 @@ def dequantize_fp8_blocks(
     return weight.float() * scale[r0 : r0 + rows, c0 : c0 + cols]
 
 
+def _open_safetensors(path: Path):
+    """safe_open, with a truncated or corrupt file named in one sentence instead of a header-parse error."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # SafetensorError is not exported under a stable name
+        raise ValueError(f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt: "
+                         f"copy it again.") from None
+
+
 class SafetensorsCheckpoint:
     """A HF checkpoint directory; `read` returns a slice without loading whole files."""
 
@@ -71,7 +80,7 @@ class SafetensorsCheckpoint:
                 )
             weight_map = {}
             for file in files:
-                with safe_open(file, framework="pt") as handle:
+                with _open_safetensors(file) as handle:
                     weight_map.update({key: file.name for key in handle.keys()})
         self.weight_map: dict[str, str] = weight_map
         self.fp8_block = fp8_block_size(self.directory)
@@ -99,7 +108,7 @@ class SafetensorsCheckpoint:
             path = self.directory / file
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing.")
-            self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self._handles[file] = self._stack.enter_context(_open_safetensors(path))
         return self._handles[file]
 
     def shape(self, name: str) -> list[int]:

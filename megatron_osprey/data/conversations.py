@@ -89,8 +89,15 @@ def read_conversations(path: str | Path, unique_ids: bool = True) -> Iterator[Co
     if not path.is_file():
         raise FileNotFoundError(f"Conversations file {path} does not exist.")
     seen: set[str] = set()
-    with path.open("r", encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    # Bytes, decoded line by line: a text-mode read would fail with no line number.
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConversationFormatError(
+                    f"{path}:{lineno} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                    f"convert the file to UTF-8.") from None
             if not line.strip():
                 continue
             conversation = parse_line(line, f"{path}:{lineno}")

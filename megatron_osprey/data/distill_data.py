@@ -66,9 +66,25 @@ class StoreSamples:
         """Samples in indices order, read ahead by the store's prefetch threads."""
         return self.store.iter_samples(indices, prefetch=self.prefetch, workers=self.workers)
 
+    def loss_masks(self) -> Iterator[torch.Tensor]:
+        """Every sample's loss mask in store order, read without the hidden states."""
+        for _, mask in self.store.iter_tokens():
+            yield mask
+
     def iter_tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, loss_mask) of every sample, without decoding hidden states."""
         return self.store.iter_tokens()
+
+
+def loss_token_survivors(source, seq_length: int) -> tuple[int, int]:
+    """(samples, loss tokens) that still train once every sample is cut to seq_length, as collate cuts it."""
+    masks = source.loss_masks() if hasattr(source, "loss_masks") else (source[i]["loss_mask"] for i in range(len(source)))
+    samples = tokens = 0
+    for mask in masks:
+        kept = int(mask[:seq_length].sum())
+        samples += kept > 0
+        tokens += kept
+    return samples, tokens
 
 
 def _pad(tensor: torch.Tensor, length: int, value=0) -> torch.Tensor:

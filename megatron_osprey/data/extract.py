@@ -57,6 +57,7 @@ class ExtractConfig:
     transformer_impl: str = "auto"
     enable_thinking: bool | None = None
     finalize: bool = True  # merge the manifest parts once every writer is complete
+    overwrite: bool = False  # a store made from other inputs or settings is deleted instead of refused
 
     def validate(self) -> None:
         """Raise one clear error on a bad field."""
@@ -82,6 +83,74 @@ class ExtractResult:
     seconds: float
     store_bytes_estimate: int
     manifest: Path | None
+
+
+SETTINGS_NAME = "extract_settings.json"
+
+
+def extract_settings(config: ExtractConfig, aux_ids) -> dict:
+    """Everything a stored sample depends on besides its id: the data, the target and how it was run."""
+    from megatron_osprey.data.fingerprint import file_sha256, model_fingerprint
+
+    return {
+        "data_sha256": file_sha256(config.data_path),
+        "target": model_fingerprint(config.target_dir),
+        "aux_layer_ids": list(aux_ids),
+        "max_length": config.max_length,
+        "enable_thinking": config.enable_thinking,
+        "encoding": config.store.encoding,
+        "outliers_per_token": config.store.outliers_per_token,
+        "samples_per_shard": config.store.samples_per_shard,
+        "params_dtype": config.params_dtype,
+    }
+
+
+def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[str], None]) -> None:
+    """Refuse a store made from other inputs or settings (--overwrite: empty it); then record ours.
+
+    Run by one process per job before any writer opens the store.
+    """
+    import shutil
+
+    from megatron_osprey.data.fingerprint import settings_differences, write_settings
+
+    store = Path(config.store.store_dir)
+    record = store / SETTINGS_NAME
+    diffs = settings_differences(record, settings)
+    if not record.is_file() and store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir()):
+        diffs = [f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)"]
+    if diffs and not config.overwrite:
+        raise ValueError(
+            f"--output {store} holds hidden states from other inputs or settings ({'; '.join(diffs)}); resuming "
+            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output.")
+    if diffs:
+        say(f"extract: --overwrite: deleting {store} ({'; '.join(diffs)})")
+        shutil.rmtree(store)
+    store.mkdir(parents=True, exist_ok=True)
+    write_settings(record, settings)
+
+
+def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:
+    """Refuse at start, before the target is loaded, when another process holds this writer's lock."""
+    import fcntl
+    import os
+
+    from megatron_osprey.data.hidden_state_store import lock_path
+
+    path = lock_path(Path(store_dir), tag)
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise ValueError(
+            f"--output {store_dir}: another extract is writing it as writer {tag!r} (lock {path} is held); this run "
+            f"does not wait for it. Let that run finish (rerunning then resumes), or give this one another --shard "
+            f"or --output.") from None
+    finally:
+        os.close(fd)
 
 
 def contiguous_slice(count: int, index: int, parts: int) -> range:
@@ -236,6 +305,15 @@ def extract_hidden_states(
     arch = ModelArch.from_hf_config(config.target_dir)
     aux_ids = tuple(resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers))
     final_id = arch.num_layers - 1
+    if state.rank == 0:
+        check_store_settings(config, extract_settings(config, aux_ids), say)
+    dist.barrier()
+    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():  # this replica's writer
+        from megatron_osprey.data.hidden_state_store import writer_tag
+
+        check_writer_lock_free(config.store.store_dir, writer_tag(config.shard_index * dp_size + dp_rank,
+                                                                  config.num_shards * dp_size))
+
     needed = _preflight_disk(config, samples, arch.hidden_size, len(aux_ids), say)
 
     dtype = resolve_dtype(config.params_dtype, state.device)

@@ -236,6 +236,20 @@ class _Run:
             stats.problems.append(f"{self.source.describe(record)}: {reason}")
 
 
+def _refuse_empty(config: PreprocessConfig, stats: PreprocessStats) -> None:
+    """A dataset with no document is an error, not a result: training on it cannot start."""
+    if stats.documents:
+        return
+    if not stats.records:
+        raise ValueError(f"--input {config.input}: no records found; nothing was written.")
+    kinds = ", ".join(f"{k}: {n:,}" for k, n in sorted(stats.problem_counts.items()))
+    first = f"; first: {stats.problems[0]}" if stats.problems else ""
+    raise ValueError(
+        f"--input {config.input}: all {stats.records:,} records were skipped ({kinds}){first}; nothing was "
+        f"written. Check --json-key {config.json_key!r} and that the file is UTF-8 text."
+    )
+
+
 def _encode_single(run: _Run, pool: EncodePool, progress: _Progress) -> None:
     prefix = dataset_prefix(run.config.output_prefix, run.config.json_key)
     writer = AtomicIndexedWriter(prefix, run.spec.token_dtype)
@@ -244,6 +258,7 @@ def _encode_single(run: _Run, pool: EncodePool, progress: _Progress) -> None:
             run.absorb(run.total, batch)
             writer.add_documents(batch.tokens, batch.doc_lengths)
             progress.update(batch)
+        _refuse_empty(run.config, run.total)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -368,6 +383,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
                     _encode_partitions(run, pool, progress, bounds, todo, fingerprint)
         finally:
             progress.close()
+        whole = PreprocessStats()
+        for k in range(config.partitions):
+            whole.merge(done_stats[k] if k in done_stats else run.partition_stats[k], config.max_reported_problems)
+        _refuse_empty(config, whole)
         _merge_partitions(config, spec)
     encoded = run.total
     if config.partitions > 1:

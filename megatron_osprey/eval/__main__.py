@@ -8,12 +8,16 @@
 Each split is named by its file stem; each drafter by NAME=, --names, or its directory. A drafter's
 training domain comes from --train-domain or its run_config.yaml (train_domain); its method
 (matrix group) from --method or its variant (osprey / eagle3). Writes DIR/results.json,
-DIR/matrix.md and DIR/matrix.png. Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
+DIR/matrix.md and DIR/matrix.png (an existing results.json needs --overwrite). Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
 
 Defaults are the paper's benchmark protocol: the first user message of each conversation, up to 4096 new
 tokens, steps 5 / topk 1 / 6 draft tokens, greedy. `--temperature` and `--draft-tokens` take lists and
 every combination is one sweep row in results.json and matrix.md (with topk 1, d draft tokens means
 d - 1 steps); sampling rows use lossless rejection sampling and report their --seed.
+
+Trust: a Megatron drafter checkpoint is torch distributed-checkpoint data, which torch unpickles; its
+.metadata is checked against an allow-list first, but evaluate only checkpoints you trust. Exported
+drafters (safetensors + JSON, tools/export_checkpoint.py) hold no code.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--target-backend", choices=("hf", "megatron"), default="hf",
                         help="run the target as a HF model (default) or as a Megatron-Core model (exact recompute per verify)")
+    parser.add_argument("--truncate-prompts", action="store_true",
+                        help="keep the last tokens of a prompt too long for the target's max_position_embeddings "
+                             "(default: refuse it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT/results.json")
     return parser.parse_args(argv)
 
 
@@ -102,7 +110,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         temperature=args.temperature[0] if len(args.temperature) == 1 else args.temperature,
         max_new_tokens=args.max_new_tokens, prompt_messages=args.prompt_messages, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
-        target_backend=args.target_backend,
+        target_backend=args.target_backend, truncate_prompts=args.truncate_prompts, overwrite=args.overwrite,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
 
     try:
         results = run_eval(build_config(args))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # OSError: unreadable input, read-only or full output
         print(f"error: {error}", file=sys.stderr)
         return 2
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731

@@ -82,11 +82,11 @@ def _stage_run_config(directory: Path) -> dict:
     return {}
 
 
-def load_drafter(path: str | Path) -> LoadedDrafter:
-    """Load a drafter from any of the layouts in the module docstring; one clear error otherwise."""
+def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
+    """Load a drafter from any of the layouts in the module docstring; one clear error (naming `flag`) otherwise."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"--drafter {path}: no such directory.")
+        raise FileNotFoundError(f"{flag} {path}: no such directory.")
     if is_megatron_checkpoint(path):
         return load_megatron_drafter(path)
     if is_megatron_checkpoint(path / "megatron"):
@@ -103,8 +103,8 @@ def load_drafter(path: str | Path) -> LoadedDrafter:
         if fmt is not None:
             return LoadedDrafter(read_export(path).eval(), fmt, config.get("megatron_osprey", {}).get("run_config", {}))
     if (path / "hf" / CONFIG_NAME).is_file():
-        return load_drafter(path / "hf")
+        return load_drafter(path / "hf", flag)
     raise ValueError(
-        f"--drafter {path} is not a drafter directory: expected a reference drafter config.json, a Megatron "
+        f"{flag} {path} is not a drafter directory: expected a reference drafter config.json, a Megatron "
         f"checkpoint (latest_checkpointed_iteration.txt), a Stage 3 output or an exported drafter."
     )

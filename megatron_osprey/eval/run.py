@@ -56,6 +56,8 @@ class EvalConfig:
     seed: int = 0
     progress: bool = True
     target_backend: str = "hf"  # or "megatron": the Megatron-Core model (exact recompute, no KV cache)
+    truncate_prompts: bool = False  # keep a too-long prompt's last tokens instead of refusing it
+    overwrite: bool = False  # replace an existing OUTPUT/results.json
     extra: dict = field(default_factory=dict)
 
 
@@ -125,17 +127,61 @@ def _load_target(config: EvalConfig):
     return model, tokenizer, device
 
 
-def _target_facts(config: EvalConfig, model) -> tuple[int, object]:
-    """(vocab size, generation config) without loading weights when the HF model is not used."""
+def _target_facts(config: EvalConfig, model) -> tuple[object, object]:
+    """(model config, generation config) without loading weights when the HF model is not used."""
     from transformers import AutoConfig, GenerationConfig
 
     if model is not None:
-        return model.config.vocab_size, model.generation_config
+        return model.config, model.generation_config
     try:
         generation = GenerationConfig.from_pretrained(str(config.target))
     except OSError:
         generation = None
-    return AutoConfig.from_pretrained(str(config.target)).vocab_size, generation
+    return AutoConfig.from_pretrained(str(config.target)), generation
+
+
+def fit_prompts(prompts: list, path: Path, config: EvalConfig, max_positions: int | None,
+                draft_tokens: int) -> tuple[list, int]:
+    """Refuse (or, with --truncate-prompts, left-truncate) prompts whose decode would pass the target's positions.
+
+    A prompt plus --max-new-tokens plus one verify step's draft tokens must fit in
+    max_position_embeddings; past it a RoPE model decodes without an error but
+    out of its trained range, so the AL would be measured on garbage.
+    """
+    if not max_positions:
+        return prompts, 0
+    room = max_positions - config.max_new_tokens - draft_tokens
+    out, cut = [], 0
+    for prompt in prompts:
+        n = len(prompt.input_ids)
+        if n <= room:
+            out.append(prompt)
+            continue
+        if not config.truncate_prompts or room < 1:
+            raise ValueError(
+                f"--data {path}: prompt {prompt.id!r} has {n} tokens; with --max-new-tokens {config.max_new_tokens} "
+                f"and {draft_tokens} draft tokens it needs {n + config.max_new_tokens + draft_tokens} positions, more "
+                f"than --target {config.target}'s max_position_embeddings {max_positions}. Pass --truncate-prompts "
+                f"to keep its last {max(room, 0)} tokens, or lower --max-new-tokens.")
+        out.append(type(prompt)(prompt.id, prompt.input_ids[n - room:]))
+        cut += 1
+    return out, cut
+
+
+def check_drafter_fits_target(path: Path, drafter_config, target: Path, target_config) -> None:
+    """The drafter reads the target's hidden states: sizes and tapped layers must match, naming both models."""
+    vocab = target_config.vocab_size
+    if drafter_config.vocab_size != vocab:
+        raise ValueError(f"--drafter {path}: its vocabulary ({drafter_config.vocab_size}) is not the target's "
+                         f"({vocab}); was it adapted to --target {target}?")
+    hidden = getattr(target_config, "hidden_size", None)
+    if hidden is not None and drafter_config.target_hidden_size != hidden:
+        raise ValueError(f"--drafter {path} was trained on hidden states of size {drafter_config.target_hidden_size}, "
+                         f"but --target {target} has hidden_size {hidden}; it belongs to another target.")
+    layers = getattr(target_config, "num_hidden_layers", None)
+    if layers is not None and max(drafter_config.aux_layer_ids) >= layers:
+        raise ValueError(f"--drafter {path} taps target layers {list(drafter_config.aux_layer_ids)}, but --target "
+                         f"{target} has {layers} layers; it belongs to another target.")
 
 
 @contextlib.contextmanager
@@ -164,19 +210,25 @@ def run_eval(config: EvalConfig) -> dict:
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):
         raise ValueError(f"--drafter names must be distinct, got {names}.")
+    results_path = Path(config.output) / "results.json"
+    if results_path.exists() and not config.overwrite:
+        raise FileExistsError(f"--output {config.output}: {results_path} already exists; pass --overwrite to "
+                              f"replace it, or choose another --output.")
     model, tokenizer, device = _load_target(config)
-    vocab_size, generation_config = _target_facts(config, model)
+    target_config, generation_config = _target_facts(config, model)
     eos = _eos_ids(config.target, generation_config, tokenizer)
     specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
-    prompts = {name: load_prompts(path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
-               for name, path in zip(splits, config.data)}
+    prompts, truncated = {}, {}
+    for name, path in zip(splits, config.data):
+        loaded_prompts = load_prompts(path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
+        prompts[name], truncated[name] = fit_prompts(
+            loaded_prompts, path, config, getattr(target_config, "max_position_embeddings", None),
+            max(spec.draft_tokens for spec in specs))
     drafters = []
     for item in config.drafters:
         loaded = load_drafter(item.path)
         cfg = loaded.drafter.config
-        if cfg.vocab_size != vocab_size:
-            raise ValueError(f"--drafter {item.path}: its vocabulary ({cfg.vocab_size}) is not the target's "
-                             f"({vocab_size}); was it adapted to --target {config.target}?")
+        check_drafter_fits_target(item.path, cfg, config.target, target_config)
         drafters.append((item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config),
                          item.method or cfg.variant))
 
@@ -216,7 +268,8 @@ def run_eval(config: EvalConfig) -> dict:
         "drafters": [{"name": item.name, "path": str(item.path), "method": method, "train_domain": domain,
                       "variant": loaded.drafter.config.variant, "source": loaded.source}
                      for item, loaded, domain, method in drafters],
-        "splits": [{"name": s, "path": str(p), "requests": len(prompts[s])} for s, p in zip(splits, config.data)],
+        "splits": [{"name": s, "path": str(p), "requests": len(prompts[s]), "truncated_prompts": truncated[s]}
+                   for s, p in zip(splits, config.data)],
         "cells": cell_records,
         "matrices": sweep[0]["matrices"],  # the first combination (the only one without a sweep)
         "sweep": sweep,

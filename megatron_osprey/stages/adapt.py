@@ -153,6 +153,8 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
         raise ValueError("tools/adapt_drafter.py adapts the Osprey drafter; the EAGLE-3 baseline starts from scratch.")
     hf_dir = backbone_hf_dir(config.backbone)
     body = ModelArch.from_hf_config(hf_dir)
+    # Before any work: Megatron would stop on a bare assertion deep in the attention layer.
+    body.validate_parallel(parallel.config.tensor_model_parallel_size, parallel.config.pipeline_model_parallel_size)
     target = read_target(config.target)
     aux = resolve_aux_layer_ids(config.aux_layer_ids, target.num_layers)
     try:

@@ -26,7 +26,7 @@ def export_checkpoint(config: ExportConfig) -> Path:
     output = Path(config.output)
     if output.exists() and output.is_dir() and any(output.iterdir()) and not config.overwrite:
         raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-    loaded = load_drafter(config.checkpoint)
+    loaded = load_drafter(config.checkpoint, "--checkpoint")
     target = loaded.run_config.get("target")
     tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
     return export_drafter(loaded.drafter, config.format, output, loaded.run_config, config.overwrite, tokenizer_dir)

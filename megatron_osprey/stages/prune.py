@@ -54,12 +54,37 @@ def validate(config: PruneConfig) -> ModelArch:
         raise ValueError(
             f"--num-layers {config.num_layers} is out of range: {source} has {arch.num_layers} layers."
         )
+    check_vocab_fits(source, arch.vocab_size)
     if config.strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {STRATEGIES}, got {config.strategy!r}.")
     output = Path(config.output)
     if output.exists() and any(output.iterdir()) and not config.overwrite:
         raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
     return arch
+
+
+def check_vocab_fits(source: Path, vocab_size: int) -> None:
+    """config.json's vocab_size covers the embedding's rows and the tokenizer's ids.
+
+    A smaller vocab_size would silently cut the embedding on load, and the
+    tokenizer's high ids would index past it later (Stage 3 fails with an IndexError).
+    """
+    from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
+
+    with SafetensorsCheckpoint(source) as checkpoint:
+        name = "model.embed_tokens.weight"
+        rows = checkpoint.shape(name)[0] if checkpoint.has(name) else 0
+    if rows > vocab_size:
+        raise ValueError(f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
+                         f"embedding's {rows} rows; fix vocab_size (pruning would cut the embedding).")
+    tokenizer_file = source / "tokenizer.json"
+    if tokenizer_file.is_file():
+        from tokenizers import Tokenizer
+
+        tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+        if tokens > vocab_size:
+            raise ValueError(f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
+                             f"tokenizer's {tokens} tokens ({tokenizer_file}); the model cannot embed its ids.")
 
 
 def prune_backbone(config: PruneConfig, parallel: ParallelState) -> PruneResult:

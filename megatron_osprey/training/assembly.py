@@ -40,6 +40,8 @@ class TrainSpec:
     fp8: bool = False
     progress_label: str = "pretrain"  # the progress bar's name
     finish: Callable[[list, TrainState], None] | None = None  # after the loop, e.g. export the result
+    # On resume, a schedule flag that differs from the checkpoint's is refused naming the flag that sets it.
+    scheduler_flags: dict[str, str] | None = None
 
 
 @dataclasses.dataclass
@@ -70,7 +72,8 @@ def run_training(cfg, spec: TrainSpec, parallel: ParallelState) -> TrainResult:
     if resume is not None:
         info = checkpointing.load_training_checkpoint(
             cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng)
+            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng,
+            scheduler_flags=spec.scheduler_flags)
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,105 @@ def read_latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
+# What torch distributed checkpointing's .metadata pickles (measured on this repo's checkpoints):
+# its own metadata/planner dataclasses, torch.Size, dtypes and the layout helper. Anything else
+# in that file can run code on load, so it is refused before torch unpickles it.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                     "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """A pickle that names a global no genuine checkpoint metadata holds."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals a genuine .metadata needs (the role torch.load's weights_only plays)."""
+
+    def find_class(self, module: str, name: str):
+        if module in _METADATA_MODULES:
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise _ForbiddenGlobal(f"it references {module}.{name}, which checkpoint metadata never holds")
+
+
+def check_checkpoint_metadata(path: str | Path) -> None:
+    """Read PATH/.metadata with an allow-list unpickler first; refuse a crafted or truncated one.
+
+    torch's FileSystemReader unpickles .metadata with plain pickle (code can run);
+    the other files it and Megatron read go through torch.load's weights-only mode.
+    """
+    meta = Path(path) / ".metadata"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {meta} is missing.")
+    try:
+        with open(meta, "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except _ForbiddenGlobal as exc:
+        raise ValueError(f"{meta}: refusing to load this checkpoint: {exc}. Load only checkpoints you trust.") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{meta} is truncated or corrupt ({type(exc).__name__}); use another iteration "
+                         f"(--ckpt-step) or a fresh copy of the checkpoint.") from None
+
+
+def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
+    """dist_checkpointing.load after the metadata check, with one clear sentence for a damaged checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_checkpoint_metadata(path)
+    try:
+        return dist_checkpointing.load(sharded_state_dict, str(path))
+    except (CheckpointException, RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        # torch gathers every rank's failure into a CheckpointException (a BaseException): name the first.
+        cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
+        cause = getattr(cause, "exc", cause)  # torch wraps it with its traceback
+        lines = str(cause).strip().splitlines()
+        first = lines[0] if lines else ""
+        exc = cause if isinstance(cause, BaseException) else exc
+        raise ValueError(f"{path}: the checkpoint cannot be read ({type(exc).__name__}: {first[:300]}); a file "
+                         f"in it is truncated or corrupt. Load another iteration (--ckpt-step) or a fresh copy.") from exc
+
+
+def check_writable(directory: str | Path, flag: str) -> None:
+    """Create `directory` and write a probe file in it, so a read-only --save fails now, not at the first save."""
+    import os
+    import tempfile
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".write_probe.{os.getpid()}."):
+            pass
+    except OSError as exc:
+        raise OSError(exc.errno, f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a "
+                                 f"directory this job can write.") from None
+
+
+def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> BaseException:
+    """A failed save on a full disk surfaces as torch's "unexpected pos N vs M": say that the disk is full."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
+    cause = getattr(cause, "exc", cause)
+    free = shutil.disk_usage(root).free
+    full = (getattr(cause, "errno", None) == errno.ENOSPC or "unexpected pos" in str(cause)
+            or "No space left" in str(cause) or free < (16 << 20))
+    if not full:
+        return exc
+    return OSError(errno.ENOSPC, f"saving iteration {iteration} to {root} failed: the disk is full "
+                                 f"({free / 2**20:.1f} MiB free). The previous checkpoint and the latest pointer are "
+                                 f"untouched; free space, then resume with --load {root}.")
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -49,7 +149,15 @@ def save_checkpoint(
             shutil.rmtree(staging)  # left by a save that was killed midway
         staging.mkdir()
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict, str(staging))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(sharded_state_dict, str(staging))
+    except (CheckpointException, RuntimeError, OSError) as exc:
+        explained = _explain_failed_save(exc, root, iteration)
+        if explained is exc:
+            raise
+        raise explained from None
     torch.distributed.barrier()
     if rank == 0:
         save_run_config(staging / "run_config.yaml", run_config)
@@ -69,8 +177,6 @@ def save_checkpoint(
 
 def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int | None = None) -> tuple[dict, int]:
     """Load (resharding as needed) the named or latest iteration; returns (state, iteration)."""
-    from megatron.core import dist_checkpointing
-
     root = Path(root)
     if iteration is None:
         iteration = read_latest_iteration(root)
@@ -81,7 +187,7 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
-    return dist_checkpointing.load(sharded_state_dict, str(path)), iteration
+    return _dist_load(sharded_state_dict, path), iteration
 
 
 # --- training checkpoints: model + optimizer + scheduler + RNG + data position -------------
@@ -174,10 +280,47 @@ def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_sa
     return save_checkpoint(root, iteration, state, run_config)
 
 
+# The scheduler's state -> the flag that sets it (callers rename the decay / warmup length's source).
+SCHEDULER_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+}
+
+
+def scheduler_flags(decay_iters_flag: str | None, length_flag: str, warmup_flag: str = "--lr-warmup-iters") -> dict:
+    """SCHEDULER_FLAGS naming what really sets the decay length: --lr-decay-iters, or the run's length."""
+    return SCHEDULER_FLAGS | {"lr_decay_steps": decay_iters_flag or f"{length_flag} (the decay length)",
+                              "lr_warmup_steps": warmup_flag}
+
+
+def check_scheduler_unchanged(root: str | Path, saved: dict, scheduler, flags: dict[str, str]) -> None:
+    """Refuse a resume whose schedule flags differ from the checkpoint's, unless the scheduler overrides.
+
+    Megatron's scheduler silently keeps the checkpoint's values
+    (use_checkpoint_opt_param_scheduler), while the printed and saved config
+    would show the new ones: the record would be false.
+    """
+    if scheduler.override_opt_param_scheduler:
+        return
+    current = scheduler.state_dict()
+    for key, flag in flags.items():
+        if key in saved and key in current and saved[key] != current[key]:
+            raise ValueError(
+                f"--load {root}: {flag} gives {key} = {current[key]} but the checkpoint's schedule has "
+                f"{saved[key]}; rerun with the checkpoint's value, or pass --override-opt-param-scheduler to "
+                f"switch to the new schedule from iteration {saved.get('num_steps')}."
+            )
+
+
 @torch.no_grad()  # fp32 main params of the distributed optimizer are views of leaf parameters
 def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, scheduler, metadata: dict, *,
                              iteration: int | None = None, load_optim: bool = True,
-                             load_rng: bool = True) -> dict[str, Any]:
+                             load_rng: bool = True,
+                             scheduler_flags: dict[str, str] | None = None) -> dict[str, Any]:
     """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
     from megatron.core import dist_checkpointing
 
@@ -191,6 +334,7 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
+    check_checkpoint_metadata(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = common.get("layout") == parallel_layout()
     notes = []
@@ -208,6 +352,9 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
             f"TP/PP layout; pass --no-load-optim (the model weights still reshard)."
         )
 
+    if load_optim and "opt_param_scheduler" in common:
+        check_scheduler_unchanged(root, common["opt_param_scheduler"], scheduler, scheduler_flags or SCHEDULER_FLAGS)
+
     state = _model_sharded_state_dict(model_chunks, metadata)
     model_state = state["model"] if len(model_chunks) == 1 else state
     if load_optim:
@@ -217,7 +364,7 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
         state["rng_state"] = _rng_sharded_object(None)
     elif load_rng:
         notes.append("RNG states not restored: the parallel layout changed since the save")
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _dist_load(state, path)
 
     if len(model_chunks) == 1:
         unwrap_model(model_chunks[0]).load_state_dict(loaded["model"])
@@ -225,8 +372,13 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
         for i, chunk in enumerate(model_chunks):
             unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     if load_optim:
+        # Param groups carry their own max_lr / min_lr, which the optimizer state would bring back.
+        fresh = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_steps(optimizer, loaded["optimizer"])
+        if scheduler.override_opt_param_scheduler:
+            for group, values in zip(optimizer.param_groups, fresh):
+                group.update(values)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if "rng_state" in loaded:
         restore_rng_state(loaded["rng_state"])

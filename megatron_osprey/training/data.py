@@ -77,6 +77,90 @@ def check_prefixes(prefixes: list[str]) -> None:
             )
 
 
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's indexed-dataset .idx magic
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def indexed_sequence_count(prefix: str) -> int:
+    """The number of documents (sequences) PREFIX.idx records, read from its 34-byte header."""
+    import struct
+
+    path = prefix + ".idx"
+    with open(path, "rb") as stream:
+        head = stream.read(34)
+    if len(head) < 34 or head[:9] != _INDEX_HEADER:
+        raise ValueError(f"--data-path {prefix}: {path} is not a Megatron indexed-dataset index (bad or "
+                         f"truncated header); rerun tools/preprocess_data.py.")
+    return struct.unpack("<Q", head[18:26])[0]
+
+
+FULL_SCAN_BYTES = 4 << 30  # up to this much token data is scanned whole before step 1 (a few seconds)
+
+
+def max_token_id(prefix: str) -> int | None:
+    """The largest token id in PREFIX.bin (a chunked scan), or None when the file is over FULL_SCAN_BYTES."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as stream:
+        code = stream.read(18)[17]
+    path = Path(prefix + ".bin")
+    if path.stat().st_size > FULL_SCAN_BYTES or path.stat().st_size == 0:
+        return None
+    tokens = np.memmap(path, dtype=DType.dtype_from_code(code), mode="r")
+    step = 1 << 26
+    return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+
+
+def check_vocabulary(prefixes: list[str], vocab_size: int) -> list[str]:
+    """Refuse a dataset holding an id >= vocab_size before step 1; returns notes for datasets too big to scan.
+
+    Bigger datasets are left to the per-batch check in micro_batches, which
+    still stops before a bad batch is trained on.
+    """
+    notes = []
+    for prefix in prefixes:
+        top = max_token_id(prefix)
+        if top is None:
+            notes.append(f"--data-path {prefix}: over {FULL_SCAN_BYTES >> 30} GiB, so token ids are checked "
+                         f"against the vocabulary ({vocab_size}) batch by batch")
+        elif top >= vocab_size:
+            raise ValueError(
+                f"--data-path {prefix}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the "
+                f"data was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's "
+                f"tokenizer.")
+    return notes
+
+
+def check_has_documents(prefix: str) -> int:
+    """PREFIX's document count; 0 is refused (Megatron would fail to mmap the empty .bin)."""
+    count = indexed_sequence_count(prefix)
+    if count == 0:
+        raise ValueError(f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
+                         f"skipped when it was preprocessed (see tools/preprocess_data.py's report).")
+    return count
+
+
+def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[int], split: str) -> None:
+    """Every split that must yield samples gets at least one document of every prefix.
+
+    GPTDataset loops for ever looking for enough epochs of a split with no
+    tokens, so an empty split is refused here, with Megatron's own rounding.
+    """
+    for prefix in prefixes:
+        count = check_has_documents(prefix)
+        for name, bounds, size in zip(SPLIT_NAMES, split_matrix, sizes):
+            if bounds is None or size == 0:
+                continue
+            docs = int(round(bounds[1] * float(count))) - int(round(bounds[0] * float(count)))
+            if docs == 0:
+                hint = " or --eval-iters 0" if name == "validation" else ""
+                raise ValueError(
+                    f"--split {split}: the {name} split of {prefix} gets 0 of its {count} documents; "
+                    f"use more data, or a --split that gives it at least one{hint}."
+                )
+
+
 def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_interval: int) -> list[int]:
     """Samples to draw per split: every evaluation re-reads the same first `eval_iters` batches."""
     valid = eval_iters * global_batch_size if eval_iters > 0 and eval_interval > 0 else 0
@@ -104,6 +188,7 @@ def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_lengt
         # The model applies the causal mask itself; a [s, s] mask per sample is waste.
         create_attention_mask=False,
     )
+    check_split_documents(prefixes, config.split_matrix, sizes, data.split)
     # Every rank reads its own batches (no TP broadcast): each must hold the datasets.
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
@@ -111,3 +196,19 @@ def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_lengt
 def stack_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack GPTDataset samples into a batch dict."""
     return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, source: str) -> None:
+    """Refuse a batch holding a token id the model has no embedding row for.
+
+    Out-of-range labels are masked to -inf logits (loss inf) and out-of-range
+    inputs index past the embedding (an error on one TP size, silent on
+    another): either way the run would train on garbage, so stop naming the data.
+    """
+    top = max(int(batch["tokens"].max()), int(batch["labels"].max()))
+    if top >= vocab_size:
+        raise ValueError(
+            f"--data-path {source}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the data "
+            f"was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's tokenizer."
+        )
+

@@ -136,15 +136,42 @@ def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
+def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> str:
+    """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
+
+    Rank 0 counts (a pass over the data) and broadcasts, so every rank refuses together.
+    """
+    from megatron_osprey.data.distill_data import loss_token_survivors
+
+    counts = torch.zeros(2, dtype=torch.long, device=parallel.device)
+    if parallel.rank == 0:
+        counts[:] = torch.tensor(loss_token_survivors(source, cfg.training.seq_length))
+    torch.distributed.broadcast(counts, src=0)
+    samples, tokens = counts.tolist()
+    data = (f"--hidden-states {cfg.target.hidden_states}" if cfg.target.mode == "offline"
+            else f"--data-path {' '.join(cfg.data.data_path)}")
+    if tokens == 0:
+        raise ValueError(
+            f"{data}: none of its {len(source)} samples keeps an assistant token within --seq-length "
+            f"{cfg.training.seq_length}, so there is nothing to train on (prompts only, or every prompt longer "
+            f"than --seq-length); add assistant turns (tools/regenerate.py) or raise --seq-length.")
+    return (f"{samples} of {len(source)} samples keep assistant tokens within --seq-length "
+            f"{cfg.training.seq_length}: {tokens} loss tokens")
+
+
 def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     from transformers import AutoTokenizer
 
     cfg.validate(parallel.world_size)
     cfg.optimizer.lr_warmup_iters = cfg.warmup_iters()
+    if cfg.checkpoint.save:
+        checkpointing.check_writable(cfg.checkpoint.save, "--save")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.target)
     arch = drafter_arch(cfg)
     source = build_sources(cfg, arch, tokenizer)
+    length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
+    loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
     draft_ids = None
     if cfg.drafter.baseline:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
@@ -167,6 +194,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id, multiple=multiple)
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
+        notes.append(loss_tokens_note)
         return micro_batches(source, state.consumed_train_samples, cfg.training.micro_batch_size, parallel.dp_rank,
                              parallel.dp_size, collate, seed=cfg.parallel.seed, shuffle=cfg.data.shuffle,
                              device=parallel.device), None
@@ -180,6 +208,9 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         flops_per_iteration=frozen.flops_per_iteration,
         bf16=cfg.drafter.bf16,
         progress_label="distill",
+        scheduler_flags=checkpointing.scheduler_flags(
+            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None, length,
+            warmup_flag=f"--lr-warmup-fraction x {length}"),
     )
     result = run_training(cfg, spec, parallel)
     return DistillResult(result.state, result.history, result.notes, arch)

@@ -8,6 +8,7 @@ the TrainRun's collaborators, not the loop's business.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -133,12 +134,20 @@ def train(run: TrainRun, state: TrainState, forward_step: Callable, train_iterat
     total = run.training.num_train_iters()
     deadline = Deadline(run.training.exit_duration_in_mins)
     saved_at = state.iteration
+    nonfinite = 0
     with SignalFlag(enabled=run.training.exit_signal_handler) as signal_flag:
         while state.iteration < total:
             result = train_step(forward_step, train_iterator, run)
             state.iteration += 1
             state.consumed_train_samples += run.training.global_batch_size
             run.metrics.step(state.iteration, result.loss, result.lr, result.grad_norm, result.extra)
+            # The loss is the global mean, so every rank takes this branch at the same step.
+            nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
+            if nonfinite and nonfinite >= (run.training.max_nonfinite_loss_steps or math.inf):
+                raise FloatingPointError(
+                    f"the training loss was {result.loss} for {nonfinite} consecutive step(s) (iteration "
+                    f"{state.iteration}); stopping without saving. Check the data and --lr, or raise "
+                    f"--max-nonfinite-loss-steps (now {run.training.max_nonfinite_loss_steps}).")
             if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
                 run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
                 run.metrics.reset_window()

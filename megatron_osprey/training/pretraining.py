@@ -75,6 +75,13 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     arch = backbone_arch(cfg)
     validate_against_model(cfg, arch.max_position_embeddings, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
+    if cfg.checkpoint.save:
+        checkpointing.check_writable(cfg.checkpoint.save, "--save")
+    prefixes = data.parse_blend(cfg.data.data_path)[0]
+    for prefix in prefixes:
+        data.check_has_documents(prefix)
+    vocab_notes = data.check_vocabulary(prefixes, arch.vocab_size)  # out-of-vocabulary ids refused before step 1
+    source = " ".join(cfg.data.data_path)
     train_iters = cfg.training.num_train_iters()
     run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size,
                   "hf_config": arch.hf_config}
@@ -85,10 +92,17 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
         train_ds, valid_ds, _ = data.build_gpt_datasets(cfg.data, tokenizer, cfg.training.seq_length,
                                                         cfg.parallel.seed, sizes)
 
+        notes += vocab_notes
+
+        def collate(samples: list[dict]) -> dict:
+            batch = data.stack_samples(samples)
+            data.check_token_ids(batch, arch.vocab_size, source)  # also datasets too large for the scan
+            return batch
+
         def iterators(dataset, consumed: int):
             # Interleaved pipelines take one iterator per virtual stage, each at the same position.
             its = [micro_batches(dataset, consumed, cfg.training.micro_batch_size, parallel.dp_rank,
-                                 parallel.dp_size, data.stack_samples, device=parallel.device) for _ in model]
+                                 parallel.dp_size, collate, device=parallel.device) for _ in model]
             return its if len(its) > 1 else its[0]
 
         if valid_ds is None and cfg.logging.eval_iters:
@@ -112,6 +126,9 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
         bf16=cfg.model.bf16,
         fp8=bool(cfg.model.fp8_format),
         finish=finish,
+        scheduler_flags=checkpointing.scheduler_flags(
+            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
+            "--train-iters" if cfg.training.train_iters is not None else "--train-samples"),
     )
     result = run_training(cfg, spec, parallel)
     return PretrainResult(result.state, result.history, result.notes)

@@ -22,9 +22,10 @@ def build_scheduler(optimizer, section: OptimizerSection, train_iters: int):
         end_wd=section.weight_decay,
         wd_incr_steps=decay_iters,
         wd_incr_style="constant",
-        # The checkpoint's schedule wins on resume, so a resumed run follows the same curve.
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # A resume refuses changed schedule flags (checkpointing.check_scheduler_unchanged), so the
+        # checkpoint's values equal these unless --override-opt-param-scheduler asks for the new ones.
+        use_checkpoint_opt_param_scheduler=not section.override_opt_param_scheduler,
+        override_opt_param_scheduler=section.override_opt_param_scheduler,
         wsd_decay_steps=section.lr_wsd_decay_iters,
         lr_wsd_decay_style=section.lr_wsd_decay_style,
     )

@@ -190,3 +190,47 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     cfg.target.target = str(twin)
     with pytest.raises(StoreMismatchError, match="config_hash"):
         build_sources(cfg, arch, tokenizer)
+
+
+def test_no_surviving_loss_tokens_is_refused_and_survivors_are_reported(setup, tmp_path):
+    import json
+
+    prompts_only = tmp_path / "prompts.jsonl"
+    long_prompt = "word " * 200  # far beyond --seq-length 64: its answer is cut off
+    with open(prompts_only, "w") as handle:
+        handle.write(json.dumps({"id": "p0", "conversations": [{"role": "user", "content": "Hello?"}]}) + "\n")
+        handle.write(json.dumps({"id": "p1", "conversations": [
+            {"role": "user", "content": long_prompt}, {"role": "assistant", "content": "Fine."}]}) + "\n")
+    cfg = tiny_config(setup, data__data_path=[str(prompts_only)], training__train_iters=2)
+    with parallel_context(cfg.parallel) as state:
+        with pytest.raises(ValueError, match=r"none of its 2 samples keeps an assistant token within --seq-length 64"):
+            run_distill(cfg, state)
+    # One good conversation among them: the run goes ahead and says how much data survived.
+    with open(prompts_only, "a") as handle:
+        handle.write(json.dumps({"id": "p2", "conversations": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}) + "\n")
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    survivors = [n for n in result.notes if "samples keep assistant tokens" in n]
+    assert len(survivors) == 1 and survivors[0].startswith("1 of 3 samples keep assistant tokens within --seq-length 64")
+    assert result.state.iteration == 2
+
+
+def test_store_loss_masks_are_read_without_hidden_states_and_match_the_samples(tmp_path):
+    from megatron_osprey.data.distill_data import loss_token_survivors
+    from megatron_osprey.data.hidden_state_store import HiddenStateWriter, finalize_store
+
+    g = torch.Generator().manual_seed(0)
+    with HiddenStateWriter(tmp_path, target_id="t", config_hash="h", aux_layer_ids=(1, 2, 3), hidden_size=8,
+                           samples_per_shard=2) as writer:
+        for i, length in enumerate([5, 9, 3]):
+            mask = torch.zeros(length, dtype=torch.bool)
+            mask[length - 2:] = i != 2  # sample 2 has no loss tokens
+            writer.add(f"s{i}", torch.arange(length), mask, torch.randn(length, 24, generator=g),
+                       torch.randn(length, 8, generator=g))
+    finalize_store(tmp_path)
+    source = StoreSamples(tmp_path)
+    masks = list(source.loss_masks())
+    assert [m.tolist() for m in masks] == [source[i]["loss_mask"].tolist() for i in range(3)]
+    assert loss_token_survivors(source, seq_length=64) == (2, 4)
+    assert loss_token_survivors(source, seq_length=6) == (1, 2)  # sample 1's loss tokens sit at 7 and 8

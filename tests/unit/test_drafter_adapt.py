@@ -202,3 +202,15 @@ def test_backbone_that_is_not_a_pruned_backbone(adapted_drafter, tmp_path):
         with pytest.raises(ValueError, match="stage='adapt'"):
             adapt_drafter(AdaptConfig(backbone=adapted_drafter["drafter"], target=adapted_drafter["target"],
                                       output=tmp_path / "o"), state)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_first(adapted_drafter, tmp_path):
+    from types import SimpleNamespace
+
+    # What a 3-process torchrun would pass: checked before any tokenizer, weight or collective.
+    three = SimpleNamespace(config=ParallelConfig(tensor_model_parallel_size=3), rank=0, tp_rank=0)
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 3 does not divide the model's "
+                                         r"num_attention_heads \(4\)"):
+        adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"],
+                                  output=tmp_path / "o"), three)
+    assert not (tmp_path / "o").exists()

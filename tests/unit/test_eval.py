@@ -197,3 +197,58 @@ def test_aggregation_per_request_mean_differs_from_pooled_and_both_are_right(tmp
     assert "| math (osp-math) | 1.250 (1.333) | **4.000 (4.000)** |" in text
     assert json.loads((tmp_path / "results.json").read_text())["matrices"]["osprey"]["mean"] == 2.5
     assert (tmp_path / "matrix.png").stat().st_size > 1000
+
+
+def _short_target(root, tmp_path, max_positions):
+    """A copy of the tiny target whose config allows only `max_positions` positions."""
+    import shutil
+
+    short = tmp_path / "short_target"
+    shutil.copytree(root / "target", short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": max_positions}))
+    return short
+
+
+def test_a_prompt_longer_than_the_target_allows_is_refused_or_truncated_on_request(tiny_setup, tmp_path, capsys):
+    long_split = tmp_path / "long.jsonl"
+    long_split.write_text(json.dumps({"id": "long-0", "conversations": [
+        {"role": "user", "content": "count: " + "one two three " * 40}]}) + "\n" + (tiny_setup / "code.jsonl").read_text())
+    target = _short_target(tiny_setup, tmp_path, 96)
+    argv = ["--target", str(target), "--drafter", f"a={tiny_setup / 'drafter'}", "--data", str(long_split),
+            "--steps", "2", "--max-new-tokens", "7", "--no-progress"]
+    assert main(argv + ["--output", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 'long-0' has" in err and "max_position_embeddings 96" in err and "--truncate-prompts" in err
+    assert not (tmp_path / "refused" / "results.json").exists()
+    assert main(argv + ["--output", str(tmp_path / "cut"), "--truncate-prompts"]) == 0
+    results = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert results["splits"][0]["truncated_prompts"] == 1 and results["splits"][0]["requests"] == 3
+
+
+def test_a_drafter_for_another_target_hidden_size_is_refused_naming_both(tiny_setup, tmp_path, capsys):
+    other = ReferenceDrafter(DrafterConfig(
+        hidden_size=32, target_hidden_size=48, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=32, vocab_size=ReferenceDrafter.from_pretrained(
+            tiny_setup / "drafter").config.vocab_size, aux_layer_ids=[0, 1, 2]))
+    other.save_pretrained(tmp_path / "other_drafter")
+    assert main(["--target", str(tiny_setup / "target"), "--drafter", str(tmp_path / "other_drafter"), "--data",
+                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--drafter {tmp_path / 'other_drafter'} was trained on hidden states of size 48, but --target "
+            f"{tiny_setup / 'target'} has hidden_size 32") in err
+
+
+def test_an_existing_results_json_needs_overwrite(tiny_setup, tmp_path, capsys):
+    assert _cli(tiny_setup, tmp_path) == 0
+    first = (tmp_path / "results.json").read_bytes()
+    assert _cli(tiny_setup, tmp_path) == 2
+    assert "results.json already exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_bytes() == first
+    assert _cli(tiny_setup, tmp_path, "--overwrite") == 0
+
+
+def test_help_says_a_megatron_checkpoint_must_be_trusted(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "evaluate only checkpoints you trust" in " ".join(capsys.readouterr().out.split())

@@ -225,3 +225,17 @@ def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapte
         export_drafter(ReferenceDrafter.from_pretrained(tmp_path / "trained"), "sglang", tmp_path / "sg2")
         got, _ = read_export(tmp_path / "sg2")(ids, aux_hidden=aux)
     torch.testing.assert_close(got, megatron_logits[..., : arch.draft_vocab_size], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_errors_name_the_checkpoint_flag_and_help_says_what_to_trust(tmp_path, capsys):
+    assert export_main(["--checkpoint", str(tmp_path / "missing"), "--format", "sglang", "--output",
+                        str(tmp_path / "out")]) == 2
+    assert f"--checkpoint {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert export_main(["--checkpoint", str(tmp_path / "empty"), "--format", "sglang", "--output",
+                        str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {tmp_path / 'empty'} is not a drafter directory" in err and "--drafter" not in err
+    with pytest.raises(SystemExit):
+        export_main(["--help"])
+    assert "load only checkpoints you trust" in " ".join(capsys.readouterr().out.split())

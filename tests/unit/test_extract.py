@@ -148,3 +148,57 @@ def test_shard_and_slice_selection():
     with pytest.raises(ValueError, match="--shard must look like i/n"):
         parse_shard("3", {})
     assert default_aux_layer_ids(62) == [1, 30, 58]  # MiniMax-M2.5's published taps
+
+
+def run_with(root, data, store, **changes):
+    config = ExtractConfig(
+        target_dir=str(root / "qwen3_moe"), data_path=str(data), aux_layer_ids=AUX, micro_batch_size=2,
+        store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3))
+    for key, value in changes.items():
+        setattr(config, key, value)
+    with parallel_context(ParallelConfig()) as state:
+        return extract_hidden_states(config, state, log=lambda _: None)
+
+
+def test_a_rerun_with_other_data_or_settings_is_refused_or_starts_fresh_with_overwrite(target, tmp_path):
+    root, _, data = target
+    store = tmp_path / "store"
+    run_with(root, data, store)
+    ids = [sid for sid in (HiddenStateStore(store)[i]["sample_id"] for i in range(11))]
+    # Other conversations with the same ids: resuming by id alone would keep every stale row.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(line.replace('"content": "', '"content": "well, ') + "\n" for line in data.read_text().splitlines()))
+    with pytest.raises(ValueError, match=r"--output .*store holds hidden states from other inputs or settings "
+                                         r"\(data_sha256: .*\); resuming would mix them. Pass --overwrite"):
+        run_with(root, other, store)
+    with pytest.raises(ValueError, match=r"max_length: 4096 -> 64"):
+        run_with(root, data, store, max_length=64)
+    # Nothing was touched by the refusals: a plain rerun resumes (all complete).
+    assert run_with(root, data, store).num_skipped == 11
+    result = run_with(root, other, store, overwrite=True)
+    assert (result.num_samples, result.num_skipped) == (11, 0)
+    fresh = HiddenStateStore(store)
+    assert [fresh[i]["sample_id"] for i in range(len(fresh))] == ids
+    assert run_with(root, other, store).num_skipped == 11  # the new record now matches
+
+
+def test_a_second_extract_on_a_locked_writer_says_so_before_loading_the_target(target, tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from megatron_osprey.data import extract
+
+    root, _, data = target
+    store = tmp_path / "store"
+    run_with(root, data, store)
+    fd = os.open(store / ".lock-rank00000-of-00001", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a running extract holds
+    loaded = []
+    monkeypatch.setattr(extract, "load_target", lambda *a, **k: loaded.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"another extract is writing it as writer 'rank00000-of-00001' "
+                                             r"\(lock .* is held\); this run does not wait for it"):
+            run_with(root, data, store)
+    finally:
+        os.close(fd)
+    assert not loaded

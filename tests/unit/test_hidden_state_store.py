@@ -419,3 +419,25 @@ def test_add_batch_and_pickled_reader(tmp_path):
         got = clone[i]
         assert torch.equal(got["input_ids"], want["input_ids"])  # padding was cut off
         assert torch.equal(got["final_hidden"], want["final_hidden"].bfloat16().float())
+
+
+@pytest.mark.parametrize("name", ["../outside/evil.safetensors", "/etc/passwd", "link.safetensors"])
+def test_manifest_paths_outside_the_store_are_refused(tmp_path, name):
+    store = tmp_path / "store"
+    write_store(store, make_samples(3))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.safetensors").write_bytes((store / hss.shard_name(hss.writer_tag(0, 1), 0)).read_bytes())
+    (store / "link.safetensors").symlink_to(outside / "evil.safetensors")
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["shards"][0]["file"] = name
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreMismatchError, match="refusing it|not a plain file name"):
+        HiddenStateStore(store, verify_sha256=False)
+    # The writers' parts are read by finalize_store: the same check applies there.
+    part = next(store.glob("manifest.part-*.json"))
+    data = json.loads(part.read_text())
+    data["shards"][0]["file"] = name
+    part.write_text(json.dumps(data))
+    with pytest.raises(StoreMismatchError, match="refusing it|not a plain file name"):
+        finalize_store(store)

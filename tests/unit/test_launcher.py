@@ -293,3 +293,10 @@ def test_distill_paper_recipe_has_the_papers_budget():
         cfg = distill_recipe(name)
         assert (cfg.training.global_batch_size, cfg.training.num_train_iters(), cfg.optimizer.lr,
                 cfg.optimizer.clip_grad, cfg.lr_warmup_fraction, cfg.warmup_iters()) == (2, 97_500, 1e-4, 1.0, 0.04, 3900)
+
+
+def test_plan_refuses_a_zero_batch_size_in_one_line(capsys):
+    recipe = "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
+    assert cli.main(["plan", recipe, "--set", "training.micro_batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "training.micro_batch_size must be >= 1, got 0" in err and "Traceback" not in err

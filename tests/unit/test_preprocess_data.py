@@ -275,3 +275,33 @@ def test_hub_name_without_reachable_hub_gives_clear_error():
         "--input someuser/somedataset is not a local file or directory, and loading it as a "
         "Hugging Face Hub dataset failed"
     ), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_an_input_whose_every_record_is_skipped_fails_and_writes_nothing(tmp_path, tokenizer_dir, partitions):
+    cases = {
+        "wrong_key.jsonl": "".join(json.dumps({"content": d}) + "\n" for d in DOCS).encode(),
+        "latin1.jsonl": "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n"
+                                for d in ["café crème", "naïve façade"]).encode("latin-1"),
+        "int_column.jsonl": "".join(json.dumps({"text": i}) + "\n" for i in range(5)).encode(),
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        prefix = tmp_path / f"out_{name}"
+        with pytest.raises(ValueError, match=rf"--input .*{name}: all \d+ records were skipped .*nothing was written"):
+            _run(tmp_path / name, tokenizer_dir, prefix, partitions=partitions)
+        assert not Path(f"{prefix}_text_document.bin").exists() and not Path(f"{prefix}_text_document.idx").exists()
+
+
+def test_cli_exits_non_zero_on_an_empty_result(tmp_path, tokenizer_dir, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import preprocess_data as tool
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3], key="content")
+    argv = ["--input", str(inp), "--json-key", "text", "--tokenizer", str(tokenizer_dir),
+            "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--no-progress"]
+    assert tool.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "all 3 records were skipped (missing key: 3)" in err and "in.jsonl line 1" in err

@@ -101,3 +101,22 @@ def test_importance_strategy_needs_a_gpu(tmp_path, parallel):
     make_hf_model(qwen3_config(), source)
     with pytest.raises(RuntimeError, match="--strategy importance .* no CUDA"):
         prune_backbone(PruneConfig(source=source, output=tmp_path / "o", strategy="importance"), parallel)
+
+
+def test_prune_refuses_a_vocab_size_smaller_than_the_embedding_or_the_tokenizer(tmp_path):
+    source = tmp_path / "source"
+    make_hf_model(qwen3_config(), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"vocab_size": VOCAB - 50}))
+    with pytest.raises(ValueError, match=rf"vocab_size {VOCAB - 50} is smaller than the embedding's {VOCAB} rows"):
+        validate(PruneConfig(source=source, output=tmp_path / "out"))
+
+    # The embedding fits, but the tokenizer has more ids than the model.
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    (source / "config.json").write_text(json.dumps(config))
+    words = {f"w{i}": i for i in range(VOCAB + 20)}
+    Tokenizer(WordLevel(words, unk_token="w0")).save(str(source / "tokenizer.json"))
+    with pytest.raises(ValueError, match=rf"vocab_size {VOCAB} is smaller than the tokenizer's {VOCAB + 20} tokens"):
+        validate(PruneConfig(source=source, output=tmp_path / "out"))

@@ -27,7 +27,8 @@ from megatron_osprey.data.regenerate import (
 )
 from megatron_osprey.data.regenerate.backends import merge_reasoning, normalize_server_url
 from megatron_osprey.data.regenerate.local_server import ChatCompletionServer
-from megatron_osprey.data.regenerate.runner import recover_output
+from megatron_osprey.data.fingerprint import write_settings
+from megatron_osprey.data.regenerate.runner import recover_output, regenerate_settings, settings_path_for
 from megatron_osprey.data.regenerate.tiny_target import write_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,7 +212,10 @@ def test_truncated_last_line_is_dropped_on_resume(tmp_path, prompts, hf_backend,
     out.write_bytes(lines[0] + lines[1] + lines[2][: len(lines[2]) // 2])
     assert recover_output(out, {f"r{i}" for i in range(6)}) == ["r0", "r1"]
     assert out.read_bytes() == lines[0] + lines[1]
-    summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=2, progress=False), hf_backend)
+    config = RegenerateConfig(prompts, out, SAMPLING, concurrency=2, progress=False)
+    # What the killed run recorded before its first row.
+    write_settings(settings_path_for(out), regenerate_settings(config, hf_backend))
+    summary = regenerate_file(config, hf_backend)
     assert (summary.already_done, summary.succeeded) == (2, 4)
     assert out.read_bytes() == reference
 
@@ -271,7 +275,9 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
         assert secret not in done.stdout + done.stderr
 
         wrong = tmp_path / "wrong.jsonl"
-        backend = ServerBackend(ServerBackendConfig(urls=(server.url,), api_key="sk-wrong-key-0000", retries=3, backoff_s=0.01))
+        # --served-model-name: no /v1/models query up front, so every row meets the 401 and is recorded.
+        backend = ServerBackend(ServerBackendConfig(urls=(server.url,), api_key="sk-wrong-key-0000", retries=3,
+                                                    backoff_s=0.01, model="local"))
         assert "sk-wrong" not in repr(backend.config)
         summary = regenerate_file(RegenerateConfig(prompts, wrong, SAMPLING, concurrency=2, progress=False), backend)
         backend.close()
@@ -328,3 +334,77 @@ def test_serve_local_tool_serves_a_model_dir(target_dir, hf_backend):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(tmp_path, prompts, hf_backend, reference):
+    out = tmp_path / "out.jsonl"
+    regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+    assert out.read_bytes() == reference
+    hotter = SamplingParams(temperature=0.7, max_tokens=6, seed=1)
+    with pytest.raises(ValueError, match=r"--output .*out.jsonl holds rows regenerated from other inputs or settings "
+                                         r"\(sampling: .*\"temperature\": 0.0.* -> .*\"temperature\": 0.7.*Pass --overwrite"):
+        regenerate_file(RegenerateConfig(prompts, out, hotter, concurrency=1, progress=False), hf_backend)
+    with ChatCompletionServer(hf_backend, model_name="another-model") as server:
+        backend = ServerBackend(ServerBackendConfig(urls=(server.url,), retries=0))
+        with pytest.raises(ValueError, match=r"model: .*-> .*another-model"):
+            regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), backend)
+        backend.close()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(prompts.read_text().replace("Question 0?", "Question zero?"))
+    with pytest.raises(ValueError, match=r"input_sha256"):
+        regenerate_file(RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+    assert out.read_bytes() == reference  # the refusals left it alone
+    summary = regenerate_file(RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False, overwrite=True),
+                              hf_backend)
+    assert (summary.already_done, summary.succeeded) == (0, 6)
+    first = json.loads(out.read_text().splitlines()[0])
+    assert first["conversations"][0]["content"] == "Question zero?"
+
+
+def test_credentials_in_server_urls_never_reach_logs_or_the_failures_file(tmp_path, prompts, hf_backend):
+    from megatron_osprey.data.regenerate.backends import redact_credentials, split_credentials
+
+    assert split_credentials("http://al:p@ss@h:30000/v1") == ("http://h:30000/v1", ("al", "p@ss"))
+    assert redact_credentials("POST http://al:p@ss@h:1/v1 failed") == "POST http://***@h:1/v1 failed"
+    out = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    # Nothing listens on port 1: every request fails with a connection error naming the server.
+    args = ["--input", str(prompts), "--output", str(out), "--server-url", "http://alice:s3cret-pw@127.0.0.1:1",
+            "--served-model-name", "local", "--retries", "0", "--max-tokens", "6", "--no-progress"]
+    done = subprocess.run(_cli(args), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    failures = failures_path_for(out).read_text()
+    assert "127.0.0.1:1" in failures and "ConnectError" in failures
+    assert "s3cret" not in failures and "s3cret" not in done.stdout + done.stderr
+    # The credentials still authenticate: they travel as basic auth, not in the URL.
+    seen = []
+    with ChatCompletionServer(hf_backend) as server:
+        url = server.url.replace("http://", "http://alice:s3cret-pw@")
+        backend = ServerBackend(ServerBackendConfig(urls=(url,), retries=0))
+        import httpx
+
+        transport = backend._client._transport
+        original = transport.handle_request
+
+        def spy(request):  # the request as it goes on the wire, after httpx applied the auth
+            seen.append((str(request.url), request.headers.get("authorization")))
+            return original(request)
+
+        transport.handle_request = spy
+        assert backend.complete([{"role": "user", "content": "Question 0?"}], SAMPLING)
+        backend.close()
+    expected = httpx.BasicAuth("alice", "s3cret-pw")._auth_header
+    assert seen and all("s3cret" not in u and auth == expected for u, auth in seen)
+
+
+def test_a_non_utf8_input_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    good = json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"}]}) + "\n"
+    latin = json.dumps({"id": "b", "conversations": [{"role": "user", "content": "café"}]}, ensure_ascii=False) + "\n"
+    bad.write_bytes(good.encode() + latin.encode("latin-1"))
+    with pytest.raises(ConversationFormatError, match=r"latin1\.jsonl:2 is not UTF-8 text \(byte 0xe9 at column \d+\)"):
+        list(read_conversations(bad))
+    done = subprocess.run(_cli(["--input", str(bad), "--output", str(tmp_path / "o.jsonl"), "--backend", "server",
+                                "--server-url", "http://127.0.0.1:1", "--served-model-name", "m"]),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "latin1.jsonl:2 is not UTF-8" in done.stderr and "Traceback" not in done.stderr

@@ -169,6 +169,26 @@ def shard_name(tag: str, index: int) -> str:
     return f"shard-{tag}-{index:06d}.safetensors"
 
 
+def lock_path(store_dir: Path, tag: str) -> Path:
+    """The flock file writer `tag` holds while it runs."""
+    return store_dir / f".lock-{tag}"
+
+
+def checked_shard_file(store_dir: Path, name: str, where: Path) -> str:
+    """A manifest's shard name, refused unless it is a plain file name that resolves inside the store.
+
+    Manifests are data: a crafted `../../x` or a symlink out of the store must
+    not make the reader open files elsewhere.
+    """
+    root = Path(store_dir).resolve()
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise StoreMismatchError(f"{where} names shard {name!r}, which is not a plain file name in {store_dir}; "
+                                 f"the manifest was not written by this store's writers.")
+    if not (root / name).resolve().is_relative_to(root):
+        raise StoreMismatchError(f"{where} names shard {name!r}, which resolves outside {store_dir}; refusing it.")
+    return name
+
+
 def part_name(tag: str) -> str:
     """File name of writer ``tag``'s manifest part."""
     return f"{PART_PREFIX}{tag}.json"

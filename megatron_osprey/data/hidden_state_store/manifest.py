@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_osprey.base.atomic_io import write_bytes_atomic
 from megatron_osprey.data.hidden_state_store.format import (
+    checked_shard_file,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PART_PREFIX,
@@ -68,7 +69,7 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
     seen_ids: dict[str, str] = {}
     for p, part in sorted(loaded, key=lambda item: (item[1]["writer"]["rank"], item[1]["writer"]["tag"])):
         for s in (ShardRecord(**s) for s in part["shards"]):
-            f = store_dir / s.file
+            f = store_dir / checked_shard_file(store_dir, s.file, p)
             if not f.exists() or f.stat().st_size != s.num_bytes:
                 raise CorruptShardError(f"{f} (listed in {p.name}) is missing or has the wrong size.")
             for sid in json.loads(read_shard_meta(f)["sample_ids"]):

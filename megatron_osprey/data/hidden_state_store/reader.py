@@ -18,6 +18,7 @@ from safetensors import safe_open
 from megatron_osprey.base.checksums import file_sha256
 from megatron_osprey.data.hidden_state_quant import Int8Encoded, decompress_int8, dequantize_int8
 from megatron_osprey.data.hidden_state_store.format import (
+    checked_shard_file,
     FORMAT_VERSION,
     HIDDEN_NAMES,
     MANIFEST_NAME,
@@ -77,6 +78,8 @@ class HiddenStateStore:
             raise StoreMismatchError(f"hidden-state store {self.store_dir} does not match this run: {'; '.join(wrong)}. "
                                      f"Re-extract hidden states for this target or point to the right store.")
         self.shards = [ShardRecord(**s) for s in self.manifest["shards"]]
+        for rec in self.shards:
+            checked_shard_file(self.store_dir, rec.file, path)
         self._starts = [0]
         for s in self.shards:
             self._starts.append(self._starts[-1] + s.num_samples)

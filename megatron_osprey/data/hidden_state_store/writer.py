@@ -17,6 +17,7 @@ import torch
 from megatron_osprey.base.atomic_io import temp_name_regex, write_bytes_atomic
 from megatron_osprey.data.hidden_state_quant import Int8Encoded, check_encoding, compress_int8, quantize_int8
 from megatron_osprey.data.hidden_state_store.format import (
+    lock_path,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PART_PREFIX,
@@ -196,7 +197,7 @@ class HiddenStateWriter:
     # -- internals
 
     def _acquire_lock(self) -> int:
-        path = self.store_dir / f".lock-{self.tag}"
+        path = lock_path(self.store_dir, self.tag)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +53,33 @@ def merge_reasoning(content: str | None, reasoning: str | None) -> str:
     return THINK_OPEN + reasoning.strip("\n") + THINK_CLOSE + content.lstrip("\n")
 
 
+# Greedy to the last "@" before the path: a password may itself hold "@".
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """Replace `user:password@` in every URL of `text` by `***@` (for logs and failure records)."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """(url without `user:password@`, (user, password) or None): requests carry them as basic auth instead.
+
+    A URL that holds no credentials cannot print them, whichever library logs it.
+    """
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port is not None else "")
+    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return clean, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
 def normalize_server_url(url: str) -> str:
     """Return the server root for ``url`` (accepts a trailing ``/v1``)."""
     if not url.startswith(("http://", "https://")):
@@ -85,7 +113,11 @@ class ServerBackend:
         if config.retries < 0:
             raise ValueError(f"--retries must be >= 0, got {config.retries}.")
         self.config = config
-        self._urls = tuple(normalize_server_url(u) for u in config.urls)
+        self._urls, self._auth = (), {}
+        for url in config.urls:
+            clean, credentials = split_credentials(normalize_server_url(url))
+            self._urls += (clean,)
+            self._auth[clean] = httpx.BasicAuth(*credentials) if credentials else None
         self._next = itertools.count()
         self._lock = threading.Lock()
         self._model_names: dict[str, str] = {}
@@ -103,7 +135,7 @@ class ServerBackend:
         with self._lock:
             if base in self._model_names:
                 return self._model_names[base]
-        response = self._client.get(f"{base}/v1/models")
+        response = self._client.get(f"{base}/v1/models", auth=self._auth[base])
         if response.status_code != 200:
             raise _HTTPFailure(response.status_code, f"GET {base}/v1/models answered {response.status_code}")
         data = response.json().get("data") or []
@@ -126,7 +158,7 @@ class ServerBackend:
         if params.enable_thinking is not None:
             # SGLang and vLLM forward this to the chat template (Qwen3's thinking switch).
             body["chat_template_kwargs"] = {"enable_thinking": params.enable_thinking}
-        response = self._client.post(f"{base}/v1/chat/completions", json=body)
+        response = self._client.post(f"{base}/v1/chat/completions", json=body, auth=self._auth[base])
         if response.status_code != 200:
             raise _HTTPFailure(response.status_code, f"POST {base}/v1/chat/completions answered {response.status_code}: {response.text[:300]}")
         try:
@@ -151,10 +183,25 @@ class ServerBackend:
                 if exc.status not in RETRYABLE_STATUS:
                     break
             except (httpx.TransportError, json.JSONDecodeError) as exc:
-                errors.append(f"{base}: {type(exc).__name__}: {exc}")
+                errors.append(f"{base}: {type(exc).__name__}: {redact_credentials(str(exc))}")
             if attempt < self.config.retries:
                 time.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
         raise BackendRequestError(f"request failed after {len(errors)} attempt(s); last error: {errors[-1]}")
+
+    def identity(self) -> dict:
+        """What a regenerated row depends on here: the served model's name (asked of the first server that answers)."""
+        if self.config.model:
+            return {"backend": "server", "model": self.config.model}
+        import httpx
+
+        errors = []
+        for base in self._urls:
+            try:
+                return {"backend": "server", "model": self._model_name(base)}
+            except (_HTTPFailure, BackendRequestError, httpx.TransportError, ValueError) as exc:
+                errors.append(f"{base}: {redact_credentials(str(exc))}")
+        raise BackendRequestError(f"no --server-url answered GET /v1/models to name its model ({'; '.join(errors)}); "
+                                  f"start the servers or pass --served-model-name.")
 
 
 class _HTTPFailure(Exception):
@@ -289,6 +336,12 @@ class HFBackend:
             finally:
                 for r in batch:
                     r.done.set()
+
+    def identity(self) -> dict:
+        """What a regenerated row depends on here: the model directory's files."""
+        from megatron_osprey.data.fingerprint import model_fingerprint
+
+        return {"backend": "hf", "model": model_fingerprint(self.config.model_dir), "dtype": self.config.dtype}
 
     def complete(self, messages: Sequence[dict[str, str]], params: SamplingParams) -> str:
         """Return the model's reply to ``messages`` rendered with its chat template."""

@@ -36,7 +36,7 @@ from megatron_osprey.data.conversations import (
     parse_line,
     read_conversations,
 )
-from megatron_osprey.data.regenerate.backends import ChatBackend, SamplingParams
+from megatron_osprey.data.regenerate.backends import ChatBackend, SamplingParams, redact_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class RegenerateConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     concurrency: int = 8
     progress: bool = True
+    overwrite: bool = False  # an output made from other inputs or settings is deleted instead of refused
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,43 @@ def failures_path_for(output_path: Path) -> Path:
     output_path = Path(output_path)
     stem = output_path.name[: -len(".jsonl")] if output_path.name.endswith(".jsonl") else output_path.name
     return output_path.with_name(stem + ".failures.jsonl")
+
+
+def settings_path_for(output_path: Path) -> Path:
+    """OUT.settings.json: what OUT's rows were made from (input, model, sampling)."""
+    return failures_path_for(output_path).with_name(
+        failures_path_for(output_path).name[: -len(".failures.jsonl")] + ".settings.json")
+
+
+def regenerate_settings(config: RegenerateConfig, backend: ChatBackend) -> dict:
+    """Everything a regenerated row depends on besides its id."""
+    from dataclasses import asdict
+
+    from megatron_osprey.data.fingerprint import file_sha256
+
+    identity = backend.identity() if hasattr(backend, "identity") else {"backend": type(backend).__name__}
+    return {"input_sha256": file_sha256(config.input_path), "model": identity, "sampling": asdict(config.sampling)}
+
+
+def check_output_settings(config: RegenerateConfig, settings: dict) -> None:
+    """Refuse an output made from other inputs or settings (--overwrite: delete it); then record ours."""
+    from megatron_osprey.data.fingerprint import settings_differences, write_settings
+
+    output_path = Path(config.output_path)
+    record = settings_path_for(output_path)
+    diffs = settings_differences(record, settings)
+    if not record.is_file() and output_path.is_file() and output_path.stat().st_size:
+        diffs = [f"{record.name} is missing, so what {output_path.name} was made from is unknown"]
+    if diffs and not config.overwrite:
+        raise ValueError(
+            f"--output {output_path} holds rows regenerated from other inputs or settings ({'; '.join(diffs)}); "
+            f"resuming would mix them. Pass --overwrite to delete it and start fresh, or choose another --output.")
+    if diffs:
+        logger.warning("--overwrite: deleting %s (%s)", output_path, "; ".join(diffs))
+        for path in (output_path, failures_path_for(output_path)):
+            path.unlink(missing_ok=True)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    write_settings(record, settings)
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -179,6 +217,7 @@ def regenerate_file(config: RegenerateConfig, backend: ChatBackend) -> Regenerat
         raise ValueError("--output must differ from --input.")
     failures_path = failures_path_for(output_path)
     order = _scan_input(input_path)
+    check_output_settings(config, regenerate_settings(config, backend))
     done = set(recover_output(output_path, set(order)))
     todo = len(order) - len(done)
     logger.info("%d conversations in %s; %d already done, %d to regenerate.", len(order), input_path, len(done), todo)
@@ -206,7 +245,9 @@ def regenerate_file(config: RegenerateConfig, backend: ChatBackend) -> Regenerat
                         _append_line(out, future.result().to_json_line())
                         succeeded += 1
                     else:
-                        record = {"id": row_id, "error": f"{type(error).__name__}: {error}", "time": time.time()}
+                        # Backends keep credentials out of their errors; this is the last line of defence.
+                        message = redact_credentials(f"{type(error).__name__}: {error}")
+                        record = {"id": row_id, "error": message, "time": time.time()}
                         failures[row_id] = record
                         logger.warning("Conversation %r failed: %s", row_id, record["error"])
                         _append_line(failed_out, json.dumps(record, ensure_ascii=False) + "\n")

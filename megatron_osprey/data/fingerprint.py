@@ -1,0 +1,54 @@
+"""What a resumable output was made from: a JSON record of its inputs and settings, kept beside it.
+
+Extraction and regeneration resume by sample id. Without a record, a rerun with
+other data, another model or another temperature would keep the stale rows and
+add new ones beside them; with it, the rerun is refused (or, with --overwrite,
+starts fresh).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.checksums import file_sha256  # noqa: F401  (re-exported for the stages)
+
+
+def model_fingerprint(directory: str | Path) -> dict:
+    """A HF model directory's identity: its path, config.json and tokenizer files by hash, weight files by size.
+
+    Weights are identified by name and size only: hashing hundreds of GB on every
+    start would cost more than the run it protects.
+    """
+    directory = Path(directory)
+    small = {}
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (directory / name).is_file():
+            small[name] = file_sha256(directory / name)
+    weights = {p.name: p.stat().st_size for p in sorted(directory.glob("*.safetensors"))}
+    return {"path": str(directory.resolve()), "files_sha256": small, "weights_bytes": weights}
+
+
+def settings_differences(record: Path, settings: dict) -> list[str]:
+    """'key: recorded -> now' for every top-level setting that differs from the record (none when absent)."""
+    if not record.is_file():
+        return []
+    try:
+        recorded = json.loads(record.read_text())
+    except ValueError:
+        return [f"{record} is not valid JSON"]
+    keys = sorted(set(recorded) | set(settings))
+    return [f"{k}: {_short(recorded.get(k))} -> {_short(settings.get(k))}" for k in keys
+            if recorded.get(k) != settings.get(k)]
+
+
+def write_settings(record: Path, settings: dict) -> None:
+    """Write the record atomically (identical settings give identical bytes, so concurrent writers agree)."""
+    write_text_atomic(record, json.dumps(settings, indent=1, sort_keys=True) + "\n")
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
