@@ -328,12 +328,12 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
                                            "--output", path, "--backend", "hf", "--model", target,
                                            "--temperature", "0", "--max-tokens", str(cfg.regenerate_tokens),
                                            "--concurrency", "16", "--batch-size", "16", "--no-progress",
-                                           "--dtype", "bfloat16" if cfg.bf16 else "float32"])
+                                           "--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"])
         regenerated[domain] = path
         stores[domain] = output / "stores" / domain
         steps.run(f"extract_{domain}", ["tools/extract_hidden_states.py", "--target", target, "--data", path,
                                         "--output", stores[domain], "--max-length", str(cfg.seq_length),
-                                        "--micro-batch-size", "8", "--params-dtype", "float32"])
+                                        "--micro-batch-size", "8", "--params-dtype", "float32", "--overwrite"])
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     from transformers import AutoConfig
@@ -352,7 +352,8 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     steps.header("evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.eval)")
     eval_dir = output / "eval"
     argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
-            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress"]
+            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress",
+            "--overwrite"]  # a resumed demo reruns eval only when its command changed
     for d in drafters:
         argv += ["--drafter", f"{d['name']}={d['path']}"]
     argv += ["--train-domain", *[d["domain"] for d in drafters]]
