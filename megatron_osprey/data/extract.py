@@ -307,7 +307,7 @@ def extract_hidden_states(
     final_id = arch.num_layers - 1
     if state.rank == 0:
         check_store_settings(config, extract_settings(config, aux_ids), say)
-    dist.barrier()
+    torch.distributed.barrier()
     if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():  # this replica's writer
         from megatron_osprey.data.hidden_state_store import writer_tag
 

@@ -233,7 +233,8 @@ def test_a_drafter_for_another_target_hidden_size_is_refused_naming_both(tiny_se
             tiny_setup / "drafter").config.vocab_size, aux_layer_ids=[0, 1, 2]))
     other.save_pretrained(tmp_path / "other_drafter")
     assert main(["--target", str(tiny_setup / "target"), "--drafter", str(tmp_path / "other_drafter"), "--data",
-                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o"), "--no-progress"]) == 2
+                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o"), "--no-progress",
+                 "--max-new-tokens", "16"]) == 2
     err = capsys.readouterr().err
     assert (f"--drafter {tmp_path / 'other_drafter'} was trained on hidden states of size 48, but --target "
             f"{tiny_setup / 'target'} has hidden_size 32") in err

@@ -57,13 +57,13 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_training_on_them(wor
     prefix = write_docs(work / "data" / "big_vocab_text_document", docs)
     assert data.max_token_id(prefix) == VOCAB + 39
     message = rf"--data-path .*big_vocab.*token id \d+ is outside the model's vocabulary of {VOCAB} ids"
-    steps, real_collate = [], data.collate
+    steps, real_collate = [], data.stack_samples
 
     def counting_collate(samples):
         steps.append(len(samples))
         return real_collate(samples)
 
-    monkeypatch.setattr(data, "collate", counting_collate)
+    monkeypatch.setattr(data, "stack_samples", counting_collate)
     with pytest.raises(ValueError, match=message):
         tiny(work, prefix)
     assert not steps  # refused by the whole-file scan, before any batch was drawn
