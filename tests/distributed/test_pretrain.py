@@ -7,9 +7,9 @@ from tests.distributed.launch import run_torchrun
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = ["tp2", "tp2_sp", "pp2", "dp2"]
-CURVE_BOUND = 1.0
-RESHARD_LOSS_BOUND = 1.0
-MOMENT_BOUND = 1.0
+CURVE_BOUND = 1e-5  # measured 9.5e-7 over 30 steps for every layout (losses 5.7 -> ~3)
+RESHARD_LOSS_BOUND = 3e-6  # measured 2.4e-7
+MOMENT_BOUND = 5e-6  # largest |difference| / largest |value| per tensor; measured 2.8-4.3e-7
 
 
 @pytest.fixture(scope="module")
