@@ -17,7 +17,7 @@ from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
-from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_losses
+from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_run
 from tests.tiny_models import make_hf_model, qwen3_config
 
 ITERS = 30
@@ -118,7 +118,7 @@ def main(work: Path, result_path: Path) -> None:
         results["hf_first_loss"] = hf_first_step_loss(work, config(work))
         # The independent reference every layout's curve is held to. Building the GPTDataset is
         # collective, so both ranks run it (at the same time, a few seconds).
-        results["plain_pytorch"] = plain_pytorch_losses(work, config(work), ITERS)
+        results["plain_pytorch"] = plain_pytorch_run(work, config(work), ITERS)[0]
 
     # Each layout trains the same global batches; TP=2 also saves at RESHARD_AT (and 30) for the reshard checks.
     tp2 = config(work, tensor_model_parallel_size=2)

@@ -54,12 +54,13 @@ def scheduled_lr(step: int, lr: float, min_lr: float, warmup: int, decay: int) -
     return min_lr + (lr - min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
 
 
-def plain_pytorch_losses(work: Path, cfg, iters: int) -> dict[str, list[float]]:
+def plain_pytorch_run(work: Path, cfg, iters: int):
     """Stage 2's first `iters` steps with no Megatron in the model or the optimizer: the pruned HF model,
     torch.optim.AdamW, torch's grad-norm clipping and the cosine schedule written out above.
 
     Same global batches (the same GPTDataset indices), the same decay rule (no weight decay on 1-D
     parameters) and the token-mean loss of each global batch. Single process, float32.
+    Returns ({"loss": [...], "lr": [...]}, the trained HF model).
     """
     from transformers import AutoModelForCausalLM
 
@@ -96,4 +97,4 @@ def plain_pytorch_losses(work: Path, cfg, iters: int) -> dict[str, list[float]]:
         optimizer.step()
         out["loss"].append(loss.item())
         out["lr"].append(lr)
-    return out
+    return out, model
