@@ -1,4 +1,4 @@
-"""The GPU-only paths, marked `gpu` (skipped without CUDA): Transformer Engine spec against the local spec,
+"""The GPU-only paths: Transformer Engine spec against the local spec, an FP8 step, device placement,
 importance pruning. Marked `gpu`; skipped where CUDA (or the extra they need) is absent.
 
 The tolerances below are not measured on a GPU yet (the session that wrote them had none): each
