@@ -85,7 +85,7 @@ def plain_pytorch_run(work: Path, cfg, iters: int):
         for group in optimizer.param_groups:
             group["lr"] = lr
         first = step * train.global_batch_size
-        batch = data.collate([dataset[first + i] for i in range(train.global_batch_size)])
+        batch = data.stack_samples([dataset[first + i] for i in range(train.global_batch_size)])
         logits = model(batch["tokens"]).logits
         per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                       batch["labels"].reshape(-1), reduction="none")
