@@ -15,7 +15,9 @@ def figures(tmp_path_factory):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_logits_equal_hf(figures, family, layout):
-    assert figures[f"{family}_{layout}_max_abs"] < 1e-4
+    print(f"{family} {layout}: max |megatron - hf| logits = {figures[f'{family}_{layout}_max_abs']:.2e}")
+    # Measured 2.2-3.0e-7 (float32 summation order); a norm epsilon 10% too large moves them by ~6e-5.
+    assert figures[f"{family}_{layout}_max_abs"] < 3e-6
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -33,4 +35,5 @@ def test_tensor_parallel_ranks_draw_from_distinct_rng_streams(figures):
 
 
 def test_prune_at_tp2_reloads_resharded_at_pp2(figures):
-    assert figures["prune_tp2_reload_pp2_max_abs"] < 1e-4
+    # Measured 2.4e-7.
+    assert figures["prune_tp2_reload_pp2_max_abs"] < 3e-6

@@ -78,6 +78,15 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
         assert torch.equal(online["input_ids"], offline["input_ids"])
         assert torch.equal(online["loss_mask"], offline["loss_mask"])
 
+        # Online = offline shares the target code on both sides: hold the online states to HF's own
+        # output_hidden_states (layer i's output is hidden_states[i + 1]; the last one is normed, so
+        # the final pre-norm state comes from a hook on the last layer).
+        aux_online, final_online = target(online["input_ids"])
+        hf_error = hf_hidden_state_error(setup["target"], online["input_ids"], arch.aux_layer_ids,
+                                         aux_online, final_online)
+        print(f"online target vs HF output_hidden_states: max |difference| = {hf_error:.2e}")
+        assert hf_error < 1e-6  # measured 6.0e-8 (float32 summation order)
+
         def rounded_target(ids):  # the store keeps bf16: round the online states the same way
             aux, final = target(ids)
             return aux.bfloat16().float(), final.bfloat16().float()
@@ -121,6 +130,22 @@ def test_batch_length_padding_gives_the_fixed_length_loss(setup, tmp_path):
     assert losses["full"][0] > 0
     assert abs(losses["short"][0] - losses["full"][0]) <= 1e-5 * losses["full"][0], losses
     assert losses["short"][1] == losses["full"][1]  # the same counted rows
+
+
+def hf_hidden_state_error(target_dir, input_ids, aux_layer_ids, aux, final) -> float:
+    """Largest |difference| between the online target's states and the HF model's own."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    captured = []
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        hidden = hf(input_ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    assert len(hidden) == hf.config.num_hidden_layers + 1
+    expected_aux = torch.cat([hidden[i + 1] for i in aux_layer_ids], dim=-1)
+    return max((aux - expected_aux).abs().max().item(), (final - captured[0]).abs().max().item())
 
 
 def test_eagle3_baseline_through_the_same_entry(setup):

@@ -40,7 +40,10 @@ def test_megatron_logits_equal_hf_and_round_trip_is_bit_identical(case, tmp_path
     with torch.no_grad():
         logits = causal_logits(model, ids)
     assert logits.shape[-1] == arch.padded_vocab_size(1)
-    torch.testing.assert_close(logits[..., :VOCAB], expected, atol=1e-4, rtol=0)
+    error = (logits[..., :VOCAB] - expected).abs().max().item()
+    print(f"{case}: max |megatron - hf| logits = {error:.2e}")
+    # Measured 2.1-4.2e-7 (float32 summation order); a norm epsilon 10% too large moves them by 6-7e-5.
+    assert error < 4e-6
 
     out_dir = tmp_path / "roundtrip"
     export_to_hf([model], arch, out_dir)

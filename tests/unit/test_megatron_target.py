@@ -9,6 +9,7 @@ from megatron_osprey.speculative import (
 )
 from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
 from tests.tiny_models import VOCAB, llama_config, make_hf_model
+from tests.unit.test_speculative import transformers_greedy
 
 AUX = [1, 3, 4]
 
@@ -50,6 +51,8 @@ def test_megatron_target_matches_hf_target(target, topk, draft_tokens):
     for hf_run, mg_run, reference, mg_reference in zip(hf_runs, mg_runs, greedy, mg_greedy):
         assert mg_run.tokens == hf_run.tokens == reference == mg_reference  # lossless, and the same target
         assert mg_run.verify_count == hf_run.verify_count
+    # The greedy reference of --verify-lossless against transformers' own decoder.
+    assert greedy == [transformers_greedy(hf, p, 24) for p in prompts]
 
 
 def test_megatron_target_feeds_the_model_on_its_own_device(target):

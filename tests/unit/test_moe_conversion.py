@@ -10,7 +10,7 @@ import torch
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, dequantize_fp8_blocks
-from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
+from megatron_osprey.convert.weight_map import Split, match_rule_indices, rules_for
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
@@ -70,10 +70,17 @@ def test_expert_rules_map_local_experts_and_te_grouped_names(tmp_path):
     assert rule.hf[0].format(layer=1, expert=7) == "model.layers.1.block_sparse_moe.experts.7.w1.weight"
     te_rules = rules_for(arch, "transformer_engine")
     rule, idx = match_rule_indices("decoder.layers.0.mlp.experts.linear_fc2.weight5", te_rules)
-    assert idx == {"layer": 0, "expert": 5}
-    # MoE layers keep a standalone pre-MLP norm under TE; the attention norm is fused.
-    assert match_rule_indices("decoder.layers.0.pre_mlp_layernorm.weight", te_rules) is not None
-    assert match_rule_indices("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", te_rules) is not None
+    assert idx == {"layer": 0, "expert": 5} and rule.expert
+    assert rule.hf[0].format(layer=0, expert=5) == "model.layers.0.block_sparse_moe.experts.5.w2.weight"
+    # MoE layers keep a standalone pre-MLP norm under TE; the attention norm is fused into the QKV.
+    rule, idx = match_rule_indices("decoder.layers.1.pre_mlp_layernorm.weight", te_rules)
+    assert idx == {"layer": 1} and rule.split == Split.REPLICATED
+    assert rule.hf == ("model.layers.{layer}.post_attention_layernorm.weight",)
+    rule, idx = match_rule_indices("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", te_rules)
+    assert idx == {"layer": 1} and rule.split == Split.REPLICATED
+    assert rule.hf == ("model.layers.{layer}.input_layernorm.weight",)
+    # The local spec's standalone attention norm has no place under TE: it is fused there.
+    assert match_rule_indices("decoder.layers.1.input_layernorm.weight", te_rules) is None
 
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: int):

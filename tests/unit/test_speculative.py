@@ -115,6 +115,17 @@ class OracleSession(DraftSession):
         self.nodes = []
 
 
+def transformers_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """model.generate(do_sample=False): an independent greedy decoder (its own cache and stopping)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                              pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), generation_config=config)
+    return out[0, prompt.numel():].tolist()
+
+
 CASES = [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1), ("qwen3", 160, 90, "osprey", 2)]
 
 
@@ -128,9 +139,12 @@ def test_greedy_speculative_output_is_identical_to_target_greedy(family, vocab, 
     for i in range(3):
         prompt = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
         expected = target_generate(target, prompt, max_new_tokens=15)
+        # --verify-lossless's reference is this KV-cache adapter: hold it to transformers' own decoder.
+        assert expected == transformers_greedy(model, prompt, 15)
         eos = expected[8]  # stop early at its first occurrence
         expected_eos = expected[: expected.index(eos) + 1]
         assert target_generate(target, prompt, 15, eos_token_ids=(eos,)) == expected_eos
+        assert expected_eos == transformers_greedy(model, prompt, 15, eos_token_id=eos)
         for shape in (CHAIN, TREE):
             for session in (ReferenceDraftSession(drafter), OracleSession(model, "noisy", seed=i)):
                 got = speculative_generate(target, session, prompt, SpecConfig(max_new_tokens=15, **shape))

@@ -17,10 +17,11 @@ from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
-from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus
+from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_run
 from tests.tiny_models import make_hf_model, qwen3_config
 
 ITERS = 30
+RESHARD_AT = 25  # the TP=2 run saves here; resharded runs continue to ITERS
 
 
 def config(work: Path, **parallel):
@@ -80,6 +81,29 @@ def hf_first_step_loss(work: Path, cfg) -> float:
                                              batch["labels"].reshape(-1)).item()
 
 
+def compare_adam_moments(reference: Path, other: Path, iteration: int) -> dict:
+    """Adam's exp_avg / exp_avg_sq of two checkpoints, each gathered to full tensors by its global keys.
+
+    Returns the key sets' agreement and, per moment, the largest |difference| relative to the
+    largest |value| of the same tensor. Every rank loads whole tensors (no sharding).
+    """
+    from megatron.core import dist_checkpointing
+
+    def moments(root: Path) -> dict:
+        tensors = dist_checkpointing.load_plain_tensors(str(root / f"iter_{iteration:07d}"))
+        return {k: v for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg")}
+
+    ours, theirs = moments(other), moments(reference)
+    worst = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+    for key in set(ours) & set(theirs):
+        kind = "exp_avg_sq" if key.startswith("optimizer.state.exp_avg_sq.") else "exp_avg"
+        # The vocabulary is padded to 128 x TP rows: compare the rows both layouts have.
+        rows = min(ours[key].shape[0], theirs[key].shape[0])
+        a, b = ours[key][:rows], theirs[key][:rows]
+        worst[kind] = max(worst[kind], ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item())
+    return {"same_keys": set(ours) == set(theirs), "num_tensors": len(ours), **worst}
+
+
 def main(work: Path, result_path: Path) -> None:
     results = {}
     with parallel_context(ParallelConfig()) as state:
@@ -92,19 +116,26 @@ def main(work: Path, result_path: Path) -> None:
         prune_backbone(PruneConfig(source=work / "hf_source", output=work / "backbone", num_layers=2,
                                    transformer_impl="local"), state)
         results["hf_first_loss"] = hf_first_step_loss(work, config(work))
+        # The independent reference every layout's curve is held to. Building the GPTDataset is
+        # collective, so both ranks run it (at the same time, a few seconds).
+        results["plain_pytorch"] = plain_pytorch_run(work, config(work), ITERS)[0]
 
-    # Each layout trains the same global batches; TP=2 also saves at 29 (and 30) for the reshard checks.
+    # Each layout trains the same global batches; TP=2 also saves at RESHARD_AT (and 30) for the reshard checks.
     tp2 = config(work, tensor_model_parallel_size=2)
-    tp2.checkpoint.save, tp2.checkpoint.save_interval = str(work / "ck_tp2"), 29
+    tp2.checkpoint.save, tp2.checkpoint.save_interval = str(work / "ck_tp2"), RESHARD_AT
     results["tp2"] = train(tp2)
     results["tp2_sp"] = train(config(work, tensor_model_parallel_size=2, sequence_parallel=True))
     results["pp2"] = train(config(work, pipeline_model_parallel_size=2))
     results["dp2"] = train(config(work))
 
+    # Resharded runs continue from RESHARD_AT with the TP=2 optimizer state and save at the end:
+    # their losses after the first step and their Adam moments depend on that state.
     for name, layout in (("reshard_pp2", {"pipeline_model_parallel_size": 2}), ("reshard_dp2", {})):
         cfg = config(work, **layout)
-        cfg.checkpoint.load, cfg.checkpoint.ckpt_step = str(work / "ck_tp2"), 29
+        cfg.checkpoint.load, cfg.checkpoint.ckpt_step = str(work / "ck_tp2"), RESHARD_AT
+        cfg.checkpoint.save = str(work / f"ck_{name}")
         results[name] = train(cfg)
+        results[name]["moments"] = compare_adam_moments(work / "ck_tp2", work / f"ck_{name}", ITERS)
 
     # Resume exactness with the distributed optimizer at DP=2: 20 straight vs 10 + stop + resume + 10.
     def resume_cfg():

@@ -13,6 +13,7 @@ from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
 from megatron_osprey.models.targets.megatron_stage import PrefillCapture, load_target
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from tests.store_quanta import error_in_quanta
 from tests.tiny_models import write_chat_target, write_conversations_jsonl
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "minimax_m2")
@@ -101,12 +102,12 @@ def main(work: Path, result_path: Path) -> None:
             for sample in store:
                 layers, _, _ = hf_layer_outputs(hf, sample["input_ids"][None])
                 aux = torch.cat([layers[i][0] for i in (0, 2, 4)], dim=-1)
-                # The store keeps bf16: compare against HF rounded the same way.
-                worst = max(worst, (aux.bfloat16().float() - sample["aux_hidden"]).abs().max().item(),
-                            (layers[5][0].bfloat16().float() - sample["final_hidden"]).abs().max().item())
+                # The store keeps bf16: measured in bf16 quanta of the HF value.
+                worst = max(worst, error_in_quanta(sample["aux_hidden"], aux, "bf16", 3),
+                            error_in_quanta(sample["final_hidden"], layers[5][0], "bf16", 1))
             results[f"extract_{family}_{label}_num_samples"] = len(store)
             results[f"extract_{family}_{label}_writers"] = len(store.manifest["writers"])
-            results[f"extract_{family}_{label}_max_abs"] = worst
+            results[f"extract_{family}_{label}_quanta"] = worst
 
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
