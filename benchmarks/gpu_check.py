@@ -251,10 +251,10 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
 
 
 def _max_diff(a, b) -> float:
-    from megatron.core.utils import unwrap_model as unwrap
+    from megatron.core.utils import unwrap_model
 
-    pa, pb = dict(unwrap(a).named_parameters()), dict(unwrap(b).named_parameters())
-    return max(float((pa[n].float() - pb[n].float()).abs().max()) for n in pa)
+    pa, pb = dict(unwrap_model(a).named_parameters()), dict(unwrap_model(b).named_parameters())
+    return max(float((pa[n].detach().float() - pb[n].detach().float()).abs().max()) for n in pa)
 
 
 def check_ttt_memory(sizes: Sizes) -> dict:
