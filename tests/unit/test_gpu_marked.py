@@ -118,7 +118,7 @@ def test_importance_pruning_drops_the_layers_that_do_nothing(tmp_path, parallel)
     pytest.importorskip("modelopt.torch.prune", reason="--strategy importance needs nvidia-modelopt")
     from safetensors.torch import load_file
 
-    from megatron_osprey.models.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 
     source = tmp_path / "source"
     hf = write_chat_target(source, "qwen3")  # 6 layers, with a tokenizer for the calibration text
