@@ -235,7 +235,7 @@ def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, s
 
     drafter, report = adapted
     # Same tokenizer on both sides: every ordinary row is copied, none averaged.
-    assert report["counts"]["averaged"] == 0 and report["counts"]["fallback"] == 0
+    assert report["counts"]["copied"] > 49_000 and report["counts"].get("averaged", 0) == 0
     assert list(drafter.config.aux_layer_ids) == list(SMOLLM2_AUX)
     assert smollm2_tokenizer.decode(greedy_reference[0]).startswith("```python\ndef ")  # real text, not noise
     target = HFTargetModel(smollm2, list(SMOLLM2_AUX))
