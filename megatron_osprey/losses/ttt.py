@@ -162,6 +162,12 @@ class TTTStepTerms:
     accept_sum: Tensor
 
 
+def step_masks(loss_mask: Tensor, target_in_draft: Tensor, steps: int, mask_alignment: str = "predicted"
+               ) -> list[Tensor]:
+    """step_mask() of every TTT step: the rows whose logits the loss reads."""
+    return [step_mask(loss_mask, target_in_draft, k, mask_alignment) for k in range(steps)]
+
+
 def ttt_step_terms(
     drafter_logits: list[Tensor],
     target_logits: Tensor,
@@ -173,18 +179,29 @@ def ttt_step_terms(
 ) -> list[TTTStepTerms]:
     """Per-step sums of the soft CE, the argmax agreement and sum min(p, q) over counted rows.
 
-    drafter_logits[k] [b, s, Vd/TP]: step k of the unroll; target_logits [b, s, Vd/TP]:
-    the target's logits restricted to the draft vocabulary at every position;
-    loss_mask [b, s]: assistant tokens x_j; target_in_draft [b, s]: the target's
+    drafter_logits[k]: step k of the unroll, either [b, s, Vd/TP] (every row) or [n_k, Vd/TP]
+    (only step k's counted rows, step_masks()[k], in (b, s) order: the same sums for less work);
+    target_logits [b, s, Vd/TP]: the target's logits restricted to the draft vocabulary at every
+    position; loss_mask [b, s]: assistant tokens x_j; target_in_draft [b, s]: the target's
     (full-vocabulary) argmax at j lies in the draft vocabulary.
     """
     terms = []
     for k, logits in enumerate(drafter_logits):
-        mask = step_mask(loss_mask, target_in_draft, k, mask_alignment).reshape(-1)
-        target_k = shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1])
-        result = vocab_parallel_soft_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target_k, draft_vocab_size, group
-        )
+        mask = step_mask(loss_mask, target_in_draft, k, mask_alignment)
+        target_k = shift_rows(target_logits, 1 + k)
+        if logits.dim() == 2:  # counted rows only
+            if logits.shape[0] != int(mask.sum()):
+                raise ValueError(f"TTT step {k}: {logits.shape[0]} drafter rows for {int(mask.sum())} counted rows.")
+            target_k, mask = target_k[mask], None
+        else:
+            logits, target_k, mask = logits.reshape(-1, logits.shape[-1]), target_k.reshape(
+                -1, target_logits.shape[-1]), mask.reshape(-1)
+        result = vocab_parallel_soft_cross_entropy(logits, target_k, draft_vocab_size, group)
+        if mask is None:
+            count = torch.tensor(result.loss.shape[0], device=result.loss.device)
+            terms.append(TTTStepTerms(loss_sum=result.loss.sum(), count=count,
+                                      agree_sum=result.agree.sum().detach(), accept_sum=result.accept.sum().detach()))
+            continue
         terms.append(TTTStepTerms(
             loss_sum=(result.loss * mask).sum(),
             count=mask.sum().detach(),

@@ -252,11 +252,13 @@ class OspreyDrafterModel(MegatronModule):
         return g
 
     def forward(self, input_ids: Tensor, aux_hidden: Tensor | None = None, g: Tensor | None = None, step: int = 0,
-                ttt_past: tuple = (), ttt_new: dict | None = None):
+                ttt_past: tuple = (), ttt_new: dict | None = None, rows: Tensor | None = None):
         """(logits [b, s, Vd/TP], pre-norm hidden [s(/TP), b, H]) for one pass at position offset `step`.
 
         ttt_past: the {layer_number: (key, value)} of earlier TTT steps (step 0 first);
         ttt_new, when given, receives this pass's keys and values.
+        rows [b, s] bool, when given: logits of those rows only, [n, Vd/TP] in (b, s) order. The LM head
+        is most of a small drafter's cost, and a TTT step needs logits only where its loss counts.
         """
         if (aux_hidden is None) == (g is None):
             raise ValueError("the drafter needs exactly one of aux_hidden (step 0) or g (later TTT steps).")
@@ -269,24 +271,34 @@ class OspreyDrafterModel(MegatronModule):
         rotary = self.rotary_pos_emb(seq + step)[step:]
         inputs = DrafterAttentionInputs(side=side, past=tuple(ttt_past), new=ttt_new)
         hidden = self.decoder(hidden_states=stream, attention_mask=inputs, rotary_pos_emb=rotary)
-        logits, _ = self.output_layer(self.final_layernorm(hidden))
-        return logits.transpose(0, 1).contiguous(), hidden
+        normed = self.final_layernorm(hidden)
+        if rows is not None and not self.config.sequence_parallel:
+            # Row-wise ops (norm, head) on the selected rows equal the same rows of the full pass.
+            selected = normed.transpose(0, 1)[rows]
+            logits, _ = self.output_layer(selected[:, None])
+            return logits[:, 0], hidden
+        logits, _ = self.output_layer(normed)
+        logits = logits.transpose(0, 1).contiguous()
+        # Under sequence parallelism the head's input is sequence-sharded: select after the gather.
+        return (logits if rows is None else logits[rows]), hidden
 
-    def ttt_forward(self, input_ids: Tensor, aux_hidden: Tensor, steps: int):
+    def ttt_forward(self, input_ids: Tensor, aux_hidden: Tensor, steps: int, rows: list[Tensor] | None = None):
         """Per-step logits (and pre-norm hiddens) of a K-step training-time-test unroll.
 
         Step k reads input_ids shifted left by k (zero-padded), positions + k and
         g = step k-1's pre-norm output; rows t >= s-k are padding for the loss.
+        rows[k] [b, s] bool, when given: step k's logits for those rows only ([n_k, Vd/TP]).
         """
         logits_per_step, hidden_per_step, past = [], [], ()
         g = None
         for k in range(steps):
             ids_k = torch.nn.functional.pad(input_ids[:, k:], (0, min(k, input_ids.shape[1])))
             new: dict = {}
+            rows_k = None if rows is None else rows[k]
             if k == 0:
-                logits, hidden = self(ids_k, aux_hidden=aux_hidden, step=0, ttt_past=past, ttt_new=new)
+                logits, hidden = self(ids_k, aux_hidden=aux_hidden, step=0, ttt_past=past, ttt_new=new, rows=rows_k)
             else:
-                logits, hidden = self(ids_k, g=g, step=k, ttt_past=past, ttt_new=new)
+                logits, hidden = self(ids_k, g=g, step=k, ttt_past=past, ttt_new=new, rows=rows_k)
             past = past + (new,)
             logits_per_step.append(logits)
             hidden_per_step.append(hidden)

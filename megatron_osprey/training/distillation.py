@@ -17,7 +17,7 @@ from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
-from megatron_osprey.losses.ttt import drafter_inputs, ttt_objective, ttt_step_terms
+from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
@@ -101,7 +101,9 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         draft_logits, in_draft = head(final)
         drafter = unwrap_model(model)
         dtype = drafter.fusion_fc.weight.dtype
-        logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps)
+        # Each step's LM head runs on the rows its loss counts only (same loss, a fraction of the work).
+        rows = step_masks(batch["loss_mask"], in_draft, cfg.ttt.ttt_steps, cfg.ttt.mask_alignment)
+        logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps, rows)
         terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group,
                                cfg.ttt.mask_alignment)
         # The same numerator and denominator as ttt_loss(): Megatron sums both over

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_osprey.losses.ttt import (
-    TTTLossConfig, drafter_inputs, reference_ttt_loss, step_mask, ttt_loss, vocab_parallel_argmax,
+    TTTLossConfig, drafter_inputs, reference_ttt_loss, step_mask, step_masks, ttt_loss, vocab_parallel_argmax,
 )
 from megatron_osprey.models.drafter import build_drafter_model
 from megatron_osprey.models.drafter_convert import load_reference_state
@@ -50,6 +50,38 @@ def test_megatron_ttt_loss_equals_step_by_step_reference(target, draft_vocab, st
     if draft_vocab < TARGET_VOCAB:  # the argmax-in-draft mask removed some rows
         assert not bool(in_draft.all()) and bool(in_draft.any())
     assert model.fusion_fc.weight.grad.abs().sum() > 0
+
+
+def test_head_on_counted_rows_only_gives_the_same_loss_and_gradients(target):
+    """Distillation runs the drafter's LM head on each step's counted rows only; nothing may change."""
+    target_dir, _ = target
+    arch, reference = make_drafter(200)
+    batch = make_batch()
+    config = TTTLossConfig(ttt_steps=3)
+    ids = drafter_inputs(batch["input_ids"])
+    results = []
+    with parallel_context(ParallelConfig()):
+        model = build_drafter_model(arch, ParallelConfig())
+        load_reference_state(model, reference.state_dict(), 0, 1)
+        head = TargetHead.from_hf(target_dir, reference.t2d)
+        draft_logits, in_draft = head(batch["final_hidden"])
+        rows = step_masks(batch["loss_mask"], in_draft, 3)
+        assert 0 < sum(int(r.sum()) for r in rows) < 3 * rows[0].numel()  # some rows are skipped
+        for selected in (None, rows):
+            model.zero_grad()
+            logits, _ = model.ttt_forward(ids, batch["aux_hidden"], 3, selected)
+            loss, metrics = ttt_loss(logits, draft_logits, batch["loss_mask"], in_draft, 200, config)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss.detach(), metrics, grads))
+    (full, full_metrics, full_grads), (part, part_metrics, part_grads) = results
+    assert logits[0].dim() == 2 and logits[0].shape[0] == int(rows[0].sum())
+    torch.testing.assert_close(part, full, atol=1e-6, rtol=1e-6)
+    for key in full_metrics:
+        torch.testing.assert_close(part_metrics[key].float(), full_metrics[key].float(), atol=1e-6, rtol=1e-6)
+    assert full_grads.keys() == part_grads.keys() and "output_layer.weight" in full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(part_grads[name], grad, atol=1e-6, rtol=1e-5)
 
 
 def test_masks_follow_the_shift_convention():
