@@ -70,7 +70,9 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> "DemoConfig":
-        return cls()
+        """`make demo`, sized by measurement to finish in 30 minutes on 2 CPU cores from a cold cache:
+        one training domain (chat: in domain) against five eval domains (four out of domain)."""
+        return cls(train_domains=("chat",), n_train=96, eval_tokens=32)
 
     @classmethod
     def smoke(cls) -> "DemoConfig":
