@@ -1,4 +1,5 @@
-"""python -m megatron_osprey.demo [--full] [--output demo_out] [--fresh]: the Osprey pipeline on a real target."""
+"""python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--output demo_out] [--fresh]:
+the Osprey pipeline on a real target."""
 
 import argparse
 import sys
@@ -12,12 +13,17 @@ def main(argv=None) -> int:
     size.add_argument("--full", action="store_true",
                       help="every training domain, 3 seeds per arm, 32 prompts x 128 tokens, cross-tokenizer arm")
     size.add_argument("--smoke", action="store_true", help="every stage at the smallest size (minutes)")
+    parser.add_argument("--cross-tokenizer", action="store_true",
+                        help="add the cross-tokenizer arm (a small LM with the Llama-3 tokenizer, adapted to the "
+                             "target's vocabulary) to a quick or smoke run; --full always has it")
     parser.add_argument("--fresh", action="store_true",
                         help="replace a previous demo run in --output instead of resuming it")
     args = parser.parse_args(argv)
     from megatron_osprey.demo.pipeline import DemoConfig, run_demo
 
     cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
+    if args.cross_tokenizer:
+        cfg = cfg.with_cross_tokenizer()
     try:
         report = run_demo(cfg, args.output, fresh=args.fresh)
     except RuntimeError as error:

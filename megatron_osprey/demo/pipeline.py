@@ -86,6 +86,12 @@ class DemoConfig:
         return cls(train_domains=("chat", "code", "math", "prose", "multilingual"), n_train=96, n_eval=32,
                    backbone_iters=120, eval_tokens=128, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
 
+    def with_cross_tokenizer(self) -> "DemoConfig":
+        """This size plus the cross-tokenizer arm; its small LM trains 5 steps per backbone step (300 at full)."""
+        if self.cross_tokenizer is not None:
+            return self
+        return dataclasses.replace(self, cross_tokenizer=SmallLM(iters=min(300, 5 * self.backbone_iters)))
+
     def draft_vocab_size(self, target_vocab: int) -> int:
         return int(round(self.draft_vocab_fraction * target_vocab))
 
