@@ -74,7 +74,7 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
                 "--output-prefix", p["pretrain_data"], "--workers", str(d.preprocess_workers)]
     if stage == "pretrain":
         _need(recipe, stage, "model")
-        return config_flags(recipe.config(), ARGUMENT_GROUPS)
+        return config_flags(recipe.config(stage), ARGUMENT_GROUPS)
     if stage == "adapt":
         _need(recipe, stage, "target")
         flags = ["--backbone", p["backbone"], "--target", p["target"], "--output", p["drafter_init"], *_aux(recipe)]
@@ -97,7 +97,7 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         return flags + ["--max-length", str(recipe.training.seq_length), "--micro-batch-size", "1"]
     if stage == "distill":
         _need(recipe, stage, "target")
-        return config_flags(recipe.config(), DISTILL_GROUPS)
+        return config_flags(recipe.config(stage), DISTILL_GROUPS)
     if stage == "eval":
         _need(recipe, stage, "target")
         data = [recipe.domain_path("eval_data", domain) for domain in dr.eval_domains]

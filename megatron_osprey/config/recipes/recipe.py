@@ -72,6 +72,7 @@ class Training:
     use_distributed_optimizer: bool = True
     save_interval: int = 1000
     eval_interval: int = 1000
+    eval_iters: int = 10  # validation batches per evaluation (pretraining only)
     log_interval: int = 10
     wandb_project: str | None = "osprey"
     seed: int = 1234
@@ -235,14 +236,15 @@ class Recipe:
         """paths.<key> resolved for another domain (the eval matrix reads every domain)."""
         return dataclasses.replace(self, drafter=dataclasses.replace(self.drafter, domain=domain)).resolved_paths()[key]
 
-    def config(self, *, paths: bool = True) -> Union[PretrainConfig, DistillConfig]:
-        """The stage config the entry point runs from; paths=False leaves every file and directory unset."""
-        if self.stage == "pretrain":
+    def config(self, stage: str | None = None, *, paths: bool = True) -> Union[PretrainConfig, DistillConfig]:
+        """The config `stage`'s entry point runs from (default: the recipe's stage); paths=False leaves every
+        file and directory unset."""
+        stage = stage or self.stage
+        if stage == "pretrain":
             return _pretrain_config(self, paths)
-        if self.stage == "distill":
+        if stage == "distill":
             return _distill_config(self, paths)
-        raise ValueError(f"recipe {self.name} is a {self.stage} recipe; only pretrain and distill recipes have a "
-                         f"training config.")
+        raise ValueError(f"recipe {self.name}: stage {stage} has no training config (pretrain and distill have).")
 
 
 def pretrain_data_prefixes(recipe: Recipe) -> list[str]:
@@ -273,10 +275,10 @@ def _common(recipe: Recipe, cfg, parallel: ParallelConfig, paths: bool):
     opt = cfg.optimizer
     opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_style = t.lr, t.min_lr, t.warmup_iters(), t.lr_decay_style
     opt.weight_decay, opt.clip_grad, opt.use_distributed_optimizer = t.weight_decay, t.clip_grad, t.use_distributed_optimizer
-    cfg.checkpoint.save_interval = t.save_interval
     cfg.logging.log_interval, cfg.logging.wandb_project = t.log_interval, t.wandb_project
     if paths:
         save = recipe.resolved_paths()["save"]
+        cfg.checkpoint.save_interval = t.save_interval
         # --load is the --save directory: a requeued job resumes from its own latest checkpoint.
         cfg.checkpoint.save = cfg.checkpoint.load = save
         cfg.training.exit_signal_handler = True
@@ -297,7 +299,7 @@ def _pretrain_config(recipe: Recipe, paths: bool) -> PretrainConfig:
     cfg.model.bf16, cfg.model.transformer_impl = t.bf16, t.transformer_impl
     if t.fp8_format:
         cfg.model.fp8_format, cfg.model.fp8_recipe = t.fp8_format, t.fp8_recipe or "delayed"
-    cfg.logging.eval_interval, cfg.data.split = t.eval_interval, recipe.data.split
+    cfg.logging.eval_interval, cfg.logging.eval_iters, cfg.data.split = t.eval_interval, t.eval_iters, recipe.data.split
     if paths:
         cfg.model.backbone = recipe.resolved_paths()["backbone"]
         cfg.data.data_path = pretrain_data_prefixes(recipe)

@@ -51,7 +51,7 @@ def _backbone_pretrain(iters: int, hardware: str, precision: str) -> Recipe:
     training = Training(
         micro_batch_size=4, global_batch_size=256, seq_length=4096, train_iters=iters,
         lr=3e-4, min_lr=3e-5, lr_warmup_fraction=None, lr_warmup_iters=2000 if iters > 20_000 else 500,
-        weight_decay=0.1, clip_grad=1.0, fp8_format=fp8_format, fp8_recipe=fp8_recipe,
+        weight_decay=0.1, clip_grad=1.0, fp8_format=fp8_format, fp8_recipe=fp8_recipe, eval_iters=20,
     )
     return Recipe(
         name="", stage="pretrain", hardware=hardware, precision=precision,
@@ -397,7 +397,8 @@ def _tiny_training() -> Training:
     return Training(
         micro_batch_size=2, global_batch_size=4, seq_length=64, train_iters=20, lr=1e-3, min_lr=1e-4,
         lr_warmup_fraction=0.1, weight_decay=0.01, bf16=False, transformer_impl="local",
-        use_distributed_optimizer=False, save_interval=10, eval_interval=10, log_interval=1, wandb_project=None,
+        use_distributed_optimizer=False, save_interval=10, eval_interval=10, eval_iters=2, log_interval=1,
+        wandb_project=None,
     )
 
 
