@@ -331,3 +331,10 @@ def test_plan_refuses_a_zero_batch_size_in_one_line(capsys):
     assert cli.main(["plan", recipe, "--set", "training.micro_batch_size=0"]) == 2
     err = capsys.readouterr().err
     assert "training.micro_batch_size must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_a_recipe_setting_the_entry_point_cannot_take_is_refused_before_launch():
+    # Pretraining has no expert parallelism flag: the launcher says so instead of starting a job that would not parse.
+    recipe = resolve_recipe("tiny_cpu_backbone_pretrain_2proc_fp32", ["layout.expert_model_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"parallel.expert_model_parallel_size = 2 has no command-line flag"):
+        entry_args(recipe, "pretrain")
