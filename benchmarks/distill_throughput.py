@@ -24,14 +24,14 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     args = parser.parse_args()
 
-    from megatron_osprey.config.distill_recipes import tiny_distill_cpu_fp32
+    from megatron_osprey.config.recipes import get_recipe
     from megatron_osprey.parallel import parallel_context
     from megatron_osprey.training.distillation import run_distill
     from tests.distill_fixtures import build_distill_setup
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = build_distill_setup(Path(tmp))
-        cfg = tiny_distill_cpu_fp32()
+        cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").config(paths=False)
         cfg.target.target, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
         cfg.data.data_path = [str(setup["data"])]
         cfg.training.train_iters = args.iters

@@ -15,10 +15,9 @@ import shlex
 import subprocess
 import sys
 
+from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe, takes_domain
 from launcher.commands import ENTRY_POINTS, REPO_ROOT, local_argv
-from launcher.overrides import resolve_recipe
 from launcher.plan import make_plan
-from launcher.recipes import RECIPES, get_recipe, takes_domain
 from launcher.render import SubmitOptions
 from launcher.submit import submit
 

@@ -1,4 +1,8 @@
-"""Recipe + stage -> the entry point's argv (Megatron-LM flag names), locally or for a Slurm task."""
+"""Recipe + stage -> the entry point's argv (Megatron-LM flag names), locally or for a Slurm task.
+
+Pretrain and distill render the recipe's own config (Recipe.config()) as the flags that rebuild it,
+so the job runs the config the entry point's `--recipe NAME` would give.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from launcher.recipe import Recipe
+from megatron_osprey.config.args import ARGUMENT_GROUPS, config_flags, flag_word
+from megatron_osprey.config.distill_args import DISTILL_GROUPS
+from megatron_osprey.config.recipes.recipe import Recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,71 +40,9 @@ ENTRY_POINTS = {
 }
 
 
-def _num(value: float) -> str:
-    """A number as a flag value; whole floats without the trailing .0."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
 def _need(recipe: Recipe, stage: str, what: str) -> None:
     if getattr(recipe, what) is None:
         raise ValueError(f"recipe {recipe.name} has no {what} model; `osprey {stage}` needs one (set {what}=<shape>).")
-
-
-def pretrain_data_prefixes(recipe: Recipe) -> list[str]:
-    """The indexed-dataset prefixes Stage 2 reads: one per preprocessing array task."""
-    prefix = recipe.resolved_paths()["pretrain_data"]
-    key = recipe.data.tokenizer_json_key
-    if recipe.data.preprocess_files == 1:
-        return [f"{prefix}_{key}_document"]
-    return [f"{prefix}_{i:05d}_{key}_document" for i in range(recipe.data.preprocess_files)]
-
-
-def training_flags(recipe: Recipe) -> list[str]:
-    """Megatron-LM's parallel, batch, optimizer, precision, checkpoint and logging flags."""
-    lay, t, paths = recipe.layout, recipe.training, recipe.resolved_paths()
-    flags = [
-        "--tensor-model-parallel-size", str(lay.tensor_model_parallel_size),
-        "--pipeline-model-parallel-size", str(lay.pipeline_model_parallel_size),
-    ]
-    if lay.expert_model_parallel_size > 1:
-        flags += ["--expert-model-parallel-size", str(lay.expert_model_parallel_size)]
-    if lay.context_parallel_size > 1:
-        flags += ["--context-parallel-size", str(lay.context_parallel_size)]
-    if lay.sequence_parallel:
-        flags.append("--sequence-parallel")
-    if t.use_distributed_optimizer:
-        flags.append("--use-distributed-optimizer")
-    flags += [
-        "--micro-batch-size", str(t.micro_batch_size),
-        "--global-batch-size", str(t.global_batch_size),
-        "--seq-length", str(t.seq_length),
-        "--train-iters", str(t.iterations()),
-        "--lr", _num(t.lr), "--min-lr", _num(t.min_lr),
-        "--lr-warmup-iters", str(t.warmup_iters()),
-        "--lr-decay-style", t.lr_decay_style,
-        "--weight-decay", _num(t.weight_decay),
-        "--clip-grad", _num(t.clip_grad),
-    ]
-    if t.bf16:
-        flags.append("--bf16")
-    if t.fp8_format:
-        flags += ["--fp8-format", t.fp8_format, "--fp8-recipe", t.fp8_recipe or "delayed"]
-    # --load is the --save directory: a requeued job resumes from its own latest checkpoint.
-    flags += [
-        "--transformer-impl", t.transformer_impl,
-        "--save", paths["save"], "--load", paths["save"],
-        "--save-interval", str(t.save_interval), "--exit-signal-handler",
-        "--log-interval", str(t.log_interval),
-        "--tensorboard-dir", f"{paths['save']}/tensorboard",
-        "--seed", str(t.seed),
-    ]
-    if recipe.stage == "pretrain":  # distillation runs no validation split and refuses the flag
-        flags += ["--eval-interval", str(t.eval_interval)]
-    if t.wandb_project:
-        flags += ["--wandb-project", t.wandb_project, "--wandb-exp-name", recipe.run_name]
-    return flags
 
 
 def target_parallel_flags(recipe: Recipe, prefix: str) -> list[str]:
@@ -119,25 +63,6 @@ def _aux(recipe: Recipe) -> list[str]:
     return ["--aux-layer-ids", *map(str, ids)] if ids else []
 
 
-def shared_tensor_parallel(recipe: Recipe) -> tuple[int, bool]:
-    """(TP size, sequence parallel) of distillation: drafter and target share one TP group, the larger size wins.
-
-    A MoE target at TP > 1 also needs sequence parallelism (Megatron-Core's MoE with TP).
-    """
-    lay = recipe.layout
-    size = max(lay.tensor_model_parallel_size, lay.target_tensor_model_parallel_size)
-    return size, lay.sequence_parallel or bool(recipe.target.num_experts and size > 1)
-
-
-def _shared_tensor_parallel(recipe: Recipe, flags: list[str]) -> list[str]:
-    size, sequence_parallel = shared_tensor_parallel(recipe)
-    flags = list(flags)
-    flags[flags.index("--tensor-model-parallel-size") + 1] = str(size)
-    if sequence_parallel and "--sequence-parallel" not in flags:
-        flags.append("--sequence-parallel")
-    return flags
-
-
 def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = None) -> list[str]:
     """The entry point's flags for `stage`, built from the recipe (without the interpreter)."""
     p, d, dr = recipe.resolved_paths(), recipe.data, recipe.drafter
@@ -149,8 +74,7 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
                 "--output-prefix", p["pretrain_data"], "--workers", str(d.preprocess_workers)]
     if stage == "pretrain":
         _need(recipe, stage, "model")
-        return ["--backbone", p["backbone"], *training_flags(recipe),
-                "--data-path", *pretrain_data_prefixes(recipe), "--split", d.split]
+        return config_flags(recipe.config(stage), ARGUMENT_GROUPS)
     if stage == "adapt":
         _need(recipe, stage, "target")
         flags = ["--backbone", p["backbone"], "--target", p["target"], "--output", p["drafter_init"], *_aux(recipe)]
@@ -162,7 +86,7 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         flags = ["--input", p["prompts"], "--output", p["conversations"], "--backend", "server"]
         for url in server_urls if server_urls is not None else d.regenerate_server_urls:
             flags += ["--server-url", url]
-        return flags + ["--temperature", _num(d.regenerate_temperature), "--max-tokens", str(d.regenerate_max_tokens),
+        return flags + ["--temperature", flag_word(d.regenerate_temperature), "--max-tokens", str(d.regenerate_max_tokens),
                         "--concurrency", str(d.regenerate_concurrency)]
     if stage == "extract":
         _need(recipe, stage, "target")
@@ -173,22 +97,7 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         return flags + ["--max-length", str(recipe.training.seq_length), "--micro-batch-size", "1"]
     if stage == "distill":
         _need(recipe, stage, "target")
-        flags = ["--target", p["target"]]
-        if dr.method == "eagle3":
-            # The draft vocabulary is the training data's top-K assistant tokens, counted by distill itself.
-            flags += ["--baseline", "eagle3", "--eagle3-num-layers", str(dr.num_layers)]
-            if dr.draft_vocab_size:
-                flags += ["--draft-vocab-size", str(dr.draft_vocab_size)]
-        else:
-            flags += ["--drafter-init", p["drafter_init"]]
-        flags += ["--mode", dr.mode]
-        flags += ["--data-path", p["conversations"]] if dr.mode == "online" else ["--hidden-states", p["hidden_states"]]
-        flags += ["--ttt-steps", str(dr.ttt_steps), *target_parallel_flags(recipe, "--target-")]
-        if dr.method == "eagle3":
-            flags += _aux(recipe)  # Osprey's aux taps come with its Stage 3 output
-        if dr.domain:
-            flags += ["--domain", dr.domain]
-        return flags + _shared_tensor_parallel(recipe, training_flags(recipe))
+        return config_flags(recipe.config(stage), DISTILL_GROUPS)
     if stage == "eval":
         _need(recipe, stage, "target")
         data = [recipe.domain_path("eval_data", domain) for domain in dr.eval_domains]

@@ -25,9 +25,9 @@ import math
 
 from megatron_osprey.models.memory_estimate import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory
 from megatron_osprey.models.ttt_attention import ttt_attention_bytes
-from launcher.commands import ENTRY_POINTS, shared_tensor_parallel
-from launcher.recipe import GPU_MEMORY_GIB, Recipe
-from launcher.shapes import ModelShape
+from megatron_osprey.config.recipes.recipe import GPU_MEMORY_GIB, Recipe, shared_tensor_parallel
+from megatron_osprey.config.recipes.shapes import ModelShape
+from launcher.commands import ENTRY_POINTS
 
 TRAINED_STAGES = ("pretrain", "distill")
 TARGET_STAGES = ("distill", "extract")
@@ -259,7 +259,7 @@ def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
     if stage not in ENTRY_POINTS:
         raise ValueError(f"--stage {stage!r} is not one of {', '.join(ENTRY_POINTS)}.")
     if stage == "distill" and recipe.target is not None:
-        # What the distill command runs: drafter and target on one TP group (launcher.commands).
+        # What the distill config runs: drafter and target on one TP group (Recipe.config()).
         size, sequence_parallel = shared_tensor_parallel(recipe)
         recipe = dataclasses.replace(recipe, layout=dataclasses.replace(
             recipe.layout, tensor_model_parallel_size=size, sequence_parallel=sequence_parallel))

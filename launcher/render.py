@@ -21,7 +21,7 @@ import shlex
 from pathlib import Path
 
 from launcher.commands import REPO_ROOT, entry_args
-from launcher.recipe import Recipe
+from megatron_osprey.config.recipes.recipe import Recipe
 
 TEMPLATE_DIR = REPO_ROOT / "slurm"
 STAGE_TEMPLATES = {

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_osprey.base.atomic_io import write_text_atomic
 from launcher.commands import REPO_ROOT
-from launcher.recipe import Recipe
+from megatron_osprey.config.recipes.recipe import Recipe
 from launcher.render import SubmitOptions, render
 
 

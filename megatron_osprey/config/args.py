@@ -2,22 +2,24 @@
 
 Precedence: dataclass defaults < `--recipe` < explicit flags < `--set section.key=value`.
 Only flags the user typed are applied (argparse.SUPPRESS), so a recipe is never
-silently overwritten by a flag's default.
+silently overwritten by a flag's default. `config_flags` is the inverse: the flags that
+rebuild a config from the defaults, which is how the `osprey` launcher starts a job.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.config.pretrain import FP8_FORMATS, FP8_RECIPES, LR_DECAY_STYLES, PretrainConfig
-from megatron_osprey.config.recipes import RECIPES, recipe
+from megatron_osprey.config.recipes import stage_config
 
 STORE_TRUE = {"action": "store_true"}
 
-# group -> [(flag, "section.field", argparse kwargs)]
-ARGUMENT_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
+Flag = tuple[str, str, dict[str, Any]]  # (flag, "section.field", argparse kwargs)
+ARGUMENT_GROUPS: dict[str, list[Flag]] = {
     "model": [
         ("--backbone", "model.backbone", {"help": "Stage 1 output directory (run_config.yaml, megatron/, hf/)"}),
         ("--hf-model", "model.hf_model", {"help": "a HF model directory to start from instead"}),
@@ -95,24 +97,40 @@ ARGUMENT_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
 }
 
 
-def build_parser(prog: str = "python -m megatron_osprey.pretrain") -> argparse.ArgumentParser:
-    """The Stage 2 parser; only typed flags land in the namespace."""
-    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS,
-                                     description="Stage 2: pretrain the pruned Osprey backbone.")
-    parser.add_argument("--recipe", choices=sorted(RECIPES), help="start from a named recipe")
+def build_parser(prog: str, description: str, stage: str, groups: dict[str, list[Flag]]) -> argparse.ArgumentParser:
+    """A stage's parser: --recipe, --set and its flag groups; only typed flags land in the namespace."""
+    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, description=description)
+    parser.add_argument("--recipe", metavar="NAME[:DOMAIN]", type=lambda spec: _recipe(spec, stage),
+                        help=f"start from a registered {stage} recipe (`osprey recipes` lists them)")
     parser.add_argument("--set", dest="overrides", action="append", metavar="SECTION.KEY=VALUE",
                         help="override any config key (repeatable; applied last)")
-    for title, flags in ARGUMENT_GROUPS.items():
+    for title, flags in groups.items():
         group = parser.add_argument_group(title)
         for flag, dest, kwargs in flags:
             group.add_argument(flag, dest=dest, **kwargs)
     return parser
 
 
+def _recipe(spec: str, stage: str):
+    """--recipe's value: the registry's config for that stage (argparse turns the error into one line)."""
+    try:
+        cfg = stage_config(spec, stage)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    cfg.recipe = spec
+    return cfg
+
+
+def pretrain_parser() -> argparse.ArgumentParser:
+    """The Stage 2 parser."""
+    return build_parser("python -m megatron_osprey.pretrain", "Stage 2: pretrain the pruned Osprey backbone.",
+                        "pretrain", ARGUMENT_GROUPS)
+
+
 def config_from_args(argv: list[str] | None) -> PretrainConfig:
     """Parse argv into a resolved PretrainConfig (recipe, then flags, then --set)."""
-    namespace = vars(build_parser().parse_args(argv))
-    return apply_flags(recipe(namespace.pop("recipe", None)), namespace)
+    namespace = vars(pretrain_parser().parse_args(argv))
+    return apply_flags(namespace.pop("recipe", None) or PretrainConfig(), namespace)
 
 
 def apply_flags(cfg, namespace: dict[str, Any]):
@@ -125,3 +143,51 @@ def apply_flags(cfg, namespace: dict[str, Any]):
         else:
             setattr(cfg, dest, value)
     return apply_overrides(cfg, overrides)
+
+
+def _get(cfg, dest: str):
+    for part in dest.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def config_flags(cfg, groups: dict[str, list[Flag]]) -> list[str]:
+    """The flags that turn the defaults into cfg (a field off its default without a flag is an error)."""
+    default, flags, covered = type(cfg)(), [], set()
+    for entries in groups.values():
+        for flag, dest, kwargs in entries:
+            covered.add(dest)
+            value = _get(cfg, dest)
+            if value == _get(default, dest):
+                continue
+            action = kwargs.get("action")
+            if action in ("store_true", "store_false"):
+                if value is not (action == "store_true"):
+                    raise ValueError(f"{flag}: {dest} = {value!r} cannot be given by this flag.")
+                flags.append(flag)
+            elif isinstance(value, (list, tuple)):
+                flags += [flag, *map(flag_word, value)]
+            elif value is None:
+                raise ValueError(f"{flag}: cannot be set back to unset on the command line; leave it at its default.")
+            else:
+                flags += [flag, flag_word(value)]
+    for dest in _leaves(cfg):
+        if dest not in covered and dest != "recipe" and _get(cfg, dest) != _get(default, dest):
+            raise ValueError(f"{dest} = {_get(cfg, dest)!r} has no command-line flag; leave it at its default.")
+    return flags
+
+
+def flag_word(value) -> str:
+    """A value as a flag word; whole floats without the trailing .0."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _leaves(cfg, prefix: str = "") -> list[str]:
+    out = []
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        name = f"{prefix}{field.name}"
+        out += _leaves(value, f"{name}.") if dataclasses.is_dataclass(value) else [name]
+    return out

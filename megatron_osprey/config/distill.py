@@ -49,6 +49,10 @@ class TargetSection:
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int | None = None
     expert_tensor_parallel_size: int | None = None
+    # An FP8 forward of the frozen target (hybrid/tensorwise on H100, e4m3/mxfp8 on B200), as the *_fp8 and
+    # *_mxfp8 recipes ask. It reaches the job so that the job can refuse it: the target is built in BF16.
+    fp8_format: str | None = None
+    fp8_recipe: str | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +115,12 @@ class DistillConfig:
                 "for targets that need it)."
             )
         self.resolve_target_layout()
+        if target.fp8_format or target.fp8_recipe:
+            raise ValueError(
+                f"--target-fp8-format {target.fp8_format} / --target-fp8-recipe {target.fp8_recipe}: an FP8 forward "
+                f"of the frozen target is not implemented (it is built in BF16); drop both flags, or use the "
+                f"recipe's _bf16 variant."
+            )
         if self.ttt.ttt_steps < 1:
             raise ValueError(f"--ttt-steps must be >= 1, got {self.ttt.ttt_steps}.")
         validate_training(self.training, self.parallel, world_size)

@@ -6,17 +6,16 @@ Precedence as in Stage 2: dataclass defaults (the paper's) < `--recipe` < typed 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from megatron_osprey.config.args import ARGUMENT_GROUPS, STORE_TRUE, apply_flags
+from megatron_osprey.config.args import ARGUMENT_GROUPS, STORE_TRUE, Flag, apply_flags, build_parser
 from megatron_osprey.config.distill import BASELINES, MODES, DistillConfig
-from megatron_osprey.config.distill_recipes import DISTILL_RECIPES, distill_recipe
+from megatron_osprey.config.pretrain import FP8_FORMATS, FP8_RECIPES
 
 SHARED_GROUPS = ("distributed", "training", "learning rate", "checkpointing", "logging")
 # Shared flags Stage 4 has no use for: it runs no validation split. argparse refuses them by name.
 NOT_HONOURED = ("--eval-interval", "--eval-iters")
 
-DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
+_OWN_GROUPS: dict[str, list[Flag]] = {
     "drafter": [
         ("--drafter-init", "drafter.drafter_init", {"help": "Stage 3 output (tools/adapt_drafter.py --output)"}),
         ("--baseline", "drafter.baseline", {"choices": list(BASELINES), "help": "train EAGLE-3 from scratch instead"}),
@@ -44,6 +43,9 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--target-pipeline-model-parallel-size", "target.pipeline_model_parallel_size", {"type": int}),
         ("--target-expert-model-parallel-size", "target.expert_model_parallel_size", {"type": int}),
         ("--target-expert-tensor-parallel-size", "target.expert_tensor_parallel_size", {"type": int}),
+        ("--target-fp8-format", "target.fp8_format", {"choices": list(FP8_FORMATS),
+                                                      "help": "FP8 forward of the frozen target (refused: not implemented)"}),
+        ("--target-fp8-recipe", "target.fp8_recipe", {"choices": list(FP8_RECIPES)}),
         ("--hidden-states", "target.hidden_states", {"help": "offline: the store from tools/extract_hidden_states.py"}),
         ("--data-path", "data.data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
         ("--domain", "data.domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
@@ -52,25 +54,19 @@ DISTILL_GROUPS: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("--lr-warmup-fraction", "lr_warmup_fraction", {"type": float, "help": "warmup as a fraction of the run (0.04)"}),
     ],
 }
+# Every flag Stage 4 takes: the shared groups without the validation flags, then its own.
+DISTILL_GROUPS: dict[str, list[Flag]] = {
+    title: [entry for entry in ARGUMENT_GROUPS[title] if entry[0] not in NOT_HONOURED] for title in SHARED_GROUPS
+} | _OWN_GROUPS
 
 
-def build_parser(prog: str = "python -m megatron_osprey.distill") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS,
-                                     description="Stage 4: distill an Osprey (or EAGLE-3) drafter with the TTT loss.")
-    parser.add_argument("--recipe", choices=sorted(DISTILL_RECIPES), help="start from a named recipe")
-    parser.add_argument("--set", dest="overrides", action="append", metavar="SECTION.KEY=VALUE",
-                        help="override any config key (repeatable; applied last)")
-    groups = {name: ARGUMENT_GROUPS[name] for name in SHARED_GROUPS} | DISTILL_GROUPS
-    for title, flags in groups.items():
-        group = parser.add_argument_group(title)
-        for flag, dest, kwargs in flags:
-            if flag in ("--transformer-impl", "--bf16") and title != "drafter" or flag in NOT_HONOURED:
-                continue
-            group.add_argument(flag, dest=dest, **kwargs)
-    return parser
+def distill_parser() -> argparse.ArgumentParser:
+    """The Stage 4 parser."""
+    return build_parser("python -m megatron_osprey.distill",
+                        "Stage 4: distill an Osprey (or EAGLE-3) drafter with the TTT loss.", "distill", DISTILL_GROUPS)
 
 
 def distill_config_from_args(argv: list[str] | None) -> DistillConfig:
     """Parse argv into a resolved DistillConfig (recipe, then flags, then --set)."""
-    namespace = vars(build_parser().parse_args(argv))
-    return apply_flags(distill_recipe(namespace.pop("recipe", None)), namespace)
+    namespace = vars(distill_parser().parse_args(argv))
+    return apply_flags(namespace.pop("recipe", None) or DistillConfig(), namespace)

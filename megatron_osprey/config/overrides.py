@@ -1,7 +1,7 @@
 """`--set section.key=value` overrides on a tree of dataclasses and dicts: the one implementation.
 
 The stage entry points apply them to their config (PretrainConfig, DistillConfig)
-and the `osprey` launcher to its Recipe. Values are read as YAML, then checked
+and the `osprey` launcher to its Recipe (config/recipes). Values are read as YAML, then checked
 against the field they replace so that a typo does not silently become a string.
 Dataclasses are replaced, never mutated, so frozen ones work too.
 """
@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import yaml
 
-# convert(current, value, where) -> the value to store, or NotImplemented to coerce as usual;
-# lets a caller give fields of its own types (the launcher's model shapes) their own reading.
-Convert = Callable[[Any, Any, str], Any]
+# convert(node, key, value, where) -> the value to store in node.key, or NotImplemented to coerce as
+# usual; lets a caller give fields of its own types (a recipe's model shapes) their own reading.
+Convert = Callable[[Any, str, Any, str], Any]
 
 
 def parse_value(raw: str) -> Any:
@@ -92,7 +92,7 @@ def with_override(node: Any, path: list[str], value: Any, where: str, convert: C
         section = ".".join(path[:depth]) or "the top level"
         raise ValueError(f"{where}: no key {key!r} in {section}; valid keys: {', '.join(names)}.")
     current = getattr(node, key)
-    converted = convert(current, value, where) if convert is not None and last else NotImplemented
+    converted = convert(node, key, value, where) if convert is not None and last else NotImplemented
     if converted is not NotImplemented:
         new_value = converted
     elif last:

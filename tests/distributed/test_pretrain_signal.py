@@ -24,8 +24,9 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "megatron_osprey.pretrain",
-        "--recipe", "tiny_pretrain_cpu_fp32", "--backbone", str(backbone), "--data-path", prefix,
-        "--train-iters", "100000", "--save", str(save), "--exit-signal-handler", "--no-progress-bar",
+        "--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--backbone", str(backbone), "--data-path", prefix,
+        "--train-iters", "100000", "--save", str(save), "--load", str(save), "--tensorboard-dir", str(save / "tb"),
+        "--exit-signal-handler", "--no-progress-bar",
         "--eval-iters", "0", "--split", "100,0,0",
     ]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.distill_recipes import tiny_distill_cpu_fp32
+from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.models.targets.online import OnlineTarget
@@ -23,7 +23,7 @@ def setup(tmp_path_factory):
 
 
 def tiny_config(setup, **changes) -> DistillConfig:
-    cfg = tiny_distill_cpu_fp32()
+    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").config(paths=False)
     cfg.target.target = str(setup["target"])
     cfg.drafter.drafter_init = str(setup["drafter"])
     cfg.data.data_path = [str(setup["data"])]

@@ -8,7 +8,7 @@ import torch
 
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_args import distill_config_from_args
-from megatron_osprey.config.distill_recipes import distill_recipe
+from megatron_osprey.config.recipes import RECIPES, stage_config
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
@@ -18,22 +18,20 @@ from tests.tiny_models import llama_config, qwen3_config
 
 
 def test_matched_recipes_train_both_arms_with_ttt_5():
-    osprey = distill_recipe("osprey_distill_paper_bf16")
-    eagle3 = distill_recipe("eagle3_distill_paper_bf16")
+    osprey = stage_config("qwen3_8b_osprey_distill_2gpu_h100_bf16", "distill")
+    eagle3 = stage_config("qwen3_8b_eagle3_distill_2gpu_h100_bf16", "distill")
     assert osprey.ttt.ttt_steps == eagle3.ttt.ttt_steps == 5
-    assert distill_recipe("eagle3_ttt7_distill_paper_bf16").ttt.ttt_steps == 7  # only when named
-    two = distill_recipe("eagle3_2layer_distill_paper_bf16")
+    assert stage_config("qwen3_8b_eagle3_ttt7_distill_2gpu_h100_bf16", "distill").ttt.ttt_steps == 7  # only when named
+    two = stage_config("qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16", "distill")
     assert (two.drafter.eagle3_num_layers, two.drafter.eagle3_extra_layers, two.ttt.ttt_steps) == (2, "fused", 5)
     assert DistillConfig().ttt.ttt_steps == 5
 
 
-def test_launcher_eagle3_recipes_use_ttt_5():
-    from launcher.recipes import RECIPES
-
-    eagle3 = [name for name in RECIPES if "eagle3" in name]
+def test_registry_eagle3_recipes_use_ttt_5():
+    eagle3 = [name for name in RECIPES if "eagle3" in name and "ttt7" not in name]
     assert len(eagle3) > 10
     for name in eagle3:
-        assert RECIPES[name]().drafter.ttt_steps == 5, name
+        assert RECIPES[name]().config().ttt.ttt_steps == 5, name
 
 
 def test_eagle3_num_layers_2_is_the_fused_variant_and_plain_must_be_named():

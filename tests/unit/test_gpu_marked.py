@@ -91,7 +91,7 @@ def test_transformer_engine_spec_equals_local_spec_and_hf(tmp_path, parallel):
 
 def test_fp8_training_step(tmp_path, parallel):
     pytest.importorskip("transformer_engine", reason="FP8 needs Transformer Engine")
-    from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
+    from megatron_osprey.config.recipes import get_recipe
     from megatron_osprey.training.pretraining import run_pretrain
     from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus
 
@@ -99,7 +99,7 @@ def test_fp8_training_step(tmp_path, parallel):
     make_backbone(tmp_path)
 
     def first_losses(fp8: str | None) -> list[float]:
-        cfg = tiny_pretrain_cpu_fp32()
+        cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
         cfg.model.backbone = str(tmp_path / "backbone")
         cfg.model.transformer_impl, cfg.model.bf16, cfg.model.fp8_format = "transformer_engine", True, fp8
         cfg.data.data_path = [str(tmp_path / "data" / "corpus_text_document")]

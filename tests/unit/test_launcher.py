@@ -9,10 +9,11 @@ import pytest
 
 from launcher import cli
 from launcher.commands import entry_args, local_argv
-from launcher.overrides import resolve_recipe
 from launcher.plan import LayoutError, make_plan, osprey_drafter_parameters
-from launcher.recipes import RECIPES, get_recipe, takes_domain
-from launcher.shapes import LLAMA33_70B, MINIMAX_M25, QWEN3_4B_2LAYER, QWEN3_8B
+from megatron_osprey.config.args import config_from_args
+from megatron_osprey.config.distill_args import distill_config_from_args
+from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe, stage_config, takes_domain
+from megatron_osprey.config.recipes.shapes import LLAMA33_70B, MINIMAX_M25, QWEN3_4B_2LAYER, QWEN3_8B
 
 GIB = 1 << 30
 
@@ -50,18 +51,19 @@ def test_shapes_reproduce_the_published_parameter_counts():
 def test_distill_recipes_carry_the_paper_settings():
     qwen = get_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16:math")
     argv = entry_args(qwen, "distill")
-    assert qwen.drafter.domain == "math" and qwen.layout.world_size == 2
+    cfg = distill_config_from_args(argv[2:])  # what the job runs
+    assert qwen.drafter.domain == cfg.data.domain == "math" and qwen.layout.world_size == 2
     iters = math.ceil(3 * 65_000 / 2)  # the paper: global batch 2, 97,500 updates
-    assert _flag(argv, "--train-iters") == str(iters)
-    assert _flag(argv, "--lr-warmup-iters") == str(round(0.04 * iters))
-    assert (_flag(argv, "--lr"), _flag(argv, "--clip-grad"), _flag(argv, "--seq-length")) == ("0.0001", "1", "4096")
-    assert _flag(argv, "--ttt-steps") == "5" and _flag(argv, "--drafter-init").endswith("drafter_init/qwen3_8b")
-    assert _flag(argv, "--data-path").endswith("qwen3_8b/math.jsonl")
+    assert cfg.training.num_train_iters() == iters and cfg.warmup_iters() == round(0.04 * iters)
+    assert (cfg.optimizer.lr, cfg.optimizer.clip_grad, cfg.training.seq_length) == (1e-4, 1.0, 4096)
+    assert cfg.ttt.ttt_steps == 5 and cfg.drafter.drafter_init.endswith("drafter_init/qwen3_8b")
+    assert cfg.data.data_path[0].endswith("qwen3_8b/math.jsonl")
     assert _flag(argv, "--load") == _flag(argv, "--save")
 
     eagle = entry_args(get_recipe("qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16"), "distill")
-    assert (_flag(eagle, "--baseline"), _flag(eagle, "--eagle3-num-layers"), _flag(eagle, "--ttt-steps"),
-            _flag(eagle, "--draft-vocab-size")) == ("eagle3", "2", "5", "32000")
+    assert (_flag(eagle, "--baseline"), _flag(eagle, "--eagle3-num-layers")) == ("eagle3", "2")
+    assert distill_config_from_args(eagle[2:]).ttt.ttt_steps == 5  # the default, so no flag
+    assert distill_config_from_args(eagle[2:]).drafter.draft_vocab_size == 32_000
     assert "--drafter-init" not in eagle
 
     llama = entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_fp8"), "distill")
@@ -86,11 +88,12 @@ def test_backbone_recipes_pretrain_with_fp8_where_it_applies():
     b200 = entry_args(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_b200_mxfp8"), "pretrain")
     bf16 = entry_args(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"), "pretrain")
     assert h100[:2] == ["-m", "megatron_osprey.pretrain"] and _flag(h100, "--train-iters") == "55000"
-    assert (_flag(h100, "--fp8-format"), _flag(h100, "--fp8-recipe")) == ("hybrid", "delayed")
+    h100_cfg = config_from_args(h100[2:])
+    assert (h100_cfg.model.fp8_format, h100_cfg.model.fp8_recipe) == ("hybrid", "delayed")
     assert (_flag(b200, "--fp8-recipe"), _flag(b200, "--train-iters")) == ("mxfp8", "10000")
     assert "--fp8-format" not in bf16 and "--bf16" in bf16
     assert _flag(bf16, "--load") == _flag(bf16, "--save")
-    prefixes = bf16[bf16.index("--data-path") + 1:bf16.index("--split")]
+    prefixes = config_from_args(bf16[2:]).data.data_path
     assert len(prefixes) == 16 and prefixes[3].endswith("fineweb_00003_text_document")
 
 
@@ -251,23 +254,44 @@ def test_stage_commands_print_then_run_or_only_print(monkeypatch, capsys):
     assert "does not divide the global batch size (4)" in capsys.readouterr().err
 
 
-def test_every_recipe_argv_parses_with_its_entry_point():
-    """The launcher's flags are exactly the entry points' flags (distill and pretrain parse them)."""
-    from megatron_osprey.config.args import config_from_args
-    from megatron_osprey.config.distill_args import distill_config_from_args
+@pytest.mark.parametrize("name", [n for n in RECIPES if get_recipe(n).stage in ("pretrain", "distill")])
+def test_the_launcher_runs_the_config_the_entry_points_recipe_gives(name):
+    """One registry: the argv `osprey` renders, parsed by the entry point, is `--recipe NAME`'s config."""
+    recipe = get_recipe(name)
+    parse = config_from_args if recipe.stage == "pretrain" else distill_config_from_args
+    domains = ["chat", "science"] if takes_domain(name) else [None]
+    for spec in (f"{name}:{d}" if d else name for d in domains):
+        argv = entry_args(get_recipe(spec), recipe.stage)
+        assert argv[:2] == ["-m", f"megatron_osprey.{recipe.stage}"]
+        launched = parse(argv[2:])
+        named = parse(["--recipe", spec])
+        assert named.recipe == spec
+        named.recipe = None  # the only difference: the launcher's job does not know the name
+        assert launched == named == get_recipe(spec).config()
+        assert launched.checkpoint.save.endswith(get_recipe(spec).run_name)
 
-    checked = 0
-    for name in RECIPES:
-        recipe = get_recipe(name)
-        if recipe.stage == "distill":
-            cfg = distill_config_from_args(entry_args(recipe, "distill")[2:])
-            cfg.resolve_target_layout()  # one TP group for drafter and online target
-            assert cfg.parallel.tensor_model_parallel_size >= recipe.layout.target_tensor_model_parallel_size
-            checked += 1
-        elif recipe.stage == "pretrain":
-            config_from_args(entry_args(recipe, "pretrain")[2:])
-            checked += 1
-    assert checked > 10
+
+@pytest.mark.parametrize("name, fmt, fp8_recipe", [
+    ("qwen3_8b_osprey_distill_2gpu_h100_fp8", "hybrid", "tensorwise"),
+    ("llama33_70b_eagle3_distill_8gpu_b200_mxfp8", "e4m3", "mxfp8"),
+    ("minimax_m25_osprey_distill_8gpu_h100_fp8", "hybrid", "tensorwise"),
+])
+def test_the_fp8_target_settings_reach_the_job_which_refuses_them(name, fmt, fp8_recipe, tmp_path):
+    argv = entry_args(get_recipe(name), "distill")
+    assert (_flag(argv, "--target-fp8-format"), _flag(argv, "--target-fp8-recipe")) == (fmt, fp8_recipe)
+    cfg = distill_config_from_args(argv[2:])
+    assert (cfg.target.fp8_format, cfg.target.fp8_recipe) == (fmt, fp8_recipe)
+    assert cfg == stage_config(name, "distill")
+    # The job checks it before building anything: the frozen target runs in BF16 only.
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    (tmp_path / "init" / "megatron").mkdir(parents=True)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("")
+    cfg.target.target, cfg.data.data_path = str(tmp_path / "target"), [str(data)]
+    cfg.drafter.drafter_init = None if cfg.drafter.baseline else str(tmp_path / "init")
+    with pytest.raises(ValueError, match=f"--target-fp8-format {fmt} .* not implemented"):
+        cfg.validate(world_size=get_recipe(name).layout.world_size)
 
 
 @pytest.mark.parametrize("name", ["qwen3_8b_osprey_distill_2gpu_h100_bf16", "qwen3_8b_eagle3_distill_2gpu_h100_bf16",
@@ -287,12 +311,19 @@ def test_qwen3_8b_recipes_are_the_papers_budget(name):
 
 
 def test_distill_paper_recipe_has_the_papers_budget():
-    from megatron_osprey.config.distill_recipes import distill_recipe
-
-    for name in ("osprey_distill_paper_bf16", "eagle3_distill_paper_bf16"):
-        cfg = distill_recipe(name)
+    for name in ("qwen3_8b_osprey_distill_2gpu_h100_bf16", "qwen3_8b_eagle3_distill_2gpu_h100_bf16"):
+        cfg = stage_config(name, "distill")
         assert (cfg.training.global_batch_size, cfg.training.num_train_iters(), cfg.optimizer.lr,
                 cfg.optimizer.clip_grad, cfg.lr_warmup_fraction, cfg.warmup_iters()) == (2, 97_500, 1e-4, 1.0, 0.04, 3900)
+
+
+def test_the_entry_points_refuse_another_stages_recipe(capsys):
+    with pytest.raises(SystemExit):
+        distill_config_from_args(["--recipe", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"])
+    assert "is a pretrain recipe; distill takes one of: qwen3_8b_osprey_distill" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        config_from_args(["--recipe", "tiny_cpu_demo_1proc_fp32"])
+    assert "is a demo recipe" in capsys.readouterr().err
 
 
 def test_plan_refuses_a_zero_batch_size_in_one_line(capsys):
@@ -300,3 +331,10 @@ def test_plan_refuses_a_zero_batch_size_in_one_line(capsys):
     assert cli.main(["plan", recipe, "--set", "training.micro_batch_size=0"]) == 2
     err = capsys.readouterr().err
     assert "training.micro_batch_size must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_a_recipe_setting_the_entry_point_cannot_take_is_refused_before_launch():
+    # Pretraining has no expert parallelism flag: the launcher says so instead of starting a job that would not parse.
+    recipe = resolve_recipe("tiny_cpu_backbone_pretrain_2proc_fp32", ["layout.expert_model_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"parallel.expert_model_parallel_size = 2 has no command-line flag"):
+        entry_args(recipe, "pretrain")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.overrides import resolve_recipe
+from megatron_osprey.config.recipes import resolve_recipe
 from megatron_osprey.config.args import config_from_args
 from megatron_osprey.config.distill_args import distill_config_from_args
 

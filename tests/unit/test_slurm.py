@@ -15,9 +15,8 @@ import pytest
 
 from launcher import cli
 from launcher.commands import REPO_ROOT
-from launcher.overrides import resolve_recipe
-from launcher.recipes import RECIPES, get_recipe
 from launcher.render import STAGE_TEMPLATES, TEMPLATE_DIR, render, render_text
+from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe
 
 FAKES = {
     "srun": r"""#!/usr/bin/env bash

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_osprey.config.args import config_from_args
-from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
+from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
@@ -36,7 +36,7 @@ def write_docs(prefix: Path, docs: list[list[int]]) -> str:
 
 
 def tiny(work, data=None, forward_step=gpt_forward_step, **changes):
-    cfg = tiny_pretrain_cpu_fp32()
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [data or str(work / "data" / "corpus_text_document")]
     cfg.training.train_iters = 6
@@ -137,15 +137,18 @@ def test_the_entry_point_prints_one_line_for_bad_input(work, capsys):
     from megatron_osprey.pretrain import main
 
     prefix = write_docs(work / "data" / "empty2_text_document", [])
-    code = main(["--recipe", "tiny_pretrain_cpu_fp32", "--backbone", str(work / "backbone"), "--data-path", prefix,
-                 "--train-iters", "4", "--no-progress-bar"])
+    # The recipe's own save and TensorBoard paths are under the working directory: point them here.
+    out = str(work / "bad_input_run")
+    code = main(["--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--backbone", str(work / "backbone"),
+                 "--data-path", prefix, "--train-iters", "4", "--no-progress-bar", "--save", out, "--load", out,
+                 "--tensorboard-dir", out])
     err = capsys.readouterr().err
     assert code == 2 and "error: --data-path" in err and "holds 0 documents" in err and "Traceback" not in err
 
 
 def test_a_warmup_as_long_as_the_run_is_refused_naming_the_flag():
     # Megatron's scheduler would stop on a bare `assert lr_warmup_steps < lr_decay_steps`.
-    cfg = config_from_args(["--recipe", "tiny_pretrain_cpu_fp32", "--train-iters", "2", "--hf-model", "x",
+    cfg = config_from_args(["--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--train-iters", "2", "--hf-model", "x",
                             "--data-path", "p"])
     from megatron_osprey.config.pretrain import validate_optimizer
 

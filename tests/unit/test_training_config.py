@@ -30,9 +30,9 @@ def test_megatron_flags_land_in_their_sections():
 
 
 def test_recipe_then_flags_then_set():
-    cfg = config_from_args(["--recipe", "qwen3_4b_2layer_pretrain_8gpu_h100_bf16", "--lr", "1e-4",
+    cfg = config_from_args(["--recipe", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", "--lr", "1e-4",
                             "--set", "optimizer.lr=5e-5", "--set", "training.seq_length=1024"])
-    assert cfg.recipe == "qwen3_4b_2layer_pretrain_8gpu_h100_bf16"
+    assert cfg.recipe == "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
     assert cfg.model.bf16 and cfg.optimizer.use_distributed_optimizer  # from the recipe, untouched
     assert cfg.training.global_batch_size == 256
     assert cfg.optimizer.lr == 5e-5 and isinstance(cfg.optimizer.lr, float)  # --set wins over the flag

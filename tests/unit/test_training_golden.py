@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
+from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
 from megatron_osprey.training.pretraining import run_pretrain
 from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus, plain_pytorch_run
@@ -27,7 +27,7 @@ def work(tmp_path_factory):
 
 
 def tiny_config(work):
-    cfg = tiny_pretrain_cpu_fp32()
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [str(work / "data" / "corpus_text_document")]
     cfg.training.train_iters = 10

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.recipes import tiny_pretrain_cpu_fp32
+from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
@@ -25,7 +25,7 @@ RESHARD_AT = 25  # the TP=2 run saves here; resharded runs continue to ITERS
 
 
 def config(work: Path, **parallel):
-    cfg = tiny_pretrain_cpu_fp32()
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [str(work / "data" / "corpus_text_document")]
     cfg.data.split = "100,0,0"  # no validation: keeps every run to its training steps

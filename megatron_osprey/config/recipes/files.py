@@ -1,4 +1,4 @@
-"""`--set a.b=c` overrides and YAML recipe files on top of a Recipe."""
+"""YAML recipe files and `--set a.b=c` overrides (config/overrides.py, the one implementation) on a Recipe."""
 
 from __future__ import annotations
 
@@ -8,35 +8,24 @@ from typing import Any
 
 import yaml
 
-from launcher.recipe import Recipe
-from launcher.recipes import get_recipe
-from launcher.shapes import ModelShape, shape_from
-from megatron_osprey.config.overrides import parse_override, with_override
+from megatron_osprey.config.overrides import apply_overrides as apply_to, with_override
+from megatron_osprey.config.recipes.recipe import Recipe
+from megatron_osprey.config.recipes.registry import get_recipe
+from megatron_osprey.config.recipes.shapes import ModelShape, shape_from
 
 _SHAPE_FIELDS = ("model", "target", "source")
 
 
-def _shape_fields(current: Any, value: Any, where: str) -> Any:
-    """A model shape is set by name (or a mapping of its numbers); other fields coerce as usual."""
-    if isinstance(current, ModelShape):
+def _shape_fields(node: Any, key: str, value: Any, where: str) -> Any:
+    """A model shape is set by name (or a mapping of its numbers), even where the recipe has none yet."""
+    if isinstance(getattr(node, key), ModelShape) or isinstance(node, Recipe) and key in _SHAPE_FIELDS:
         return shape_from(value, where)
     return NotImplemented
 
 
-def _set(recipe: Recipe, path: list[str], value: Any, where: str) -> Recipe:
-    """A copy of recipe with path set; the top-level shape fields take a shape name even when unset."""
-    if len(path) == 1 and path[0] in _SHAPE_FIELDS:
-        return dataclasses.replace(recipe, **{path[0]: shape_from(value, where)})
-    if path[0] in _SHAPE_FIELDS and getattr(recipe, path[0]) is None:
-        raise ValueError(f"{where}: the recipe has no {path[0]} shape; set {path[0]}=<shape name> first.")
-    return with_override(recipe, path, value, where, _shape_fields)
-
-
-def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+def apply_overrides(recipe: Recipe, overrides: list[str] | None) -> Recipe:
     """Apply `a.b=c` strings in order (later ones win); returns a new, validated recipe."""
-    for text in overrides or []:
-        path, value = parse_override(text)
-        recipe = _set(recipe, path, value, f"--set {text}")
+    recipe = apply_to(recipe, overrides, _shape_fields)
     recipe.validate()
     return recipe
 
@@ -75,7 +64,7 @@ def load_yaml_recipe(path: str | Path) -> Recipe:
                         precision=str(data.pop("precision")))
     recipe = dataclasses.replace(recipe, name=str(data.pop("name", path.stem)))
     for keys, value in _flatten(recipe, data, []):
-        recipe = _set(recipe, keys, value, f"{path}: {'.'.join(keys)}")
+        recipe = with_override(recipe, keys, value, f"{path}: {'.'.join(keys)}", _shape_fields)
     recipe.validate()
     return recipe
 

@@ -1,11 +1,22 @@
-"""The Recipe dataclass: a target x stage x hardware x precision, with its layout, training and paths."""
+"""The Recipe: a target x stage x hardware x precision; its stage config plus a launch section.
+
+`Recipe.config()` is the config the stage's entry point runs from (PretrainConfig for pretrain,
+DistillConfig for distill), built here and nowhere else: the `osprey` launcher renders it as the
+entry point's flags and the entry points' `--recipe NAME` returns it, so the two cannot disagree.
+The launch section (layout, paths, Slurm, the data tools' settings, model shapes for planning)
+drives the other stages' tools and the scheduler.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Union
 
-from launcher.shapes import ModelShape
+from megatron_osprey.config.distill import DistillConfig
+from megatron_osprey.config.pretrain import PretrainConfig
+from megatron_osprey.config.recipes.shapes import ModelShape
+from megatron_osprey.parallel import ParallelConfig
 
 STAGES = ("prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "eval", "export", "demo")
 HARDWARE = ("h100", "b200", "cpu")
@@ -61,6 +72,7 @@ class Training:
     use_distributed_optimizer: bool = True
     save_interval: int = 1000
     eval_interval: int = 1000
+    eval_iters: int = 10  # validation batches per evaluation (pretraining only)
     log_interval: int = 10
     wandb_project: str | None = "osprey"
     seed: int = 1234
@@ -223,3 +235,111 @@ class Recipe:
     def domain_path(self, key: str, domain: str) -> str:
         """paths.<key> resolved for another domain (the eval matrix reads every domain)."""
         return dataclasses.replace(self, drafter=dataclasses.replace(self.drafter, domain=domain)).resolved_paths()[key]
+
+    def config(self, stage: str | None = None, *, paths: bool = True) -> Union[PretrainConfig, DistillConfig]:
+        """The config `stage`'s entry point runs from (default: the recipe's stage); paths=False leaves every
+        file and directory unset."""
+        stage = stage or self.stage
+        if stage == "pretrain":
+            return _pretrain_config(self, paths)
+        if stage == "distill":
+            return _distill_config(self, paths)
+        raise ValueError(f"recipe {self.name}: stage {stage} has no training config (pretrain and distill have).")
+
+
+def pretrain_data_prefixes(recipe: Recipe) -> list[str]:
+    """The indexed-dataset prefixes Stage 2 reads: one per preprocessing array task."""
+    prefix = recipe.resolved_paths()["pretrain_data"]
+    key = recipe.data.tokenizer_json_key
+    if recipe.data.preprocess_files == 1:
+        return [f"{prefix}_{key}_document"]
+    return [f"{prefix}_{i:05d}_{key}_document" for i in range(recipe.data.preprocess_files)]
+
+
+def shared_tensor_parallel(recipe: Recipe) -> tuple[int, bool]:
+    """(TP size, sequence parallel) of distillation: drafter and target share one TP group, the larger size wins.
+
+    A MoE target at TP > 1 also needs sequence parallelism (Megatron-Core's MoE with TP).
+    """
+    lay = recipe.layout
+    size = max(lay.tensor_model_parallel_size, lay.target_tensor_model_parallel_size)
+    return size, lay.sequence_parallel or bool(recipe.target and recipe.target.num_experts and size > 1)
+
+
+def _common(recipe: Recipe, cfg, parallel: ParallelConfig, paths: bool):
+    """The sections pretraining and distillation share: batch, schedule, checkpoints, logging."""
+    t = recipe.training
+    cfg.parallel = parallel
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = t.micro_batch_size, t.global_batch_size
+    cfg.training.seq_length, cfg.training.train_iters = t.seq_length, t.iterations()
+    opt = cfg.optimizer
+    opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_style = t.lr, t.min_lr, t.warmup_iters(), t.lr_decay_style
+    opt.weight_decay, opt.clip_grad, opt.use_distributed_optimizer = t.weight_decay, t.clip_grad, t.use_distributed_optimizer
+    cfg.logging.log_interval, cfg.logging.wandb_project = t.log_interval, t.wandb_project
+    if paths:
+        save = recipe.resolved_paths()["save"]
+        cfg.checkpoint.save_interval = t.save_interval
+        # --load is the --save directory: a requeued job resumes from its own latest checkpoint.
+        cfg.checkpoint.save = cfg.checkpoint.load = save
+        cfg.training.exit_signal_handler = True
+        cfg.logging.tensorboard_dir = f"{save}/tensorboard"
+        if t.wandb_project:
+            cfg.logging.wandb_exp_name = recipe.run_name
+    return cfg
+
+
+def _pretrain_config(recipe: Recipe, paths: bool) -> PretrainConfig:
+    lay, t = recipe.layout, recipe.training
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=lay.tensor_model_parallel_size,
+        pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
+        context_parallel_size=lay.context_parallel_size, expert_model_parallel_size=lay.expert_model_parallel_size,
+        sequence_parallel=lay.sequence_parallel, seed=t.seed)
+    cfg = _common(recipe, PretrainConfig(), parallel, paths)
+    cfg.model.bf16, cfg.model.transformer_impl = t.bf16, t.transformer_impl
+    if t.fp8_format:
+        cfg.model.fp8_format, cfg.model.fp8_recipe = t.fp8_format, t.fp8_recipe or "delayed"
+    cfg.logging.eval_interval, cfg.logging.eval_iters, cfg.data.split = t.eval_interval, t.eval_iters, recipe.data.split
+    if paths:
+        cfg.model.backbone = recipe.resolved_paths()["backbone"]
+        cfg.data.data_path = pretrain_data_prefixes(recipe)
+    return cfg
+
+
+def _distill_config(recipe: Recipe, paths: bool) -> DistillConfig:
+    lay, t, dr = recipe.layout, recipe.training, recipe.drafter
+    size, sequence_parallel = shared_tensor_parallel(recipe)
+    parallel = ParallelConfig(tensor_model_parallel_size=size,
+                              pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
+                              context_parallel_size=lay.context_parallel_size,
+                              sequence_parallel=sequence_parallel, seed=t.seed)
+    cfg = _common(recipe, DistillConfig(), parallel, paths)
+    if t.lr_warmup_iters is None:  # distillation takes the warmup as a fraction of the run itself
+        cfg.optimizer.lr_warmup_iters, cfg.lr_warmup_fraction = 0, t.lr_warmup_fraction or 0.0
+    cfg.drafter.bf16, cfg.drafter.transformer_impl = t.bf16, t.transformer_impl
+    if dr.method == "eagle3":
+        # The draft vocabulary is the training data's top-K assistant tokens, counted by distill itself;
+        # Osprey's aux taps come with its Stage 3 output.
+        cfg.drafter.baseline, cfg.drafter.eagle3_num_layers = "eagle3", dr.num_layers
+        if dr.draft_vocab_size:
+            cfg.drafter.draft_vocab_size = dr.draft_vocab_size
+        if dr.aux_layer_ids:
+            cfg.drafter.aux_layer_ids = list(dr.aux_layer_ids)
+    target = cfg.target
+    target.mode = dr.mode
+    target.tensor_model_parallel_size = lay.target_tensor_model_parallel_size
+    target.pipeline_model_parallel_size = lay.target_pipeline_model_parallel_size
+    target.expert_model_parallel_size = lay.target_expert_model_parallel_size
+    target.expert_tensor_parallel_size = lay.target_expert_tensor_parallel_size
+    target.fp8_format, target.fp8_recipe = dr.target_fp8_format, dr.target_fp8_recipe
+    cfg.ttt.ttt_steps, cfg.data.domain = dr.ttt_steps, dr.domain
+    if paths:
+        p = recipe.resolved_paths()
+        target.target = p["target"]
+        if dr.method != "eagle3":
+            cfg.drafter.drafter_init = p["drafter_init"]
+        if dr.mode == "online":
+            cfg.data.data_path = [p["conversations"]]
+        else:
+            target.hidden_states = p["hidden_states"]
+    return cfg

@@ -1,4 +1,7 @@
-"""Named recipes, Megatron-Bridge style: plain functions named target_stage_gpus_hardware_precision.
+"""The one recipe registry, Megatron-Bridge style: plain functions named target_stage_gpus_hardware_precision.
+
+The `osprey` launcher and the entry points' `--recipe` both read RECIPES; a recipe's
+training config is `Recipe.config()` (see recipe.py).
 
 Precision: bf16 everywhere, or FP8 where it applies -- the backbone pretraining GEMMs and the
 frozen target's forward -- as hybrid with delayed (pretraining) or tensorwise (frozen target)
@@ -13,8 +16,8 @@ import inspect
 import types
 from typing import Callable
 
-from launcher.recipe import DOMAINS, Data, Drafter, Layout, Paths, Recipe, Slurm, Training
-from launcher.shapes import (LLAMA33_70B, MINIMAX_M25, QWEN3_4B, QWEN3_4B_2LAYER, QWEN3_8B, TINY_BACKBONE,
+from megatron_osprey.config.recipes.recipe import DOMAINS, Data, Drafter, Layout, Paths, Recipe, Slurm, Training
+from megatron_osprey.config.recipes.shapes import (LLAMA33_70B, MINIMAX_M25, QWEN3_4B, QWEN3_4B_2LAYER, QWEN3_8B, TINY_BACKBONE,
                              TINY_SOURCE, TINY_TARGET, ModelShape)
 
 # precision suffix -> (fp8_format, fp8_recipe) for the GEMMs it applies to
@@ -48,7 +51,7 @@ def _backbone_pretrain(iters: int, hardware: str, precision: str) -> Recipe:
     training = Training(
         micro_batch_size=4, global_batch_size=256, seq_length=4096, train_iters=iters,
         lr=3e-4, min_lr=3e-5, lr_warmup_fraction=None, lr_warmup_iters=2000 if iters > 20_000 else 500,
-        weight_decay=0.1, clip_grad=1.0, fp8_format=fp8_format, fp8_recipe=fp8_recipe,
+        weight_decay=0.1, clip_grad=1.0, fp8_format=fp8_format, fp8_recipe=fp8_recipe, eval_iters=20,
     )
     return Recipe(
         name="", stage="pretrain", hardware=hardware, precision=precision,
@@ -246,30 +249,146 @@ def _eagle3(target: str, layers: int, hardware: str, precision: str, domain: str
                     server_tp=server_tp)
 
 
-def _eagle3_recipe(target: str, layers: int, hardware: str, precision: str) -> Callable[..., Recipe]:
-    """One named EAGLE-3 baseline recipe function (the variants differ only in these four facts)."""
-    gpus = _TARGET_LAYOUTS[target][hardware][0]
-    layer_tag = "eagle3" if layers == 1 else "eagle3_2layer"
-    name = f"{target}_{layer_tag}_distill_{gpus}gpu_{hardware}_{precision}"
+# Same layouts as Osprey's, so MiniMax-M2.5 on H100 is FP8 only (see above).
 
-    def recipe(domain: str = "chat") -> Recipe:
-        return _eagle3(target, layers, hardware, precision, domain)
-
-    recipe.__name__ = recipe.__qualname__ = name
-    recipe.__doc__ = (f"EAGLE-3 baseline ({layers} layer{'s' if layers > 1 else ''}, 32k draft vocab) for "
-                      f"{target}, {gpus} x {hardware.upper()}, {precision}.")
-    return _named(recipe)
+@_named
+def qwen3_8b_eagle3_distill_2gpu_h100_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for qwen3_8b, 2 x H100, bf16."""
+    return _eagle3("qwen3_8b", 1, "h100", "bf16", domain)
 
 
-_EAGLE3_RECIPES = tuple(
-    _eagle3_recipe(target, layers, hardware, precision)
-    for target in _TARGETS
-    for layers in (1, 2)
-    for hardware, precisions in (("h100", ("bf16", "fp8")), ("b200", ("bf16", "mxfp8")))
-    for precision in precisions
-    # Same layouts as Osprey's, so MiniMax-M2.5 on H100 is FP8 only (see above).
-    if not (target == "minimax_m25" and hardware == "h100" and precision == "bf16")
-)
+@_named
+def qwen3_8b_eagle3_distill_2gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for qwen3_8b, 2 x H100, fp8."""
+    return _eagle3("qwen3_8b", 1, "h100", "fp8", domain)
+
+
+@_named
+def qwen3_8b_eagle3_distill_2gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for qwen3_8b, 2 x B200, bf16."""
+    return _eagle3("qwen3_8b", 1, "b200", "bf16", domain)
+
+
+@_named
+def qwen3_8b_eagle3_distill_2gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for qwen3_8b, 2 x B200, mxfp8."""
+    return _eagle3("qwen3_8b", 1, "b200", "mxfp8", domain)
+
+
+@_named
+def qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for qwen3_8b, 2 x H100, bf16."""
+    return _eagle3("qwen3_8b", 2, "h100", "bf16", domain)
+
+
+@_named
+def qwen3_8b_eagle3_2layer_distill_2gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for qwen3_8b, 2 x H100, fp8."""
+    return _eagle3("qwen3_8b", 2, "h100", "fp8", domain)
+
+
+@_named
+def qwen3_8b_eagle3_2layer_distill_2gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for qwen3_8b, 2 x B200, bf16."""
+    return _eagle3("qwen3_8b", 2, "b200", "bf16", domain)
+
+
+@_named
+def qwen3_8b_eagle3_2layer_distill_2gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for qwen3_8b, 2 x B200, mxfp8."""
+    return _eagle3("qwen3_8b", 2, "b200", "mxfp8", domain)
+
+
+@_named
+def llama33_70b_eagle3_distill_8gpu_h100_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for llama33_70b, 8 x H100, bf16."""
+    return _eagle3("llama33_70b", 1, "h100", "bf16", domain)
+
+
+@_named
+def llama33_70b_eagle3_distill_8gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for llama33_70b, 8 x H100, fp8."""
+    return _eagle3("llama33_70b", 1, "h100", "fp8", domain)
+
+
+@_named
+def llama33_70b_eagle3_distill_8gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for llama33_70b, 8 x B200, bf16."""
+    return _eagle3("llama33_70b", 1, "b200", "bf16", domain)
+
+
+@_named
+def llama33_70b_eagle3_distill_8gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for llama33_70b, 8 x B200, mxfp8."""
+    return _eagle3("llama33_70b", 1, "b200", "mxfp8", domain)
+
+
+@_named
+def llama33_70b_eagle3_2layer_distill_8gpu_h100_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for llama33_70b, 8 x H100, bf16."""
+    return _eagle3("llama33_70b", 2, "h100", "bf16", domain)
+
+
+@_named
+def llama33_70b_eagle3_2layer_distill_8gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for llama33_70b, 8 x H100, fp8."""
+    return _eagle3("llama33_70b", 2, "h100", "fp8", domain)
+
+
+@_named
+def llama33_70b_eagle3_2layer_distill_8gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for llama33_70b, 8 x B200, bf16."""
+    return _eagle3("llama33_70b", 2, "b200", "bf16", domain)
+
+
+@_named
+def llama33_70b_eagle3_2layer_distill_8gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for llama33_70b, 8 x B200, mxfp8."""
+    return _eagle3("llama33_70b", 2, "b200", "mxfp8", domain)
+
+
+@_named
+def minimax_m25_eagle3_distill_8gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for minimax_m25, 8 x H100, fp8."""
+    return _eagle3("minimax_m25", 1, "h100", "fp8", domain)
+
+
+@_named
+def minimax_m25_eagle3_distill_4gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for minimax_m25, 4 x B200, bf16."""
+    return _eagle3("minimax_m25", 1, "b200", "bf16", domain)
+
+
+@_named
+def minimax_m25_eagle3_distill_4gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (1 layer, 32k draft vocab) for minimax_m25, 4 x B200, mxfp8."""
+    return _eagle3("minimax_m25", 1, "b200", "mxfp8", domain)
+
+
+@_named
+def minimax_m25_eagle3_2layer_distill_8gpu_h100_fp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for minimax_m25, 8 x H100, fp8."""
+    return _eagle3("minimax_m25", 2, "h100", "fp8", domain)
+
+
+@_named
+def minimax_m25_eagle3_2layer_distill_4gpu_b200_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for minimax_m25, 4 x B200, bf16."""
+    return _eagle3("minimax_m25", 2, "b200", "bf16", domain)
+
+
+@_named
+def minimax_m25_eagle3_2layer_distill_4gpu_b200_mxfp8(domain: str = "chat") -> Recipe:
+    """EAGLE-3 baseline (2 layers, 32k draft vocab) for minimax_m25, 4 x B200, mxfp8."""
+    return _eagle3("minimax_m25", 2, "b200", "mxfp8", domain)
+
+
+@_named
+def qwen3_8b_eagle3_ttt7_distill_2gpu_h100_bf16(domain: str = "chat") -> Recipe:
+    """EAGLE-3 as its own paper trains it (TTT depth 7); not the matched comparison, which uses 5."""
+    recipe = _eagle3("qwen3_8b", 1, "h100", "bf16", domain)
+    recipe.drafter = dataclasses.replace(recipe.drafter, ttt_steps=7)
+    return recipe
 
 
 # --- Toy recipes for CPUs: the demo, CI and laptops (gloo, local spec, float32) ---
@@ -278,7 +397,8 @@ def _tiny_training() -> Training:
     return Training(
         micro_batch_size=2, global_batch_size=4, seq_length=64, train_iters=20, lr=1e-3, min_lr=1e-4,
         lr_warmup_fraction=0.1, weight_decay=0.01, bf16=False, transformer_impl="local",
-        use_distributed_optimizer=False, save_interval=10, eval_interval=10, log_interval=1, wandb_project=None,
+        use_distributed_optimizer=False, save_interval=10, eval_interval=10, eval_iters=2, log_interval=1,
+        wandb_project=None,
     )
 
 
@@ -324,6 +444,18 @@ def tiny_cpu_eagle3_distill_2proc_fp32(domain: str = "chat") -> Recipe:
     return recipe
 
 
+@_named
+def tiny_cpu_osprey_distill_1proc_fp32(domain: str = "chat") -> Recipe:
+    """Stage 4 at toy scale in one process (unit tests, benchmarks): TP 1, 128 tokens, 100 steps at lr 3e-3."""
+    return Recipe(name="", stage="distill", hardware="cpu", precision="fp32", model=TINY_BACKBONE,
+                  target=TINY_TARGET, source=TINY_SOURCE,
+                  training=dataclasses.replace(_tiny_training(), seq_length=128, train_iters=100, lr=3e-3,
+                                               min_lr=3e-4, lr_warmup_fraction=0.04, weight_decay=0.0,
+                                               log_interval=10),
+                  drafter=Drafter(domain=domain), data=Data(regenerate_server_tensor_parallel_size=1),
+                  paths=_tiny_paths())
+
+
 RECIPES: types.MappingProxyType[str, Callable[..., Recipe]] = types.MappingProxyType({
     fn.__name__: fn
     for fn in (
@@ -337,9 +469,31 @@ RECIPES: types.MappingProxyType[str, Callable[..., Recipe]] = types.MappingProxy
         llama33_70b_osprey_distill_8gpu_b200_bf16, llama33_70b_osprey_distill_8gpu_b200_mxfp8,
         minimax_m25_osprey_distill_4gpu_b200_bf16, minimax_m25_osprey_distill_4gpu_b200_mxfp8,
         minimax_m25_osprey_distill_8gpu_h100_fp8,
-        *_EAGLE3_RECIPES,
+        qwen3_8b_eagle3_distill_2gpu_h100_bf16,
+        qwen3_8b_eagle3_distill_2gpu_h100_fp8,
+        qwen3_8b_eagle3_distill_2gpu_b200_bf16,
+        qwen3_8b_eagle3_distill_2gpu_b200_mxfp8,
+        qwen3_8b_eagle3_2layer_distill_2gpu_h100_bf16,
+        qwen3_8b_eagle3_2layer_distill_2gpu_h100_fp8,
+        qwen3_8b_eagle3_2layer_distill_2gpu_b200_bf16,
+        qwen3_8b_eagle3_2layer_distill_2gpu_b200_mxfp8,
+        qwen3_8b_eagle3_ttt7_distill_2gpu_h100_bf16,
+        llama33_70b_eagle3_distill_8gpu_h100_bf16,
+        llama33_70b_eagle3_distill_8gpu_h100_fp8,
+        llama33_70b_eagle3_distill_8gpu_b200_bf16,
+        llama33_70b_eagle3_distill_8gpu_b200_mxfp8,
+        llama33_70b_eagle3_2layer_distill_8gpu_h100_bf16,
+        llama33_70b_eagle3_2layer_distill_8gpu_h100_fp8,
+        llama33_70b_eagle3_2layer_distill_8gpu_b200_bf16,
+        llama33_70b_eagle3_2layer_distill_8gpu_b200_mxfp8,
+        minimax_m25_eagle3_distill_8gpu_h100_fp8,
+        minimax_m25_eagle3_distill_4gpu_b200_bf16,
+        minimax_m25_eagle3_distill_4gpu_b200_mxfp8,
+        minimax_m25_eagle3_2layer_distill_8gpu_h100_fp8,
+        minimax_m25_eagle3_2layer_distill_4gpu_b200_bf16,
+        minimax_m25_eagle3_2layer_distill_4gpu_b200_mxfp8,
         tiny_cpu_demo_1proc_fp32, tiny_cpu_backbone_pretrain_2proc_fp32,
-        tiny_cpu_osprey_distill_2proc_fp32, tiny_cpu_eagle3_distill_2proc_fp32,
+        tiny_cpu_osprey_distill_2proc_fp32, tiny_cpu_eagle3_distill_2proc_fp32, tiny_cpu_osprey_distill_1proc_fp32,
     )
 })
 
@@ -361,3 +515,12 @@ def get_recipe(spec: str) -> Recipe:
             raise ValueError(f"recipe {name} takes no domain; drop ':{domain}'.")
         return RECIPES[name](domain)
     return RECIPES[name]()
+
+
+def stage_config(spec: str, stage: str):
+    """The training config of a registered `stage` recipe (what the entry point's `--recipe NAME[:DOMAIN]` runs)."""
+    recipe = get_recipe(spec)
+    if recipe.stage != stage:
+        names = ", ".join(n for n in RECIPES if get_recipe(n).stage == stage)
+        raise ValueError(f"recipe {recipe.name} is a {recipe.stage} recipe; {stage} takes one of: {names}.")
+    return recipe.config()
