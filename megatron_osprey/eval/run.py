@@ -254,7 +254,8 @@ def run_eval(config: EvalConfig) -> dict:
                     # One line per finished cell, also when the bar is off (a log shows progress).
                     tqdm.write(f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
                                f"{len(requests)} requests, {summary['seconds']:.0f} s "
-                               f"({progress.n}/{total} requests done)")
+                               f"({sum(len(c['requests']) for c in cell_records) + len(requests)}/{total} "
+                               f"requests done)")
                     cells[index].append(Cell(item.name, method, domain, split, summary))
                     cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
                                          "split": split, **_setting(spec), "summary": summary, "requests": requests})

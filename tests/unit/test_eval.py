@@ -98,8 +98,11 @@ def test_cli_sweeps_temperature_and_draft_tokens_one_row_per_combination(tiny_se
     assert "| 1 | 3 | 2 | 1 | 7 | lossless rejection sampling |" in table
 
 
-def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup, tmp_path):
+def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup, tmp_path, capsys):
     assert _cli(tiny_setup, tmp_path, "--verify-lossless") == 0
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval: ")]
+    assert [line.split(":")[1].strip() for line in progress] == ["a on code", "a on math", "b on code", "b on math"]
+    assert progress[-1].endswith("(8/8 requests done)")
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lossless"] == {"checked": True, "mismatches": []}
     assert [(c["drafter"], c["split"]) for c in results["cells"]] == [
