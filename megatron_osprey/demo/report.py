@@ -257,8 +257,8 @@ def render_markdown(report: dict, cfg) -> str:
     lines += ["Goals: " + "; ".join(f"{k.replace('_', ' ')}: {'met' if v else 'MISSED'}" for k, v in goals.items()) + ".",
               "", "**Read with care.** The Osprey arm's backbone is the target's own first two layers (the "
               "same-family case, like Qwen3-4B -> Qwen3-8B), so it starts from the target's weights: closer to "
-              "self-drafting than the paper's setup. The cross-tokenizer arm (in `make demo-full`) is the "
-              "target-agnostic case."]
+              "self-drafting than the paper's setup. The cross-tokenizer arm (`--cross-tokenizer`; always in "
+              "`make demo-full`) is the target-agnostic case."]
     for name, m in report["matrix"].items():
         lines += ["", f"## {METHOD_LABELS.get(name, name)}: train domain x eval domain", "",
                   "| drafter (trained on) | " + " | ".join(m["eval_domains"]) + " |",
