@@ -3,7 +3,7 @@
 
     python benchmarks/distill_throughput.py [--iters 20] [--seq-length 128] [--micro-batch-size 4]
 
-Builds the tiny target / adapted drafter of the tests (tests/distill_fixtures.py) in a temp dir, runs
+Builds the tiny target / adapted drafter of the tests (megatron_osprey/testing/distill_setup.py) in a temp dir, runs
 `run_distill` (online target, TTT 5) and prints the steady-state figures of the last log window.
 """
 
@@ -27,7 +27,7 @@ def main() -> int:
     from megatron_osprey.config.recipes import get_recipe
     from megatron_osprey.parallel import parallel_context
     from megatron_osprey.training.distillation import run_distill
-    from tests.distill_fixtures import build_distill_setup
+    from megatron_osprey.testing.distill_setup import build_distill_setup
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = build_distill_setup(Path(tmp))

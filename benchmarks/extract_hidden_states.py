@@ -36,7 +36,7 @@ def write_target(directory: Path, hidden: int, layers: int) -> None:
     from transformers import LlamaConfig
 
     from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
-    from tests.tiny_models import make_hf_model
+    from megatron_osprey.testing.tiny_models import make_hf_model
 
     tokenizer = build_tiny_tokenizer("qwen3")
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
@@ -47,7 +47,7 @@ def write_target(directory: Path, hidden: int, layers: int) -> None:
 
 
 def write_long_conversations(path: Path, count: int) -> None:
-    from tests.tiny_models import write_conversations_jsonl
+    from megatron_osprey.testing.tiny_models import write_conversations_jsonl
 
     write_conversations_jsonl(path, count)
     rows = [json.loads(line) for line in path.read_text().splitlines()]

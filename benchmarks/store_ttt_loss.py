@@ -45,7 +45,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.drafter is None:
-            from tests.distill_fixtures import build_distill_setup
+            from megatron_osprey.testing.distill_setup import build_distill_setup
 
             setup = build_distill_setup(Path(tmp))
             args.drafter, args.target, args.data = setup["drafter"], setup["target"], setup["data"]

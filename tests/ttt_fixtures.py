@@ -9,7 +9,7 @@ import torch
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
-from tests.tiny_models import make_hf_model, qwen3_config
+from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 
 TARGET_VOCAB, TARGET_HIDDEN, DRAFT_VOCAB, SEQ, BATCH = 300, 48, 200, 20, 2
 

@@ -14,7 +14,7 @@ from megatron_osprey.models.targets.online import OnlineTarget
 from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
-from tests.distill_fixtures import build_distill_setup
+from megatron_osprey.testing.distill_setup import build_distill_setup
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig, StoreMismatchError
     from megatron_osprey.models.drafter import DrafterArch
     from megatron_osprey.training.distillation import assistant_token_counts, build_sources
-    from tests.distill_fixtures import write_chat_model
+    from megatron_osprey.testing.distill_setup import write_chat_model
 
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     store_dir = tmp_path / "store"

@@ -14,7 +14,7 @@ from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eag
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.distillation import drafter_arch
-from tests.tiny_models import llama_config, qwen3_config
+from megatron_osprey.testing.tiny_models import llama_config, qwen3_config
 
 
 def test_matched_recipes_train_both_arms_with_ttt_5():
@@ -77,7 +77,7 @@ def test_baseline_layer_has_no_qk_norm_on_a_qwen3_target(qwen3_target):
 
 
 def test_moe_target_gets_a_dense_llama_layer():
-    from tests.tiny_models import qwen3_moe_config
+    from megatron_osprey.testing.tiny_models import qwen3_moe_config
 
     target = ModelArch.from_hf_config(qwen3_moe_config().to_dict() | {"mlp_intermediate_size": 80})
     body = eagle3_body(target, 1)

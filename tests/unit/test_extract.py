@@ -19,8 +19,8 @@ from megatron_osprey.data.hidden_state_store import (
 from megatron_osprey.base.arch import default_aux_layer_ids
 from megatron_osprey.models.memory_estimate import TargetMemoryError
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta
-from tests.tiny_models import write_chat_target, write_conversations_jsonl
 from tools.extract_hidden_states import main as tool_main
 from tools.extract_hidden_states import parse_shard
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.tiny_models import VOCAB, qwen3_config, write_chat_target
+from megatron_osprey.testing.tiny_models import VOCAB, qwen3_config, write_chat_target
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ def parallel():
 
 
 def hf_and_ids(tmp_path):
-    from tests.tiny_models import make_hf_model
+    from megatron_osprey.testing.tiny_models import make_hf_model
 
     hf = make_hf_model(qwen3_config(tie=False), tmp_path / "hf").eval()
     ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -43,7 +43,7 @@ def megatron_logits(hf_dir, ids, parallel, transformer_impl: str) -> torch.Tenso
     from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.models.gpt import build_gpt_model
-    from tests.tiny_models import causal_logits
+    from megatron_osprey.testing.tiny_models import causal_logits
 
     arch = ModelArch.from_hf_config(hf_dir)
     model = build_gpt_model(arch, parallel.config, transformer_impl=transformer_impl,
@@ -64,7 +64,7 @@ def test_device_placement_on_cuda(tmp_path, parallel):
     from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.models.gpt import build_gpt_model
-    from tests.tiny_models import causal_logits
+    from megatron_osprey.testing.tiny_models import causal_logits
 
     arch = ModelArch.from_hf_config(hf_dir)
     model = build_gpt_model(arch, parallel.config, transformer_impl="local", perform_initialization=False).eval()

@@ -11,7 +11,7 @@ from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from tests.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config
+from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config
 
 CASES = {
     "qwen3_tied": lambda: qwen3_config(tie=True),

@@ -13,6 +13,7 @@ import megatron_osprey
 
 PACKAGE = "megatron_osprey"
 ROOT = Path(megatron_osprey.__file__).resolve().parent
+REPO = ROOT.parent
 
 # Bottom to top; a package may import only packages on lower rows. New packages must be placed here.
 LAYERS = (
@@ -27,6 +28,7 @@ LAYERS = (
     ("eval",),                      # acceptance-length evaluation
     ("stages",),                    # one module per pipeline stage
     ("demo", "pretrain", "distill"),  # entry points
+    ("testing",),                   # tiny models and data for tests and benchmarks
 )
 LEVEL = {name: level for level, row in enumerate(LAYERS) for name in row}
 
@@ -124,7 +126,30 @@ def test_no_import_cycles():
     assert _cycles(import_graph()) == []
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    """The first name of every absolute import in `path` (`from tests.x import y` -> tests)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_nothing_outside_tests_imports_tests():
+    # Benchmarks and tools get their tiny models from megatron_osprey.testing, never from tests/.
+    offenders = sorted(
+        str(path.relative_to(REPO))
+        for folder in (PACKAGE, "launcher", "tools", "benchmarks")
+        for path in (REPO / folder).rglob("*.py")
+        if "tests" in _top_level_imports(path)
+    )
+    assert offenders == []
+
+
 def test_the_checker_sees_an_upward_import_and_a_cycle():
     graph = import_graph()
     assert f"{PACKAGE}.base.atomic_io" in graph[f"{PACKAGE}.data.hidden_state_store.writer"]  # it reads imports
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "tests" in _top_level_imports(REPO / "tests" / "unit" / "test_smollm2_stages.py")

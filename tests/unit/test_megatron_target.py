@@ -8,7 +8,7 @@ from megatron_osprey.speculative import (
     HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate, target_generate,
 )
 from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
-from tests.tiny_models import VOCAB, llama_config, make_hf_model
+from megatron_osprey.testing.tiny_models import VOCAB, llama_config, make_hf_model
 from tests.unit.test_speculative import transformers_greedy
 
 AUX = [1, 3, 4]

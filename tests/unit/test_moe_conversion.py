@@ -14,7 +14,7 @@ from megatron_osprey.convert.weight_map import Split, match_rule_indices, rules_
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from tests.tiny_models import VOCAB, causal_logits, make_moe_hf_model, minimax_m2_config, qwen3_moe_config
+from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, make_moe_hf_model, minimax_m2_config, qwen3_moe_config
 
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 

@@ -14,7 +14,7 @@ from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
 from megatron_osprey.training.checkpointing import load_checkpoint, read_latest_iteration
-from tests.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
+from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 

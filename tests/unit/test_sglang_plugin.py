@@ -20,8 +20,8 @@ from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eag
 from megatron_osprey.models.drafter_convert import load_reference_state
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.testing.tiny_models import qwen3_config
 from tests.sglang_stock import stock_load
-from tests.tiny_models import qwen3_config
 
 STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin"
 PLUGIN = "megatron_osprey.export.sglang_plugin.eagle3_models"

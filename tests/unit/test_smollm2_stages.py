@@ -20,8 +20,8 @@ from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.speculative import DraftSession
+from megatron_osprey.testing.tiny_models import causal_logits, truncated_logits
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
-from tests.tiny_models import causal_logits, truncated_logits
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>

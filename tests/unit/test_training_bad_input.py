@@ -12,8 +12,8 @@ from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
+from megatron_osprey.testing.tiny_models import VOCAB
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_backbone, make_corpus
-from tests.tiny_models import VOCAB
 
 
 @pytest.fixture(scope="module")

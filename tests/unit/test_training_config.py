@@ -9,7 +9,7 @@ from megatron_osprey.config.pretrain import (
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.parallel import ParallelConfig
 from megatron_osprey.training.data import check_prefixes, parse_blend
-from tests.tiny_models import qwen3_config
+from megatron_osprey.testing.tiny_models import qwen3_config
 
 
 def test_megatron_flags_land_in_their_sections():

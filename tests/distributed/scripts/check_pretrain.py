@@ -17,8 +17,8 @@ from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
+from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_run
-from tests.tiny_models import make_hf_model, qwen3_config
 
 ITERS = 30
 RESHARD_AT = 25  # the TP=2 run saves here; resharded runs continue to ITERS

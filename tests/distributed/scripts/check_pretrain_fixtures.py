@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.tiny_models import VOCAB, make_hf_model, qwen3_config
+from megatron_osprey.testing.tiny_models import VOCAB, make_hf_model, qwen3_config
 
 EOD = VOCAB - 1
 

@@ -1,4 +1,4 @@
-"""Tiny random HF models for tests: Qwen3 (decoupled head_dim, qk-norm) and Llama (llama3 RoPE)."""
+"""Tiny random HF models for tests and benchmarks: Qwen3 (decoupled head_dim, qk-norm) and Llama (llama3 RoPE)."""
 
 from __future__ import annotations
 
