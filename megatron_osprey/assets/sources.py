@@ -34,10 +34,10 @@ class TokenizerSource:
     padded_vocab_size: int  # embedding rows in the model config (>= tokenizer length)
     bos_token: str | None
     eos_token: str
-    pad_token: str | None
-    unk_token: str | None
     add_bos_token: bool
     model_max_length: int
+    pad_token: str | None = None
+    unk_token: str | None = None
     chat_template_member: str | None = None
     chat_template_origin: str | None = None
     reference_inputs_member: str | None = None  # llama.cpp's test strings (.gguf.inp)
@@ -66,19 +66,23 @@ LLAMA_CPP_PYTHON = Distribution(
 _MODELS = "llama_cpp_python-0.3.16/vendor/llama.cpp/models"
 
 
-def _vocab(stem: str) -> dict[str, str]:
-    return {
-        "vocab_member": f"{_MODELS}/ggml-vocab-{stem}.gguf",
-        "reference_inputs_member": f"{_MODELS}/ggml-vocab-{stem}.gguf.inp",
-        "reference_outputs_member": f"{_MODELS}/ggml-vocab-{stem}.gguf.out",
-    }
+def _llama_cpp_tokenizer(stem: str, **fields) -> TokenizerSource:
+    """A tokenizer built from llama.cpp's `ggml-vocab-<stem>.gguf` and its reference test strings."""
+    vocab = f"{_MODELS}/ggml-vocab-{stem}.gguf"
+    return TokenizerSource(
+        distribution=LLAMA_CPP_PYTHON,
+        vocab_member=vocab,
+        reference_inputs_member=f"{vocab}.inp",
+        reference_outputs_member=f"{vocab}.out",
+        **fields,
+    )
 
 
 TOKENIZER_SOURCES: tuple[TokenizerSource, ...] = (
-    TokenizerSource(
+    _llama_cpp_tokenizer(
+        "qwen2",
         name="qwen3",
         description="Qwen3 byte-level BPE (151,643 BPE tokens + 26 Qwen3 added tokens)",
-        distribution=LLAMA_CPP_PYTHON,
         kind="byte_level_bpe",
         special_tokens="qwen3",
         regular_vocab_size=151643,
@@ -86,62 +90,53 @@ TOKENIZER_SOURCES: tuple[TokenizerSource, ...] = (
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token=None,
         add_bos_token=False,
         model_max_length=131072,
         chat_template_member=f"{_MODELS}/templates/Qwen-Qwen3-0.6B.jinja",
         chat_template_origin="Qwen/Qwen3-0.6B tokenizer_config.json, as vendored by llama.cpp",
-        **_vocab("qwen2"),
     ),
-    TokenizerSource(
+    _llama_cpp_tokenizer(
+        "llama-bpe",
         name="llama3",
         description="Llama-3.x byte-level BPE (128,000 tokens + 256 Llama-3.1+ special tokens)",
-        distribution=LLAMA_CPP_PYTHON,
         kind="byte_level_bpe",
         special_tokens="llama3",
         regular_vocab_size=128000,
         padded_vocab_size=128256,
         bos_token="<|begin_of_text|>",
         eos_token="<|eot_id|>",
-        pad_token=None,
-        unk_token=None,
         add_bos_token=True,
         model_max_length=131072,
         chat_template_member=f"{_MODELS}/templates/meta-llama-Llama-3.3-70B-Instruct.jinja",
         chat_template_origin="meta-llama/Llama-3.3-70B-Instruct tokenizer_config.json, as vendored by llama.cpp",
-        **_vocab("llama-bpe"),
     ),
-    TokenizerSource(
+    _llama_cpp_tokenizer(
+        "llama-spm",
         name="llama2",
         description="Llama-2 SentencePiece BPE (32,000 tokens, ▁ word marker, <0x..> byte fallback)",
-        distribution=LLAMA_CPP_PYTHON,
         kind="sentencepiece_bpe",
         special_tokens="gguf",
         regular_vocab_size=None,
         padded_vocab_size=32000,
         bos_token="<s>",
         eos_token="</s>",
-        pad_token=None,
         unk_token="<unk>",
         add_bos_token=True,
         model_max_length=4096,
-        **_vocab("llama-spm"),
     ),
-    TokenizerSource(
+    _llama_cpp_tokenizer(
+        "gpt-2",
         name="gpt2",
         description="GPT-2 byte-level BPE (50,257 tokens)",
-        distribution=LLAMA_CPP_PYTHON,
         kind="byte_level_bpe",
         special_tokens="gguf",
         regular_vocab_size=50256,
         padded_vocab_size=50257,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
-        pad_token=None,
         unk_token="<|endoftext|>",
         add_bos_token=False,
         model_max_length=1024,
-        **_vocab("gpt-2"),
     ),
 )
 

@@ -81,27 +81,26 @@ _QWEN3_MOE = ("qwen3_moe",)
 _MINIMAX = ("minimax_m2",)
 _MOE_BLOCK = "model.layers.{layer}.block_sparse_moe"
 
+
+def _expert_mlp(hf_expert: str, gate: str, up: str, down: str, families: tuple[str, ...]) -> tuple[WeightRule, ...]:
+    """One routed expert's gated MLP: HF `gate` and `up` fuse into fc1, `down` is fc2."""
+    return (
+        WeightRule(f"{_EXPERT}.linear_fc1.weight", (f"{hf_expert}.{gate}.weight", f"{hf_expert}.{up}.weight"),
+                   Split.GATE_UP, families=families, expert=True),
+        WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{hf_expert}.{down}.weight",), Split.ROW,
+                   families=families, expert=True),
+    )
+
+
 MOE_RULES: tuple[WeightRule, ...] = (
     # Qwen3-MoE: softmax router, experts as gate/up/down projections.
     WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MLP}.gate.weight",), Split.REPLICATED, families=_QWEN3_MOE),
-    WeightRule(
-        f"{_EXPERT}.linear_fc1.weight",
-        (f"{_MLP}.experts.{{expert}}.gate_proj.weight", f"{_MLP}.experts.{{expert}}.up_proj.weight"),
-        Split.GATE_UP, families=_QWEN3_MOE, expert=True,
-    ),
-    WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{_MLP}.experts.{{expert}}.down_proj.weight",), Split.ROW,
-               families=_QWEN3_MOE, expert=True),
+    *_expert_mlp(f"{_MLP}.experts.{{expert}}", "gate_proj", "up_proj", "down_proj", _QWEN3_MOE),
     # MiniMax-M2: Mixtral-style names (w1 gate, w3 up, w2 down), sigmoid router with a routing bias.
     WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MOE_BLOCK}.gate.weight",), Split.REPLICATED, families=_MINIMAX),
     WeightRule(f"{_LAYER}.mlp.router.expert_bias", (f"{_MOE_BLOCK}.e_score_correction_bias",), Split.REPLICATED,
                families=_MINIMAX, when="moe_expert_bias", buffer=True),
-    WeightRule(
-        f"{_EXPERT}.linear_fc1.weight",
-        (f"{_MOE_BLOCK}.experts.{{expert}}.w1.weight", f"{_MOE_BLOCK}.experts.{{expert}}.w3.weight"),
-        Split.GATE_UP, families=_MINIMAX, expert=True,
-    ),
-    WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{_MOE_BLOCK}.experts.{{expert}}.w2.weight",), Split.ROW,
-               families=_MINIMAX, expert=True),
+    *_expert_mlp(f"{_MOE_BLOCK}.experts.{{expert}}", "w1", "w3", "w2", _MINIMAX),
 )
 
 # The Transformer Engine spec fuses the pre-attention and pre-MLP norms into the

@@ -15,6 +15,7 @@ import textwrap
 import tokenize
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -256,77 +257,91 @@ def _money(value: float) -> str:
     return f"${value:.2f}" if value != int(value) else f"${int(value)}"
 
 
-def _addition(rng) -> list[tuple[str, str]]:
+# A math problem is its first turn plus, for some kinds, a follow-up about the same numbers (asked
+# at this rate); the follow-up draws its own numbers only when it is asked.
+_FOLLOW_UP_PROBABILITY = 0.4
+Turn = tuple[str, str]
+Problem = tuple[Turn, Callable[[], Turn] | None]
+
+
+def _addition(rng) -> Problem:
     name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
     a, b = rng.randint(3, 250), rng.randint(2, 150)
     total = a + b
-    turns = [(
+    first = (
         f"{name} has {a} {items} and then gets {b} more. How many {items} does {name} have now?",
         f"{name} starts with {a} {items} and gets {b} more, so we add them.\n{a} + {b} = {total}\n"
         f"{name} has {total} {items} now.",
-    )]
-    if rng.random() < 0.4:
+    )
+
+    def give_away() -> Turn:
         given = rng.randint(1, total - 1)
-        turns.append((
+        return (
             f"{name} then gives away {given} of them. How many are left?",
             f"We subtract the {given} given away from {total}.\n{total} - {given} = {total - given}\n"
             f"{name} has {total - given} {items} left.",
-        ))
-    return turns
+        )
+
+    return first, give_away
 
 
-def _multiplication(rng) -> list[tuple[str, str]]:
+def _multiplication(rng) -> Problem:
     items = rng.choice(_ITEMS)
     per, boxes = rng.randint(2, 48), rng.randint(2, 36)
     total = per * boxes
-    turns = [(
+    first = (
         f"A box holds {per} {items}. How many {items} are there in {boxes} boxes?",
         f"Each of the {boxes} boxes holds {per} {items}, so we multiply.\n{boxes} * {per} = {total}\n"
         f"There are {total} {items} in {boxes} boxes.",
-    )]
-    if rng.random() < 0.4:
+    )
+
+    def share() -> Turn:
         people = rng.choice([d for d in range(2, 13) if total % d == 0] or [1])
-        turns.append((
+        return (
             f"If they are shared equally among {people} people, how many does each person get?",
             f"We divide the {total} {items} by {people}.\n{total} / {people} = {total // people}\n"
             f"Each person gets {total // people} {items}.",
-        ))
-    return turns
+        )
+
+    return first, share
 
 
-def _percentage(rng) -> list[tuple[str, str]]:
+def _percentage(rng) -> Problem:
     good = rng.choice(_GOODS)
     price, percent = rng.randint(2, 60) * 5, rng.choice([5, 10, 15, 20, 25, 30, 40, 50, 75])
     discount = price * percent / 100
     sale = price - discount
-    return [(
+    first = (
         f"A {good} costs {_money(price)}. It is on sale for {percent}% off. What is the sale price?",
         f"First find the discount: {percent}% of {_money(price)} is {price} * {percent} / 100 = {_money(discount)}.\n"
         f"Then subtract it from the price: {_money(price)} - {_money(discount)} = {_money(sale)}.\n"
         f"The sale price is {_money(sale)}.",
-    )]
+    )
+    return first, None
 
 
-def _equation(rng) -> list[tuple[str, str]]:
+def _equation(rng) -> Problem:
     a, x, b = rng.randint(2, 12), rng.randint(-20, 30), rng.randint(-40, 60)
     c = a * x + b
     sign, magnitude = ("+", b) if b >= 0 else ("-", -b)
     move = f"Subtract {b} from both sides" if b >= 0 else f"Add {-b} to both sides"
-    turns = [(
+    first = (
         f"Solve for x: {a}x {sign} {magnitude} = {c}",
         f"{move}: {a}x = {c} {'-' if b >= 0 else '+'} {magnitude} = {c - b}.\n"
         f"Divide both sides by {a}: x = {c - b} / {a} = {x}.\nThe solution is x = {x}.",
-    )]
-    if rng.random() < 0.4:
-        turns.append((
-            "Can you check that answer?",
-            f"Substitute x = {x}: {a} * {x} {sign} {magnitude} = {a * x} {sign} {magnitude} = {c}.\n"
-            f"That equals the right-hand side, {c}, so x = {x} is correct.",
-        ))
-    return turns
+    )
+    check = (
+        "Can you check that answer?",
+        f"Substitute x = {x}: {a} * {x} {sign} {magnitude} = {a * x} {sign} {magnitude} = {c}.\n"
+        f"That equals the right-hand side, {c}, so x = {x} is correct.",
+    )
+    return first, lambda: check
 
 
-def math_turns(rng) -> list[tuple[str, str]]:
+def math_turns(rng) -> list[Turn]:
     """One to two (question, worked answer) turns of a random arithmetic word problem or equation."""
     kind = rng.choice((_addition, _multiplication, _percentage, _equation))
-    return kind(rng)
+    first, follow_up = kind(rng)
+    if follow_up is not None and rng.random() < _FOLLOW_UP_PROBABILITY:
+        return [first, follow_up()]
+    return [first]

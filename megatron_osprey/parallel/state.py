@@ -74,6 +74,18 @@ class ParallelConfig:
             )
 
 
+def _parallel_state_property(getter: str) -> property:
+    """A read-only property returning megatron.core.parallel_state.<getter>()."""
+
+    def read(self) -> int:
+        # Imported on use: megatron.core is heavy, and a config or --help needs none of it.
+        from megatron.core import parallel_state as mpu
+
+        return getattr(mpu, getter)()
+
+    return property(read, doc=f"megatron.core.parallel_state.{getter}()")
+
+
 @dataclasses.dataclass
 class ParallelState:
     """What `initialize_parallel` set up: ranks, device and the process groups."""
@@ -85,29 +97,11 @@ class ParallelState:
     owns_process_group: bool
     compat: cpu_compat.CompatHandle | None = dataclasses.field(repr=False)
 
-    @property
-    def tp_rank(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_tensor_model_parallel_rank()
-
-    @property
-    def pp_rank(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_pipeline_model_parallel_rank()
-
-    @property
-    def dp_rank(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_rank()
-
-    @property
-    def dp_size(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_world_size()
+    # This rank's place in the layout, read from Megatron-Core's parallel_state (the one owner).
+    tp_rank = _parallel_state_property("get_tensor_model_parallel_rank")
+    pp_rank = _parallel_state_property("get_pipeline_model_parallel_rank")
+    dp_rank = _parallel_state_property("get_data_parallel_rank")
+    dp_size = _parallel_state_property("get_data_parallel_world_size")
 
     def process_groups(self):
         """Megatron-Core's ProcessGroupCollection for the current layout."""
