@@ -19,8 +19,8 @@ from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.speculative import DraftSession
 from megatron_osprey.testing.tiny_models import causal_logits, truncated_logits
+from tests.draft_sessions import RecomputeSession
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
 
 VOCAB = 49152
@@ -181,7 +181,7 @@ def greedy_reference(smollm2, prompt_ids):
 MAX_NEW = 24
 
 
-class ScriptedSession(DraftSession):
+class ScriptedSession(RecomputeSession):
     """A draft session that proposes the reference continuation, except at every `miss`-th position.
 
     It costs no model work and makes the real target accept several drafts per round and reject the
@@ -189,8 +189,8 @@ class ScriptedSession(DraftSession):
     adapted drafter at initialization, a 2-layer logit lens of SmolLM2, gets none accepted)."""
 
     def __init__(self, script: list[int], vocab: int, miss: int = 7):
+        super().__init__()
         self.script, self.vocab, self.miss = script, vocab, miss
-        self.seq, self.nodes = [], []
 
     def _logits(self, seq):
         logits = torch.zeros(self.vocab)
@@ -200,32 +200,6 @@ class ScriptedSession(DraftSession):
         first, second = ((right + 1) % self.vocab, (right + 2) % self.vocab) if n % self.miss == 0 else (right, (right + 1) % self.vocab)
         logits[first], logits[second] = 10.0, 5.0
         return logits
-
-    def _path(self, node):
-        path = []
-        while node >= 0:
-            parent, token = self.nodes[node]
-            path.insert(0, token)
-            node = parent
-        return path
-
-    def start(self, prompt_ids, first_token, aux):
-        self.seq, self.nodes = prompt_ids.tolist() + [first_token], []
-        return self._logits(self.seq)
-
-    def extend(self, tokens, aux):
-        self.seq, self.nodes = self.seq + tokens.tolist(), []
-        return self._logits(self.seq)
-
-    def expand(self, parents, tokens):
-        out = []
-        for parent, token in zip(parents, tokens.tolist()):
-            out.append(self._logits(self.seq + self._path(parent) + [token]))
-            self.nodes.append((parent, token))
-        return torch.stack(out)
-
-    def end_round(self):
-        self.nodes = []
 
 
 @pytest.mark.parametrize("shape", [dict(steps=4, topk=1), dict(steps=3, topk=3, draft_tokens=8)], ids=["chain", "tree"])

@@ -15,6 +15,7 @@ from megatron_osprey.speculative import (
     speculative_generate,
     target_generate,
 )
+from tests.draft_sessions import RecomputeSession
 
 AUX = [0, 1, 2]
 CHAIN = dict(steps=4, topk=1)
@@ -66,7 +67,7 @@ def tiny_drafter(vocab: int, draft_vocab: int, variant: str, seed: int) -> Refer
     return drafter.double().eval()
 
 
-class OracleSession(DraftSession):
+class OracleSession(RecomputeSession):
     """Proposals from the target itself (full recompute); `mode` bends them.
 
     mode "exact": the target's own logits; "wrong": the target's argmax gets -inf;
@@ -74,9 +75,9 @@ class OracleSession(DraftSession):
     """
 
     def __init__(self, model, mode: str = "exact", seed: int = 0):
+        super().__init__()
         self.model, self.mode = model, mode
         self.generator = torch.Generator().manual_seed(seed)
-        self.seq, self.nodes = [], []
 
     @torch.no_grad()
     def _logits(self, seq):
@@ -87,32 +88,6 @@ class OracleSession(DraftSession):
             noise = torch.randn(logits.shape, generator=self.generator, dtype=logits.dtype)
             logits += 0.7 * logits.std() * noise
         return logits
-
-    def _path(self, node):
-        path = []
-        while node >= 0:
-            parent, token = self.nodes[node]
-            path.insert(0, token)
-            node = parent
-        return path
-
-    def start(self, prompt_ids, first_token, aux):
-        self.seq, self.nodes = prompt_ids.tolist() + [first_token], []
-        return self._logits(self.seq)
-
-    def extend(self, tokens, aux):
-        self.seq, self.nodes = self.seq + tokens.tolist(), []
-        return self._logits(self.seq)
-
-    def expand(self, parents, tokens):
-        out = []
-        for parent, token in zip(parents, tokens.tolist()):
-            out.append(self._logits(self.seq + self._path(parent) + [token]))
-            self.nodes.append((parent, token))
-        return torch.stack(out)
-
-    def end_round(self):
-        self.nodes = []
 
 
 def transformers_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
