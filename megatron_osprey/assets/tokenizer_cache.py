@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
-from .download import PROVENANCE_FILE, fetch_members, member_filename
+from .download import (
+    PROVENANCE_FILE,
+    SOURCES_SUBDIR,
+    fetch_members,
+    member_filename,
+    osprey_cache_dir,
+    read_json_or_none,
+    resolve_cache_dir,
+)
 from .gguf_reader import read_gguf_metadata
 from .gguf_tokenizer import byte_level_bpe_from_gguf, gguf_added_tokens, sentencepiece_bpe_from_gguf
 from .sources import TOKENIZER_SOURCES, Distribution, TokenizerSource, tokenizer_source
@@ -18,38 +25,27 @@ from .special_tokens import llama3_added_tokens, qwen3_added_tokens
 # Bump when the conversion changes, so existing caches are rebuilt instead of trusted.
 BUILD_VERSION = 1
 INFO_FILE = "osprey_tokenizer.json"
-_SOURCES_SUBDIR = "_sources"
 _REFERENCE_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def default_cache_dir() -> Path:
     """$OSPREY_CACHE/tokenizers if OSPREY_CACHE is set, else ~/.cache/megatron_osprey/tokenizers."""
-    root = os.environ.get("OSPREY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "megatron_osprey"
-    return base / "tokenizers"
+    return osprey_cache_dir("tokenizers")
 
 
 def _resolve(cache_dir: str | os.PathLike | None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    return resolve_cache_dir(cache_dir, "tokenizers")
 
 
 def source_files_dir(dist: Distribution, cache_dir: str | os.PathLike | None = None) -> Path:
     """Directory holding the verified members of dist, downloading them on first use."""
     root = _resolve(cache_dir)
-    dest = root / _SOURCES_SUBDIR / f"{dist.package}-{dist.version}"
+    dest = root / SOURCES_SUBDIR / f"{dist.package}-{dist.version}"
     # Every member any tokenizer needs from this file, so one download serves them all.
     needed = {m for s in TOKENIZER_SOURCES if s.distribution == dist for m in s.members()}
 
     def is_complete(directory: Path) -> bool:
-        provenance = _read_json(directory / PROVENANCE_FILE)
+        provenance = read_json_or_none(directory / PROVENANCE_FILE)
         return (
             provenance is not None
             and provenance.get("sha256") == dist.sha256
@@ -109,7 +105,7 @@ def _info(source: TokenizerSource, vocab_size: int) -> dict[str, Any]:
 
 
 def _is_current(out: Path, source: TokenizerSource) -> bool:
-    info = _read_json(out / INFO_FILE)
+    info = read_json_or_none(out / INFO_FILE)
     if info is None or not (out / "tokenizer.json").is_file() or not (out / "tokenizer_config.json").is_file():
         return False
     return (

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from megatron_osprey.base.atomic_io import fsync_dir, fsync_file
-from megatron_osprey.base.atomic_io import write_json_atomic as base_write_json_atomic
 
 _PARTIAL = ".partial"
-
-
-def write_json_atomic(path: str, payload: Any) -> None:
-    """Write a sidecar JSON (compact indent, sorted keys) atomically."""
-    base_write_json_atomic(path, payload, indent=1, sort_keys=True)
 
 
 def remove_indexed_dataset(prefix: str) -> None:

@@ -23,13 +23,10 @@ import numpy as np
 
 from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 
+from megatron_osprey.base.atomic_io import write_json_atomic
 from megatron_osprey.data.encode_pool import EncodePool, EncoderSettings
 from megatron_osprey.data.fast_tokenizer import TokenizerSpec, load_tokenizer_spec
-from megatron_osprey.data.indexed_writer import (
-    AtomicIndexedWriter,
-    remove_indexed_dataset,
-    write_json_atomic,
-)
+from megatron_osprey.data.indexed_writer import AtomicIndexedWriter, remove_indexed_dataset
 from megatron_osprey.data.text_sources import RecordBatch, TextSource, open_text_source
 from megatron_osprey.data.token_encoding import EncodedBatch
 
@@ -281,7 +278,7 @@ def _encode_partitions(
             "records": [bounds[k], bounds[k + 1]],
             "stats": asdict(stats),
         }
-        write_json_atomic(prefix + MARKER_SUFFIX, marker)
+        write_json_atomic(prefix + MARKER_SUFFIX, marker, indent=1, sort_keys=True)
         run.total.merge(stats, cfg.max_reported_problems)
         run.partition_stats[k] = stats
         pending.remove(k)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import yaml
 
-from megatron_osprey.assets.download import pip_download, verify_sha256
+from megatron_osprey.assets.download import osprey_cache_dir, pip_download, resolve_cache_dir, verify_sha256
 from megatron_osprey.assets.sources import Distribution
 from megatron_osprey.base.atomic_io import write_json_atomic
 
@@ -56,9 +56,7 @@ _RULE = re.compile(r"(^|\s)[-=~*^+]{3,}(\s|$)")  # reST underlines and table rul
 
 def default_cache_dir() -> Path:
     """$OSPREY_CACHE/corpora if OSPREY_CACHE is set, else ~/.cache/megatron_osprey/corpora."""
-    root = os.environ.get("OSPREY_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "megatron_osprey"
-    return base / "corpora"
+    return osprey_cache_dir("corpora")
 
 
 def _chatterbot_cache_file(cache_dir: Path) -> Path:
@@ -98,7 +96,7 @@ def parse_chatterbot_wheel(wheel: Path) -> dict[str, list[list[str]]]:
 
 def chatterbot_dialogues(cache_dir: Path | None = None) -> dict[str, list[list[str]]]:
     """Dialogues per language from the pinned chatterbot-corpus wheel, downloaded once and cached as JSON."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = resolve_cache_dir(cache_dir, "corpora")
     path = _chatterbot_cache_file(cache_dir)
     if path.is_file():
         cached = json.loads(path.read_text(encoding="utf-8"))

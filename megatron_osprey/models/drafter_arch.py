@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_osprey.base.arch import ModelArch
-
-VARIANTS = ("osprey", "eagle3")
-EAGLE3_EXTRA_LAYERS = ("fused", "plain")
+# One list of variants for both drafters; the reference drafter needs only torch, not Megatron-Core.
+from megatron_osprey.models.reference_drafter import EAGLE3_EXTRA_LAYERS, VARIANTS, DrafterConfig
 
 
 def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
@@ -113,8 +112,6 @@ class DrafterArch:
 
     def reference_config(self):
         """The plain-PyTorch reference drafter's config for the same drafter."""
-        from megatron_osprey.models.reference_drafter import DrafterConfig
-
         body = self.body
         return DrafterConfig(
             hidden_size=body.hidden_size,

@@ -11,7 +11,7 @@ import torch
 TOPICS = ["the weather", "python lists", "prime numbers", "a short poem", "coffee", "trains", "the moon", "chess"]
 
 
-def write_conversations(path: Path, count: int, seed: int = 0) -> Path:
+def write_topic_conversations(path: Path, count: int, seed: int = 0) -> Path:
     """Conversations JSONL with one or two turns, deterministic."""
     rng = random.Random(seed)
     with open(path, "w") as handle:
@@ -60,5 +60,5 @@ def build_distill_setup(root: Path) -> dict:
     with parallel_context(ParallelConfig()) as state:
         prune_backbone(PruneConfig(source=small_lm, output=root / "backbone", num_layers=2), state)
         report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
-    data = write_conversations(root / "train.jsonl", 48)
+    data = write_topic_conversations(root / "train.jsonl", 48)
     return {"target": target, "drafter": root / "drafter", "data": data, "report": report, "root": root}

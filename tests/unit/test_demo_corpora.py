@@ -141,6 +141,15 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     assert corpus_sources.default_cache_dir() == Path.home() / ".cache" / "megatron_osprey" / "corpora"
 
 
+def test_the_corpus_cache_expands_home_as_the_tokenizer_cache_does(monkeypatch, tmp_path):
+    from megatron_osprey.assets import default_cache_dir as tokenizer_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OSPREY_CACHE", "~/cache")
+    assert corpus_sources.default_cache_dir() == tmp_path / "cache" / "corpora"
+    assert tokenizer_cache_dir() == tmp_path / "cache" / "tokenizers"
+
+
 def _norm(text: str) -> str:
     return " ".join(text.split()).casefold()
 
