@@ -249,38 +249,3 @@ def ttt_loss(
         metrics[f"accept/{k}"] = term.accept_sum / denominator
         metrics[f"tokens/{k}"] = term.count
     return total, metrics
-
-
-def reference_ttt_loss(
-    drafter_logits: list[Tensor], target_full_logits: Tensor, loss_mask: Tensor, t2d: Tensor, config: TTTLossConfig
-) -> tuple[Tensor, list[float]]:
-    """The same loss written plainly, one row at a time, on full (unsharded) tensors; for tests.
-
-    Returns the loss and the per-step mean soft CE over counted rows.
-    """
-    draft_ids = torch.nonzero(t2d).flatten()
-    batch, seq = loss_mask.shape
-    weighted_sum = torch.zeros(())
-    per_step, step0_rows = [], 0
-    for k, logits in enumerate(drafter_logits):
-        losses = []
-        for b in range(batch):
-            for t in range(seq):
-                j = t + 1 + k  # the target position this row is trained toward (it predicts x_{j+1})
-                if j >= seq:  # past the sequence: padding rows of the shifted step
-                    continue
-                masked_token = j + 1 if config.mask_alignment == "predicted" else t + k
-                if masked_token >= seq or not loss_mask[b, masked_token]:
-                    continue
-                full = target_full_logits[b, j].float()
-                if not t2d[full.argmax()]:
-                    continue
-                p = torch.softmax(full[draft_ids], dim=-1)
-                log_q = torch.log_softmax(logits[b, t, : draft_ids.numel()].float(), dim=-1)
-                losses.append(-(p * log_q).sum())
-        step_sum = torch.stack(losses).sum() if losses else torch.zeros(())
-        step0_rows = len(losses) if k == 0 else step0_rows
-        per_step.append(float(step_sum.detach()) / max(len(losses), 1))
-        weighted_sum = weighted_sum + config.decay**k * step_sum
-    denominator = batch * seq if config.normalization == "reference" else max(step0_rows, 1)
-    return weighted_sum / denominator, per_step

@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 
 from megatron_osprey.export import layouts
 from megatron_osprey.export.formats import export_drafter, read_export
-from megatron_osprey.export.sglang_plugin.weight_names import fused_state, layer_kinds, plugin_param_name
+from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter, apply_rope
+from tests.plugin_state import fused_state
 from tools.export_checkpoint import main as export_main
 
 VOCAB, DRAFT_VOCAB = 120, 90

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from megatron_osprey.losses.ttt import (
-    TTTLossConfig, drafter_inputs, reference_ttt_loss, step_mask, step_masks, ttt_loss, vocab_parallel_argmax,
+    TTTLossConfig, drafter_inputs, step_mask, step_masks, ttt_loss, vocab_parallel_argmax,
 )
 from megatron_osprey.models.drafter import build_drafter_model
 from megatron_osprey.models.drafter_convert import load_reference_state
 from megatron_osprey.models.targets.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from tests.ttt_fixtures import TARGET_VOCAB, make_batch, make_drafter, make_target
+from tests.ttt_fixtures import TARGET_VOCAB, make_batch, make_drafter, make_target, reference_ttt_loss
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 # SGLang fuses q/k/v into qkv_proj and gate/up into gate_up_proj; the shard id tells the loader where.
 STACKED = (
     ("q_proj", "qkv_proj", "q"),
@@ -20,12 +18,6 @@ PLUGIN_ARCHITECTURES = ("OspreyLlamaForCausalLMEagle3", "OspreyQwen3ForCausalLME
 
 def _getter(config):
     return config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
-
-
-def needs_plugin(config) -> bool:
-    """True when SGLang's stock EAGLE-3 draft class would serve this config wrongly."""
-    get = _getter(config)
-    return bool(get("swap_h_and_emb", False)) or int(get("num_hidden_layers", 1)) > 1
 
 
 def layer_kinds(config) -> list[str]:
@@ -58,22 +50,3 @@ def plugin_param_name(name: str) -> tuple[str, object] | None:
         if f".{source}." in name:
             return "model." + name.replace(f".{source}.", f".{fused}."), shard
     return "model." + name, None
-
-
-def fused_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the plugin's parameters hold after loading at TP=1 (shards concatenated in loader order)."""
-    order = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
-    parts: dict[str, list] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        mapped = plugin_param_name(name)
-        if mapped is None:
-            continue
-        param, shard = mapped
-        if shard is None:
-            out[param] = tensor
-        else:
-            parts.setdefault(param, []).append((order[shard], tensor))
-    for param, pieces in parts.items():
-        out[param] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=0)
-    return out
