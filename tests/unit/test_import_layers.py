@@ -20,8 +20,7 @@ LAYERS = (
     ("base",),                      # atomic I/O, run-config files, architecture descriptions
     ("parallel", "assets"),         # process groups + CPU compat; tokenizer/corpus cache
     ("losses", "convert"),          # the TTT loss; HF <-> Megatron weight tables and I/O
-    ("config",),                    # stage configs composed from component configs
-    ("models",),                    # Megatron-Core modules: GPT, drafter, targets, reference drafter
+    ("config", "models"),           # stage configs; Megatron-Core modules (GPT, drafter, targets): neither imports the other
     ("data",),                      # datasets, preprocessing, hidden-state store, regeneration
     ("training", "speculative"),    # the shared training loop; draft/verify decoding
     ("export",),                    # serving formats
@@ -120,6 +119,23 @@ def test_imports_point_downward():
         if _package(a) and _package(b) and _package(a) != _package(b) and LEVEL[_package(b)] >= LEVEL[_package(a)]
     )
     assert upward == []
+
+
+# Stricter than the rows: a config is plain dataclasses, so it needs no weight maps and no loss code.
+NOT_FROM = {"config": {"convert", "losses"}}
+# The one exception today, listed so that removing it (or adding another) is seen: the distill config
+# composes the loss's own config dataclass.
+KNOWN = {"megatron_osprey.config.distill -> megatron_osprey.losses.ttt"}
+
+
+def test_config_imports_no_weight_maps_or_losses():
+    found = {
+        f"{a} -> {b}"
+        for a, targets in import_graph().items()
+        for b in targets
+        if _package(b) in NOT_FROM.get(_package(a), ())
+    }
+    assert found == KNOWN
 
 
 def test_no_import_cycles():
