@@ -3,9 +3,9 @@
 Read by the `osprey` launcher and by the entry points' `--recipe`; see registry.py for the names.
 """
 
-from megatron_osprey.config.recipes.files import apply_overrides, load_yaml_recipe, resolve_recipe
+from megatron_osprey.config.recipes.files import apply_recipe_overrides, load_yaml_recipe, resolve_recipe
 from megatron_osprey.config.recipes.recipe import Recipe
 from megatron_osprey.config.recipes.registry import RECIPES, get_recipe, stage_config, takes_domain
 
-__all__ = ["RECIPES", "Recipe", "apply_overrides", "get_recipe", "load_yaml_recipe", "resolve_recipe", "stage_config",
+__all__ = ["RECIPES", "Recipe", "apply_recipe_overrides", "get_recipe", "load_yaml_recipe", "resolve_recipe", "stage_config",
            "takes_domain"]

@@ -23,7 +23,7 @@ def _shape_fields(node: Any, key: str, value: Any, where: str) -> Any:
     return NotImplemented
 
 
-def apply_overrides(recipe: Recipe, overrides: list[str] | None) -> Recipe:
+def apply_recipe_overrides(recipe: Recipe, overrides: list[str] | None) -> Recipe:
     """Apply `a.b=c` strings in order (later ones win); returns a new, validated recipe."""
     recipe = apply_to(recipe, overrides, _shape_fields)
     recipe.validate()
@@ -75,4 +75,4 @@ def resolve_recipe(spec: str, overrides: list[str] | None = None) -> Recipe:
         recipe = load_yaml_recipe(spec)
     else:
         recipe = get_recipe(spec)
-    return apply_overrides(recipe, overrides or [])
+    return apply_recipe_overrides(recipe, overrides or [])

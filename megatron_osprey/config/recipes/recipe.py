@@ -23,7 +23,7 @@ HARDWARE = ("h100", "b200", "cpu")
 # Usable memory per device in GiB as the driver reports it (H100 SXM 80 GB, B200 192 GB).
 GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
 # The five train/eval domains of the 5x5 acceptance-length matrix.
-DOMAINS = ("chat", "code", "math", "science", "multilingual")
+RECIPE_DOMAINS = ("chat", "code", "math", "science", "multilingual")
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ class Drafter:
     draft_vocab_size: int | None = None  # EAGLE-3 baseline: 32,000
     target_fp8_format: str | None = None  # FP8 for the frozen target forward
     target_fp8_recipe: str | None = None
-    eval_domains: list[str] = dataclasses.field(default_factory=lambda: list(DOMAINS))
+    eval_domains: list[str] = dataclasses.field(default_factory=lambda: list(RECIPE_DOMAINS))
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import inspect
 import types
 from typing import Callable
 
-from megatron_osprey.config.recipes.recipe import DOMAINS, Data, Drafter, Layout, Paths, Recipe, Slurm, Training
+from megatron_osprey.config.recipes.recipe import RECIPE_DOMAINS, Data, Drafter, Layout, Paths, Recipe, Slurm, Training
 from megatron_osprey.config.recipes.shapes import (LLAMA33_70B, MINIMAX_M25, QWEN3_4B, QWEN3_4B_2LAYER, QWEN3_8B, TINY_BACKBONE,
                              TINY_SOURCE, TINY_TARGET, ModelShape)
 
@@ -73,8 +73,8 @@ def _distill(target: ModelShape, method: str, hardware: str, precision: str, dom
              target_tp: int = 1, target_ep: int = 1, aux_layer_ids: list[int] | None = None,
              eagle3_layers: int = 1, server_tp: int = 1) -> Recipe:
     """Stage 4 on one node: the frozen target split TP x EP over `gpus`, the small drafter data-parallel."""
-    if domain not in DOMAINS:
-        raise ValueError(f"domain {domain!r} is not one of {', '.join(DOMAINS)}.")
+    if domain not in RECIPE_DOMAINS:
+        raise ValueError(f"domain {domain!r} is not one of {', '.join(RECIPE_DOMAINS)}.")
     fp8_format, fp8_recipe = _TARGET_FP8[precision]
     eagle3 = method == "eagle3"
     drafter = Drafter(
