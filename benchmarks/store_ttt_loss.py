@@ -72,7 +72,11 @@ def main() -> int:
                 loss, loss_func = step(iter([{k: v[None] for k, v in sample.items()}]), model)
                 return loss / loss_func(loss)[1].clamp(min=1)
 
-            rows = [loss_delta_under_encoding(loss_fn, samples, encoding) for encoding in ("bf16", "int8")]
+            try:
+                rows = [loss_delta_under_encoding(loss_fn, samples, encoding) for encoding in ("bf16", "int8")]
+            except ValueError as error:
+                print(f"error: --data {args.data} at --seq-length {args.seq_length}: {error}", file=sys.stderr)
+                return 2
     tokens = sum(int(s["loss_mask"].numel()) for s in samples)
     ht = arch.target_hidden_size
     print(f"TTT loss of {args.drafter} on {len(samples)} conversations ({tokens} token slots), Ht={ht}:")

@@ -176,6 +176,9 @@ def loss_delta_under_encoding(
     if not exact:
         raise ValueError("loss_delta_under_encoding needs at least one sample.")
     mean_exact = sum(exact) / len(exact)
+    if mean_exact == 0:
+        raise ValueError(f"the exact loss is 0 on all {len(exact)} samples (no counted token: prompts only, or cut "
+                         "before the first assistant token), so there is no loss change to measure.")
     mean_encoded = sum(encoded) / len(encoded)
     worst = max(_relative(a, b) for a, b in zip(exact, encoded))
     return LossDelta(

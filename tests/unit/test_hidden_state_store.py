@@ -340,6 +340,9 @@ def test_loss_delta_under_encoding():
         sum(float((x - x.bfloat16().float()).pow(2).mean()) for x in exact_by_id.values()) / 4, rel=1e-3)
     # Without exact outliers the x40 channel sets the int8 step and the error grows by ~40^2.
     assert mse0 > 100 * mse8 > 0
+    # Samples with no counted token (loss 0) leave nothing to compare: one clear error, not a ZeroDivisionError.
+    with pytest.raises(ValueError, match="exact loss is 0 on all 4 samples"):
+        loss_delta_under_encoding(lambda sample: torch.zeros(()), samples, "int8")
 
 
 @pytest.mark.parametrize("encoding", ["bf16", "int8"])
