@@ -1,31 +1,8 @@
-"""Stage 4 entry point: `python -m megatron_osprey.distill` (see --help)."""
+"""`python -m megatron_osprey.distill`: Stage 4, kept for the commands that call it (megatron_osprey/stages/distill.py)."""
 
-from __future__ import annotations
-
-import os
 import sys
 
-from megatron_osprey.config.distill_args import distill_config_from_args
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse flags, bring up the process groups, distill; returns the exit code."""
-    cfg = distill_config_from_args(argv)
-    cfg.logging.wandb_mode = os.environ.get("WANDB_MODE", "offline")
-    from megatron_osprey.parallel import parallel_context
-    from megatron_osprey.training.distillation import run_distill
-
-    with parallel_context(cfg.parallel) as state:
-        try:
-            run_distill(cfg, state)
-        except (ValueError, OSError) as error:  # bad input or an unusable file: one line, not a traceback
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        except FloatingPointError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-    return 0
-
+from megatron_osprey.stages.distill import main
 
 if __name__ == "__main__":
     # The guard matters: every checkpoint save starts a multiprocessing Manager with spawn.

@@ -112,22 +112,18 @@ def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[s
     """
     import shutil
 
-    from megatron_osprey.data.fingerprint import settings_differences, write_settings
+    from megatron_osprey.data.fingerprint import claim_output
 
     store = Path(config.store.store_dir)
-    record = store / SETTINGS_NAME
-    diffs = settings_differences(record, settings)
-    if not record.is_file() and store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir()):
-        diffs = [f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)"]
-    if diffs and not config.overwrite:
-        raise ValueError(
-            f"--output {store} holds hidden states from other inputs or settings ({'; '.join(diffs)}); resuming "
-            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output.")
-    if diffs:
-        say(f"extract: --overwrite: deleting {store} ({'; '.join(diffs)})")
+
+    def delete(reasons: str) -> None:
+        say(f"extract: --overwrite: deleting {store} ({reasons})")
         shutil.rmtree(store)
-    store.mkdir(parents=True, exist_ok=True)
-    write_settings(record, settings)
+
+    foreign = store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir())
+    unrecorded = f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)" if foreign else None
+    claim_output(store, store / SETTINGS_NAME, settings, overwrite=config.overwrite, holds="hidden states",
+                 unrecorded=unrecorded, delete=delete)
 
 
 def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:

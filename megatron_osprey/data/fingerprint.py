@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.checksums import file_sha256  # noqa: F401  (re-exported for the stages)
@@ -47,6 +48,27 @@ def settings_differences(record: Path, settings: dict) -> list[str]:
 def write_settings(record: Path, settings: dict) -> None:
     """Write the record atomically (identical settings give identical bytes, so concurrent writers agree)."""
     write_text_atomic(record, json.dumps(settings, indent=1, sort_keys=True) + "\n")
+
+
+def claim_output(output: Path, record: Path, settings: dict, *, overwrite: bool, holds: str,
+                 unrecorded: str | None, delete: Callable[[str], None]) -> None:
+    """Refuse an output made from other inputs or settings (with overwrite: delete it); then record ours.
+
+    `holds` says what the output holds, for the refusal; `unrecorded` is why an output with content but no
+    record cannot be trusted (None: it has no content); `delete(reasons)` empties the output. Run by one
+    process per job, before any writer opens the output.
+    """
+    diffs = settings_differences(record, settings)
+    if not record.is_file() and unrecorded:
+        diffs = [unrecorded]
+    if diffs and not overwrite:
+        raise ValueError(
+            f"--output {output} holds {holds} from other inputs or settings ({'; '.join(diffs)}); resuming "
+            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output.")
+    if diffs:
+        delete("; ".join(diffs))
+    record.parent.mkdir(parents=True, exist_ok=True)
+    write_settings(record, settings)
 
 
 def _short(value) -> str:

@@ -1,10 +1,22 @@
-"""Stage 3: adapt the pretrained backbone to one target (vocabulary, QKV expansion, fusion fc)."""
+"""Stage 3: adapt the pretrained backbone to one target (vocabulary, QKV expansion, fusion fc).
+
+    python tools/adapt_drafter.py --backbone BACKBONE_DIR --target TARGET_DIR --output OUT
+        [--aux-layer-ids 1 15 28] [--draft-vocab-size 32000 --token-counts counts.json]
+    (python -m megatron_osprey.stages.adapt takes the same flags)
+
+BACKBONE_DIR is the --output of Stage 1 (tools/prune_backbone.py) or Stage 2.
+TARGET_DIR holds the target's config.json and tokenizer; no weights are read.
+Writes OUT/megatron/ (dist checkpoint), OUT/hf/ (reference drafter) and
+OUT/tokenizer_alignment.json.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +28,8 @@ from megatron_osprey.base.run_config import load_run_config, save_run_config
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.models.drafter_arch import DrafterArch
 from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.cli import config_from_flags, exit_code, is_rank0
 
 BACKBONE_STAGES = ("prune", "pretrain")
 
@@ -207,3 +221,46 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
     load_reference_state(model, drafter.state_dict(), parallel.tp_rank, parallel.config.tensor_model_parallel_size)
     save_checkpoint(output / "megatron", 0, model.sharded_state_dict(), run_config)
     return report
+
+
+def run(config: AdaptConfig, parallel: ParallelConfig) -> dict:
+    """Adapt on this rank, inside the job's process groups (collective); returns the alignment report."""
+    with parallel_context(parallel) as state:
+        return adapt_drafter(config, state)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backbone", required=True, type=Path)
+    parser.add_argument("--target", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
+                        help="0-based target layers whose outputs feed fusion_fc (default [1, L//2-1, L-4])")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary (top-K ids)")
+    parser.add_argument("--token-counts", type=Path, default=None, help="JSON list/object of target-token counts")
+    parser.add_argument("--alignment-policy", choices=["reference", "bytes_and_roles"], default="reference",
+                        help="vocabulary alignment for rows without a byte-identical backbone token: Osprey's "
+                             "released rule (default) or this project's byte/role rule")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--overwrite", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Parse the flags, adapt, print the alignment counts on rank 0; returns the exit code (2: bad input)."""
+    args = parse_args(argv)
+
+    def adapt_and_report() -> None:
+        report = run(config_from_flags(AdaptConfig, args), config_from_flags(ParallelConfig, args))
+        if is_rank0():
+            counts = report["counts"]
+            print(json.dumps({"policy": report["policy"], "counts": counts,
+                              "draft_vocab_size": report["draft_vocab_size"], "aux_layer_ids": report["aux_layer_ids"]}))
+            rows = ", ".join(f"{count:,} {kind}" for kind, count in counts.items())
+            print(f"adapted {args.backbone} -> {args.output} for {args.target} ({report['policy']} alignment): {rows}")
+
+    return exit_code(adapt_and_report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

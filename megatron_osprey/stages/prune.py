@@ -1,9 +1,16 @@
-"""Stage 1: prune a HF small LM to its embedding + first N blocks + final norm + LM head."""
+"""Stage 1: prune a HF small LM (e.g. Qwen3-4B) to its embedding + first N blocks + final norm + LM head.
+
+    python tools/prune_backbone.py --source HF_DIR --num-layers 2 --output OUT
+    torchrun --nproc_per_node=2 tools/prune_backbone.py ... --tensor-model-parallel-size 2
+    (python -m megatron_osprey.stages.prune takes the same flags)
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -15,7 +22,8 @@ from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.models.prune_importance import prune_by_importance
-from megatron_osprey.parallel import ParallelState
+from megatron_osprey.parallel import ParallelConfig, ParallelState, parallel_context
+from megatron_osprey.stages.cli import config_from_flags, exit_code, is_rank0
 from megatron_osprey.training.checkpointing import save_checkpoint
 
 STRATEGIES = ("first", "importance")
@@ -133,3 +141,49 @@ def write_pruned(config: PruneConfig, arch: ModelArch, models: list, kept: list[
         save_run_config(output / "run_config.yaml", run_config)
     torch.distributed.barrier()
     return PruneResult(arch=arch, num_parameters=arch.num_parameters(), kept_layers=kept, output=output)
+
+
+def run(config: PruneConfig, parallel: ParallelConfig) -> PruneResult:
+    """Check the inputs before any process group exists, then prune on this rank (collective)."""
+    validate(config)
+    with parallel_context(parallel) as state:
+        return prune_backbone(config, state)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", required=True, type=Path, help="HF model directory (config.json + safetensors + tokenizer)")
+    parser.add_argument("--num-layers", required=True, type=int, help="blocks to keep (the paper: 2)")
+    parser.add_argument("--output", required=True, type=Path, help="writes OUT/megatron, OUT/hf, OUT/run_config.yaml")
+    parser.add_argument("--strategy", default="first", choices=STRATEGIES,
+                        help="first N blocks (paper), or Minitron layer importance via nvidia-modelopt (GPU)")
+    parser.add_argument("--calibration-data", type=Path, default=None, help="JSONL with 'text' for --strategy importance")
+    parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Parse the flags, prune, print a summary on rank 0; returns the exit code (2: bad input, one line)."""
+    args = parse_args(argv)
+    config = config_from_flags(PruneConfig, args)
+
+    def prune_and_report() -> None:
+        result = run(config, config_from_flags(ParallelConfig, args))
+        if is_rank0():
+            arch = result.arch
+            print(
+                f"pruned {config.source} -> {config.output}: kept layers {result.kept_layers}, "
+                f"{result.num_parameters:,} parameters "
+                f"({'tied' if arch.tie_word_embeddings else 'untied'} embedding, vocab {arch.vocab_size:,}, "
+                f"hidden {arch.hidden_size})"
+            )
+
+    # RuntimeError: --strategy importance refused on a machine without CUDA.
+    return exit_code(prune_and_report, also=(RuntimeError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,7 +72,7 @@ def test_prompts_stop_at_the_first_assistant_turn_in_file_order(tiny_setup):
 
 
 def test_eval_defaults_are_the_papers_protocol():
-    from megatron_osprey.eval.__main__ import build_config, parse_args
+    from megatron_osprey.stages.evaluate import build_config, parse_args
 
     args = parse_args(["--target", "T", "--drafter", "D", "--data", "x.jsonl", "--output", "O"])
     config = build_config(args)

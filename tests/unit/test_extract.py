@@ -22,7 +22,7 @@ from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta
 from tools.extract_hidden_states import main as tool_main
-from tools.extract_hidden_states import parse_shard
+from megatron_osprey.stages.extract import parse_shard
 
 AUX = (1, 2, 4)
 

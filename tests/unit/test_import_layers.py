@@ -25,11 +25,14 @@ LAYERS = (
     ("training", "speculative"),    # the shared training loop; draft/verify decoding
     ("export",),                    # serving formats
     ("eval",),                      # acceptance-length evaluation
-    ("stages",),                    # one module per pipeline stage
+    ("stages",),                    # one module per pipeline stage, each with its Config, run() and main()
     ("demo", "pretrain", "distill"),  # entry points
     ("testing",),                   # tiny models and data for tests and benchmarks
 )
 LEVEL = {name: level for level, row in enumerate(LAYERS) for name in row}
+# A package's __main__ (`python -m megatron_osprey.eval`) is an entry point too: nothing imports it,
+# and it may import a stage.
+ENTRY_LEVEL = LEVEL["pretrain"]
 
 
 def _modules() -> dict[str, Path]:
@@ -75,6 +78,10 @@ def _package(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
+def _level(module: str) -> int:
+    return ENTRY_LEVEL if module.endswith(".__main__") else LEVEL[_package(module)]
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
@@ -116,7 +123,7 @@ def test_imports_point_downward():
         f"{a} -> {b}"
         for a, targets in import_graph().items()
         for b in targets
-        if _package(a) and _package(b) and _package(a) != _package(b) and LEVEL[_package(b)] >= LEVEL[_package(a)]
+        if _package(a) and _package(b) and _package(a) != _package(b) and _level(b) >= _level(a)
     )
     assert upward == []
 
@@ -136,6 +143,19 @@ def test_config_imports_no_weight_maps_or_losses():
         if _package(b) in NOT_FROM.get(_package(a), ())
     }
     assert found == KNOWN
+
+
+def test_every_stage_is_one_module_with_config_run_and_main():
+    # The stages are visible in the layout: prune, pretrain, adapt, regenerate, extract, distill, evaluate, export.
+    stages = {"prune", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export"}
+    graph = import_graph()
+    assert {m.split(".")[2] for m in graph if m.startswith(f"{PACKAGE}.stages.")} >= stages
+    for stage in sorted(stages):
+        tree = ast.parse((ROOT / "stages" / f"{stage}.py").read_text())
+        names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        names |= {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                  for alias in node.names}
+        assert {"run", "main"} <= names and any(n.endswith("Config") for n in names), stage
 
 
 def test_no_import_cycles():

@@ -90,23 +90,20 @@ def regenerate_settings(config: RegenerateConfig, backend: ChatBackend) -> dict:
 
 def check_output_settings(config: RegenerateConfig, settings: dict) -> None:
     """Refuse an output made from other inputs or settings (--overwrite: delete it); then record ours."""
-    from megatron_osprey.data.fingerprint import settings_differences, write_settings
+    from megatron_osprey.data.fingerprint import claim_output
 
     output_path = Path(config.output_path)
     record = settings_path_for(output_path)
-    diffs = settings_differences(record, settings)
-    if not record.is_file() and output_path.is_file() and output_path.stat().st_size:
-        diffs = [f"{record.name} is missing, so what {output_path.name} was made from is unknown"]
-    if diffs and not config.overwrite:
-        raise ValueError(
-            f"--output {output_path} holds rows regenerated from other inputs or settings ({'; '.join(diffs)}); "
-            f"resuming would mix them. Pass --overwrite to delete it and start fresh, or choose another --output.")
-    if diffs:
-        logger.warning("--overwrite: deleting %s (%s)", output_path, "; ".join(diffs))
+
+    def delete(reasons: str) -> None:
+        logger.warning("--overwrite: deleting %s (%s)", output_path, reasons)
         for path in (output_path, failures_path_for(output_path)):
             path.unlink(missing_ok=True)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    write_settings(record, settings)
+
+    written = output_path.is_file() and output_path.stat().st_size
+    claim_output(output_path, record, settings, overwrite=config.overwrite, holds="rows regenerated",
+                 unrecorded=f"{record.name} is missing, so what {output_path.name} was made from is unknown"
+                 if written else None, delete=delete)
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
