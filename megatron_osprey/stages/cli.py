@@ -40,7 +40,15 @@ def exit_code(call: Callable[[], int | None], *, also: tuple[type[BaseException]
         return 1
 
 
-def training_main(config, run: Callable[[object], None]) -> int:
+def in_process_groups(config, train: Callable):
+    """`train(config, state)` on this rank inside the process groups `config.parallel` describes (collective)."""
+    from megatron_osprey.parallel import parallel_context
+
+    with parallel_context(config.parallel) as state:
+        return train(config, state)
+
+
+def training_main(config, run: Callable[[object], object]) -> int:
     """Run a training stage on this rank and return its exit code.
 
     wandb stays offline unless the user chose a mode (WANDB_MODE); the API key is wandb's to read, never ours.

@@ -14,20 +14,19 @@ import sys
 
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_args import distill_config_from_args
-from megatron_osprey.stages.cli import training_main
+from megatron_osprey.stages.cli import in_process_groups, training_main
 
 
 def run(config: DistillConfig):
-    """Distill on this rank, inside the job's process groups (collective: every rank calls it)."""
-    from megatron_osprey.parallel import parallel_context
+    """Distill; every rank of the job calls it. Online, the frozen target runs on the same ranks and
+    model-parallel groups; offline, the ranks read the hidden-state store instead."""
     from megatron_osprey.training.distillation import run_distill
 
-    with parallel_context(config.parallel) as state:
-        return run_distill(config, state)
+    return in_process_groups(config, run_distill)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, distill; returns the exit code (2: bad input, one line; 1: a non-finite loss)."""
+    """Parse the flags (--help), distill; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
     return training_main(distill_config_from_args(argv), run)
 
 

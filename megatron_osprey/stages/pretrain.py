@@ -13,20 +13,18 @@ import sys
 
 from megatron_osprey.config.args import config_from_args
 from megatron_osprey.config.pretrain import PretrainConfig
-from megatron_osprey.stages.cli import training_main
+from megatron_osprey.stages.cli import in_process_groups, training_main
 
 
 def run(config: PretrainConfig):
-    """Pretrain on this rank, inside the job's process groups (collective: every rank calls it)."""
-    from megatron_osprey.parallel import parallel_context
+    """Pretrain; every rank of the job calls it. Returns the PretrainResult (train state, loss history)."""
     from megatron_osprey.training.pretraining import run_pretrain
 
-    with parallel_context(config.parallel) as state:
-        return run_pretrain(config, state)
+    return in_process_groups(config, run_pretrain)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, pretrain; returns the exit code (2: bad input, one line; 1: a non-finite loss)."""
+    """Parse the flags (--help), pretrain; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
     return training_main(config_from_args(argv), run)
 
 
