@@ -35,6 +35,8 @@ def _options(text: str) -> str:
     return text[text.index("options:"):]
 
 
+# runpy warns when the module was imported before (by another test); running it again as __main__ is the point.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_stage_runs_as_a_module_and_its_other_commands_show_the_same_flags(stage, monkeypatch, capsys):
     module = f"megatron_osprey.stages.{stage}"
