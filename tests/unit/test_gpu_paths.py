@@ -150,13 +150,9 @@ def test_packaging_allows_python_312_pins_te_and_leaves_a_containers_torch():
 
 
 def test_distributed_timeout_is_a_flag_of_extraction_and_must_be_positive():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import extract_hidden_states
-    finally:
-        sys.path.pop(0)
-    args = extract_hidden_states.parse_args(["--target", "t", "--data", "d", "--output", "o",
-                                             "--distributed-timeout-minutes", "45"])
+    from megatron_osprey.stages import extract
+
+    args = extract.parse_args(["--target", "t", "--data", "d", "--output", "o", "--distributed-timeout-minutes", "45"])
     assert args.distributed_timeout_minutes == 45
     with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0"):
         ParallelConfig(distributed_timeout_minutes=0).validate(1)
