@@ -1,1 +1,1 @@
-"""The `osprey` command: recipes -> local torchrun / python, or sbatch jobs from slurm/."""
+"""The `osprey` command: recipes -> local torchrun / python, or sbatch jobs from launcher/slurm/."""

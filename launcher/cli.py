@@ -16,21 +16,21 @@ import subprocess
 import sys
 
 from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe, takes_domain
-from launcher.commands import ENTRY_POINTS, REPO_ROOT, local_argv
+from launcher.commands import ENTRY_POINTS, local_argv, work_dir
 from launcher.plan import make_plan
 from launcher.render import SubmitOptions
 from launcher.submit import submit
 
 STAGE_HELP = {
-    "prune": "Stage 1: keep the first N blocks of a small HF LM (tools/prune_backbone.py)",
-    "preprocess": "tokenize web text into Megatron indexed data (tools/preprocess_data.py)",
-    "pretrain": "Stage 2: pretrain the backbone (torchrun -m megatron_osprey.pretrain)",
-    "adapt": "Stage 3: adapt the backbone to a target (tools/adapt_drafter.py)",
-    "regenerate": "regenerate chat data with the target's servers (tools/regenerate.py)",
-    "extract": "extract target hidden states (torchrun tools/extract_hidden_states.py)",
-    "distill": "Stage 4: distill the drafter (torchrun -m megatron_osprey.distill)",
-    "eval": "acceptance length and tokens/s (python -m megatron_osprey.eval)",
-    "export": "export a checkpoint for SGLang / HF (tools/export_checkpoint.py)",
+    "prune": "Stage 1: keep the first N blocks of a small HF LM (-m megatron_osprey.stages.prune)",
+    "preprocess": "tokenize web text into Megatron indexed data (-m megatron_osprey.data.preprocess_cli)",
+    "pretrain": "Stage 2: pretrain the backbone (torchrun -m megatron_osprey.stages.pretrain)",
+    "adapt": "Stage 3: adapt the backbone to a target (-m megatron_osprey.stages.adapt)",
+    "regenerate": "regenerate chat data with the target's servers (-m megatron_osprey.stages.regenerate)",
+    "extract": "extract target hidden states (torchrun -m megatron_osprey.stages.extract)",
+    "distill": "Stage 4: distill the drafter (torchrun -m megatron_osprey.stages.distill)",
+    "eval": "acceptance length and tokens/s (python -m megatron_osprey.stages.evaluate)",
+    "export": "export a checkpoint for SGLang / HF (-m megatron_osprey.stages.export)",
     "demo": "the toy pipeline on CPU (python -m megatron_osprey.demo)",
 }
 
@@ -88,7 +88,7 @@ def _run_stage(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"osprey: {shlex.join(argv)}", flush=True)
     if args.dry_run:
         return 0
-    return subprocess.run(argv, cwd=REPO_ROOT, check=False).returncode
+    return subprocess.run(argv, cwd=work_dir(), check=False).returncode
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:

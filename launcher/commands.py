@@ -18,24 +18,32 @@ from megatron_osprey.config.recipes.recipe import Recipe
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def work_dir() -> Path:
+    """Where relative recipe paths resolve and jobs run: the checkout when launched from one (its
+    pyproject.toml marks it), else the current directory, since an installed wheel's REPO_ROOT is
+    site-packages, which is neither the user's nor writable."""
+    return REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else Path.cwd()
+
+
 @dataclasses.dataclass(frozen=True)
 class EntryPoint:
     """How a stage starts: a module (`-m`) or a script, and whether it runs one process per GPU."""
 
-    program: tuple[str, ...]  # ("-m", "megatron_osprey.pretrain") or ("tools/prune_backbone.py",)
+    # Modules only (`-m`), never tools/*.py: an installed wheel has the package but no tools/.
+    program: tuple[str, ...]  # ("-m", "megatron_osprey.stages.pretrain")
     distributed: bool
 
 
 ENTRY_POINTS = {
-    "prune": EntryPoint(("tools/prune_backbone.py",), False),
-    "preprocess": EntryPoint(("tools/preprocess_data.py",), False),
-    "pretrain": EntryPoint(("-m", "megatron_osprey.pretrain"), True),
-    "adapt": EntryPoint(("tools/adapt_drafter.py",), False),
-    "regenerate": EntryPoint(("tools/regenerate.py",), False),
-    "extract": EntryPoint(("tools/extract_hidden_states.py",), True),
-    "distill": EntryPoint(("-m", "megatron_osprey.distill"), True),
-    "eval": EntryPoint(("-m", "megatron_osprey.eval"), False),
-    "export": EntryPoint(("tools/export_checkpoint.py",), False),
+    "prune": EntryPoint(("-m", "megatron_osprey.stages.prune"), False),
+    "preprocess": EntryPoint(("-m", "megatron_osprey.data.preprocess_cli"), False),
+    "pretrain": EntryPoint(("-m", "megatron_osprey.stages.pretrain"), True),
+    "adapt": EntryPoint(("-m", "megatron_osprey.stages.adapt"), False),
+    "regenerate": EntryPoint(("-m", "megatron_osprey.stages.regenerate"), False),
+    "extract": EntryPoint(("-m", "megatron_osprey.stages.extract"), True),
+    "distill": EntryPoint(("-m", "megatron_osprey.stages.distill"), True),
+    "eval": EntryPoint(("-m", "megatron_osprey.stages.evaluate"), False),
+    "export": EntryPoint(("-m", "megatron_osprey.stages.export"), False),
     "demo": EntryPoint(("-m", "megatron_osprey.demo"), False),
 }
 

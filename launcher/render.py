@@ -1,8 +1,9 @@
-"""Render slurm/<template>.sbatch for a recipe and stage: `{{ name }}` placeholders, nothing else.
+"""Render launcher/slurm/<template>.sbatch for a recipe and stage: `{{ name }}` placeholders, nothing else.
 
-Every template gets the same variables, so a new template (e.g. slurm/eval_sglang.sbatch) needs no code:
+Every template gets the same variables, so a new template (e.g. launcher/slurm/eval_sglang.sbatch) needs no code:
   job_name, run_name, recipe, stage, nodes, gpus_per_node, ntasks_per_node, cpus_per_task, time, array,
-  sbatch_options (extra #SBATCH lines: partition, account), repo, log_dir, container_image,
+  sbatch_options (extra #SBATCH lines: partition, account), repo (the checkout, else the current
+  directory: where jobs run and relative paths resolve), log_dir, container_image,
   container_mounts, entry (the entry point's argv after `python`, shell-quoted), extra_args (the
   passthrough flags, shell-quoted), save_dir, train_iters, servers_per_node, server_tp, server_port,
   server_timeout, json_key, target_tp, target_pp, target_ep, eval_steps, eval_topk, eval_draft_tokens,
@@ -20,10 +21,11 @@ import re
 import shlex
 from pathlib import Path
 
-from launcher.commands import REPO_ROOT, entry_args
+from launcher.commands import entry_args, work_dir
 from megatron_osprey.config.recipes.recipe import Recipe
 
-TEMPLATE_DIR = REPO_ROOT / "slurm"
+# Inside the package (package-data in pyproject.toml), so an installed wheel has them too.
+TEMPLATE_DIR = Path(__file__).resolve().parent / "slurm"
 STAGE_TEMPLATES = {
     "preprocess": "preprocess", "pretrain": "pretrain", "regenerate": "regenerate", "extract": "extract",
     "distill": "distill", "eval": "eval_sglang", "export": "export", "prune": "export", "adapt": "export",
@@ -92,6 +94,7 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
     resources = _resources(recipe, stage)
     entry_kwargs = {"server_urls": []} if stage == "regenerate" else {}
     lay, d = recipe.layout, recipe.data
+    repo = work_dir()
     context = {
         "job_name": f"osprey-{stage}-{recipe.run_name}",
         "run_name": recipe.run_name,
@@ -100,12 +103,12 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
         "cpus_per_task": cpus,
         "time": options.time or recipe.slurm.time,
         "sbatch_options": "\n".join(sbatch_lines),
-        "repo": str(REPO_ROOT),
+        "repo": str(repo),
         "log_dir": paths["logs"],
         "container_image": (options.container_image or recipe.slurm.container_image
                             or os.environ.get("CONTAINER_IMAGE", "")),
         "container_mounts": (options.container_mounts or recipe.slurm.container_mounts
-                             or f"{REPO_ROOT}:{REPO_ROOT}"),
+                             or f"{repo}:{repo}"),
         "entry": shlex.join(entry_args(recipe, stage, extra, **entry_kwargs)) if stage != "preprocess" else "",
         "extra_args": shlex.join([*recipe.extra_args, *(extra or [])]),
         "save_dir": paths["save"],

@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 
 from megatron_osprey.base.atomic_io import write_text_atomic
-from launcher.commands import REPO_ROOT
+from launcher.commands import work_dir
 from megatron_osprey.config.recipes.recipe import Recipe
 from launcher.render import SubmitOptions, render
 
 
 def script_path(recipe: Recipe, stage: str) -> Path:
-    """Where the rendered script is kept: <paths.logs>/sbatch/<job>-<time>.sbatch (relative paths: the repo)."""
+    """Where the rendered script is kept: <paths.logs>/sbatch/<job>-<time>.sbatch (relative: under work_dir())."""
     logs = Path(recipe.resolved_paths()["logs"])
-    logs = logs if logs.is_absolute() else REPO_ROOT / logs
+    logs = logs if logs.is_absolute() else work_dir() / logs
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return logs / "sbatch" / f"osprey-{stage}-{recipe.run_name}-{stamp}.sbatch"
 
@@ -34,10 +34,10 @@ def submit(recipe: Recipe, stage: str, options: SubmitOptions | None = None, ext
         raise FileNotFoundError("sbatch is not on PATH; run on a Slurm login node, or use --dry-run to see the script.")
     path = script_path(recipe, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    (REPO_ROOT / recipe.resolved_paths()["logs"]).mkdir(parents=True, exist_ok=True)
+    (work_dir() / recipe.resolved_paths()["logs"]).mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, script)
     os.chmod(path, 0o755)
     say(f"osprey: wrote {path}")
     say(f"osprey: sbatch {path}")
-    # From the repo root, so the relative recipe paths in #SBATCH --output resolve as in the job.
-    return subprocess.run([sbatch, str(path)], cwd=REPO_ROOT, check=False).returncode
+    # From the work directory, so the relative recipe paths in #SBATCH --output resolve as in the job.
+    return subprocess.run([sbatch, str(path)], cwd=work_dir(), check=False).returncode

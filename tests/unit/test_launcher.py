@@ -87,7 +87,7 @@ def test_backbone_recipes_pretrain_with_fp8_where_it_applies():
     h100 = entry_args(get_recipe("qwen3_4b_backbone_pretrain_55k_64gpu_h100_fp8"), "pretrain")
     b200 = entry_args(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_b200_mxfp8"), "pretrain")
     bf16 = entry_args(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"), "pretrain")
-    assert h100[:2] == ["-m", "megatron_osprey.pretrain"] and _flag(h100, "--train-iters") == "55000"
+    assert h100[:2] == ["-m", "megatron_osprey.stages.pretrain"] and _flag(h100, "--train-iters") == "55000"
     h100_cfg = config_from_args(h100[2:])
     assert (h100_cfg.model.fp8_format, h100_cfg.model.fp8_recipe) == ("hybrid", "delayed")
     assert (_flag(b200, "--fp8-recipe"), _flag(b200, "--train-iters")) == ("mxfp8", "10000")
@@ -100,10 +100,10 @@ def test_backbone_recipes_pretrain_with_fp8_where_it_applies():
 def test_local_commands_use_torchrun_for_distributed_stages_and_python_otherwise():
     recipe = get_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16")
     argv = local_argv(recipe, "distill", ["--foo", "1"], python="PY", torchrun="TR")
-    assert argv[:5] == ["TR", "--standalone", "--nproc-per-node=2", "-m", "megatron_osprey.distill"]
+    assert argv[:5] == ["TR", "--standalone", "--nproc-per-node=2", "-m", "megatron_osprey.stages.distill"]
     assert argv[-2:] == ["--foo", "1"]
-    assert local_argv(recipe, "export", python="PY")[:2] == ["PY", "tools/export_checkpoint.py"]
-    assert local_argv(recipe, "extract", python="PY", torchrun="TR")[3] == "tools/extract_hidden_states.py"
+    assert local_argv(recipe, "export", python="PY")[:3] == ["PY", "-m", "megatron_osprey.stages.export"]
+    assert local_argv(recipe, "extract", python="PY", torchrun="TR")[3:5] == ["-m", "megatron_osprey.stages.extract"]
     assert local_argv(get_recipe("tiny_cpu_demo_1proc_fp32"), "demo", python="PY") == [
         "PY", "-m", "megatron_osprey.demo", "--output", "demo_out"]
     prune = local_argv(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"), "prune", python="PY")
@@ -241,11 +241,11 @@ def test_stage_commands_print_then_run_or_only_print(monkeypatch, capsys):
                         type("Done", (), {"returncode": 0})())
     assert cli.main(["distill", "tiny_cpu_osprey_distill_2proc_fp32:code", "--dry-run", "--", "--foo", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("osprey: ") and "--nproc-per-node=2 -m megatron_osprey.distill" in out
+    assert out.startswith("osprey: ") and "--nproc-per-node=2 -m megatron_osprey.stages.distill" in out
     assert out.rstrip().endswith("--foo 1") and calls == []
     assert cli.main(["export", "tiny_cpu_osprey_distill_2proc_fp32", "--set", "data.export_format=hf"]) == 0
     (argv, cwd), = calls
-    assert argv[1:] == ["tools/export_checkpoint.py", "--checkpoint",
+    assert argv[1:] == ["-m", "megatron_osprey.stages.export", "--checkpoint",
                         "tiny_runs/checkpoints/tiny_cpu_osprey_distill_2proc_fp32_chat", "--format", "hf",
                         "--output", "tiny_runs/export/tiny_cpu_osprey_distill_2proc_fp32_chat"]
     assert (cwd / "launcher" / "cli.py").is_file()
@@ -262,7 +262,7 @@ def test_the_launcher_runs_the_config_the_entry_points_recipe_gives(name):
     domains = ["chat", "science"] if takes_domain(name) else [None]
     for spec in (f"{name}:{d}" if d else name for d in domains):
         argv = entry_args(get_recipe(spec), recipe.stage)
-        assert argv[:2] == ["-m", f"megatron_osprey.{recipe.stage}"]
+        assert argv[:2] == ["-m", f"megatron_osprey.stages.{recipe.stage}"]
         launched = parse(argv[2:])
         named = parse(["--recipe", spec])
         assert named.recipe == spec

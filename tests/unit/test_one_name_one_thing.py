@@ -15,7 +15,7 @@ ROOT = Path(megatron_osprey.__file__).resolve().parent
 ALLOWED = {
     "main": "every entry module has one",
     "run": "every stage module (megatron_osprey/stages/) runs its Config with it",
-    "parse_args": "the stage modules that own their flags",
+    "parse_args": "the stage modules that own their flags, and data/preprocess_cli.py",
     "default_cache_dir": "each cache (tokenizers, corpora) names its root; both call assets.download.osprey_cache_dir",
     "build_parser": "config/args.py (the training stages' shared one) and stages/regenerate.py (its own flags)",
 }

@@ -1,4 +1,4 @@
-"""slurm/*.sbatch: every template renders for every recipe, parses, and wires srun / python as documented.
+"""launcher/slurm/*.sbatch: every template renders for every recipe, parses, and wires srun / python as documented.
 
 The rendered scripts run under bash with fake srun, scontrol, curl, python and sbatch on PATH that
 record their command lines and environment.
@@ -140,7 +140,8 @@ def test_distill_job_wires_ranks_resume_logs_and_requeue(tmp_path, fake_bin):
         ("0", "0", "4"), ("1", "1", "4"), ("2", "0", "4"), ("3", "1", "4")]
     assert {c["MASTER_ADDR"] for c in calls} == {"nodeA"} and {c["MASTER_PORT"] for c in calls} == {str(20000 + 77)}
     args = calls[0]["args"]
-    assert args[:2] == ["-m", "megatron_osprey.distill"] and _flag(args, "--load") == _flag(args, "--save") == str(save)
+    assert args[:2] == ["-m", "megatron_osprey.stages.distill"]
+    assert _flag(args, "--load") == _flag(args, "--save") == str(save)
     srun = [line for line in lines if line.startswith("SRUN ")]
     assert len(srun) == 1 and "--nodes=2 --ntasks-per-node=2" in srun[0] and "--container" not in srun[0]
     iters = recipe.training.iterations()
@@ -184,7 +185,7 @@ def test_extract_array_task_picks_its_shard(tmp_path, fake_bin):
     calls = _python_calls(lines)
     assert len(calls) == 8 and {c["WORLD_SIZE"] for c in calls} == {"8"}
     args = calls[0]["args"]
-    assert args[0] == "tools/extract_hidden_states.py" and _flag(args, "--shard") == "3/4"
+    assert args[:2] == ["-m", "megatron_osprey.stages.extract"] and _flag(args, "--shard") == "3/4"
     assert _flag(args, "--tensor-model-parallel-size") == "4"
     assert (Path(recipe.resolved_paths()["logs"]) / f"osprey-extract-{recipe.run_name}-70_5-restart0.log").is_file()
     done, _ = _run(script, tmp_path, fake_bin)  # not an array job
@@ -202,7 +203,7 @@ def test_preprocess_array_task_reads_its_line_of_the_input_list(tmp_path, fake_b
     assert done.returncode == 0, done.stderr
     (call,) = _python_calls(lines)
     args = call["args"]
-    assert args[0] == "tools/preprocess_data.py" and _flag(args, "--input") == "/data/b.jsonl.zst"
+    assert args[:2] == ["-m", "megatron_osprey.data.preprocess_cli"] and _flag(args, "--input") == "/data/b.jsonl.zst"
     assert _flag(args, "--output-prefix") == f"{tmp_path}/runs/data/fineweb/fineweb_00001"
     assert _flag(args, "--workers") == "12" and args[-1] == "--strict"
     done, _ = _run(script, tmp_path, fake_bin, SLURM_ARRAY_TASK_ID="2")
@@ -221,7 +222,7 @@ def test_regenerate_starts_a_server_pool_then_uses_every_url(tmp_path, fake_bin)
     assert {_flag(c["args"], "--model-path") for c in servers} == {f"{tmp_path}/runs/models/llama33_70b"}
     urls = ["http://nodeA:31000", "http://nodeA:31001", "http://nodeB:31000", "http://nodeB:31001"]
     assert [line.split()[-1] for line in lines if line.startswith("CURL")] == [f"{u}/health" for u in urls]
-    (client,) = [c for c in _python_calls(lines) if c["args"][0] == "tools/regenerate.py"]
+    (client,) = [c for c in _python_calls(lines) if c["args"][:2] == ["-m", "megatron_osprey.stages.regenerate"]]
     args = client["args"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "--server-url"] == urls
     assert _flag(args, "--output") == f"{tmp_path}/runs/data/llama33_70b/code.jsonl"
@@ -233,7 +234,7 @@ def test_export_job_and_missing_job_id(tmp_path, fake_bin):
     done, lines = _run(script, tmp_path, fake_bin)
     assert done.returncode == 0, done.stderr
     (call,) = _python_calls(lines)
-    assert call["args"][:3] == ["tools/export_checkpoint.py", "--checkpoint", recipe.resolved_paths()["save"]]
+    assert call["args"][:4] == ["-m", "megatron_osprey.stages.export", "--checkpoint", recipe.resolved_paths()["save"]]
     done, _ = _run(script, tmp_path, fake_bin, SLURM_JOB_ID="")
     assert done.returncode != 0 and "submit this script with sbatch" in done.stderr
 

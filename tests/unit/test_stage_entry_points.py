@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 STAGES = ("prune", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export")
 TOOLS = {"prune": "prune_backbone", "adapt": "adapt_drafter", "regenerate": "regenerate",
          "extract": "extract_hidden_states", "export": "export_checkpoint"}
+# Not a stage, but launched the same way: its main() lives in the package, the tool is a shim over it.
+SHIMS = {**TOOLS, "preprocess": "preprocess_data"}
+PREPROCESS_MODULE = "megatron_osprey.data.preprocess_cli"
 LEGACY_MODULES = {"pretrain": "megatron_osprey.pretrain", "distill": "megatron_osprey.distill",
                   "evaluate": "megatron_osprey.eval"}
 
@@ -51,14 +54,22 @@ def test_every_stage_runs_as_a_module_and_its_other_commands_show_the_same_flags
         assert _options(legacy) == _options(own)
 
 
-@pytest.mark.parametrize("stage", sorted(TOOLS))
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_preprocess_runs_as_a_module_with_the_tools_flags(monkeypatch, capsys):
+    own = _help(lambda: runpy.run_module(PREPROCESS_MODULE, run_name="__main__"), "preprocess", monkeypatch, capsys)
+    tool = _help(lambda: runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__"),
+                 "preprocess_data.py", monkeypatch, capsys)
+    assert "--output-prefix" in own and _options(tool) == _options(own)
+
+
+@pytest.mark.parametrize("stage", sorted(SHIMS))
 def test_a_tool_script_runs_its_own_checkout_not_an_installed_copy(stage, tmp_path):
     # Run as a script, Python puts tools/ on sys.path, not the checkout; an installed megatron_osprey
     # (here a decoy on PYTHONPATH) would be imported unless the script puts its checkout first.
     decoy = tmp_path / "decoy" / "megatron_osprey"
     decoy.mkdir(parents=True)
     (decoy / "__init__.py").write_text("raise ImportError('the decoy megatron_osprey was imported')\n")
-    done = subprocess.run([sys.executable, str(REPO / "tools" / f"{TOOLS[stage]}.py"), "--help"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, str(REPO / "tools" / f"{SHIMS[stage]}.py"), "--help"], cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(decoy.parent),
                                "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)

@@ -1,0 +1,102 @@
+"""`osprey` from an installed wheel, not a checkout: every command it renders is a module in the wheel,
+the sbatch templates are in the wheel, and relative paths and jobs land in the user's directory.
+
+The wheel is built offline (--no-build-isolation: the venv's setuptools) from a copy of the sources, so
+the checkout gets no build/ or egg-info, and is unpacked (a pure-Python wheel installs by unzipping) far
+from the checkout; PYTHONPATH puts it before the checkout's editable install.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "tiny_cpu_osprey_distill_2proc_fp32"
+
+# Runs inside the unpacked wheel: the `osprey` console script is launcher.cli:main.
+PROBE = """
+import json, sys
+import launcher, megatron_osprey
+from launcher import cli
+from launcher.commands import ENTRY_POINTS, work_dir
+from launcher.render import TEMPLATE_DIR
+
+recipe = sys.argv[1]
+out = {"launcher": launcher.__file__, "package": megatron_osprey.__file__, "work_dir": str(work_dir()),
+       "template_dir": str(TEMPLATE_DIR), "modules": {s: e.program[1] for s, e in ENTRY_POINTS.items()}}
+ran = []
+cli.subprocess.run = lambda argv, cwd, check: ran.append((argv, str(cwd))) or type("Done", (), {"returncode": 0})()
+out["export_rc"] = cli.main(["export", recipe])
+out["export_argv"], out["export_cwd"] = ran[0]
+print("=====")
+out["plan_rc"] = cli.main(["plan", recipe, "--stage", "export"])
+print("=====")
+out["submit_rc"] = cli.main(["submit", recipe, "--stage", "preprocess", "--dry-run"])
+print("=====")
+print(json.dumps(out))
+"""
+
+
+def _build_and_unpack(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("megatron_osprey", "launcher"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", "-w", str(tmp_path / "dist"), str(src)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("megatron_osprey-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return wheel, site
+
+
+def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_current_directory(tmp_path):
+    _, site = _build_and_unpack(tmp_path)
+    (entry_points,) = site.glob("megatron_osprey-*.dist-info/entry_points.txt")
+    assert "osprey = launcher.cli:main" in entry_points.read_text()
+
+    cwd = tmp_path / "user"
+    cwd.mkdir()
+    done = subprocess.run([sys.executable, "-c", PROBE, RECIPE], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(site),
+                                            "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    export_out, plan_out, sbatch, result = done.stdout.split("=====\n")
+    out = json.loads(result)
+
+    # The wheel's copy ran, not the checkout's, and it knows it is not in a checkout.
+    assert Path(out["launcher"]).is_relative_to(site) and Path(out["package"]).is_relative_to(site)
+    assert out["work_dir"] == str(cwd)
+    assert Path(out["template_dir"]) == site / "launcher" / "slurm"
+    assert {p.name for p in (site / "launcher" / "slurm").glob("*.sbatch")} >= {
+        "pretrain.sbatch", "distill.sbatch", "extract.sbatch", "preprocess.sbatch", "regenerate.sbatch",
+        "export.sbatch", "eval_sglang.sbatch"}
+    # Every command the launcher runs is a module the wheel holds (no tools/*.py: the wheel has none).
+    for stage, module in out["modules"].items():
+        where = site / Path(*module.split("."))
+        assert where.with_suffix(".py").is_file() or (where / "__main__.py").is_file(), (stage, module)
+    assert not (site / "tools").exists()
+
+    # A local run: a module, started in the user's directory, where its relative paths then resolve.
+    assert out["export_rc"] == 0 and out["export_cwd"] == str(cwd)
+    assert out["export_argv"][1:3] == ["-m", "megatron_osprey.stages.export"]
+    assert out["export_argv"][out["export_argv"].index("--output") + 1] == f"tiny_runs/export/{RECIPE}_chat"
+    assert f"-m megatron_osprey.stages.export --checkpoint tiny_runs/checkpoints/{RECIPE}_chat" in export_out
+    assert out["plan_rc"] == 0 and "command" in plan_out and "-m megatron_osprey.stages.export" in plan_out
+
+    # An sbatch script from the wheel's template: the job runs the module from the user's directory.
+    assert out["submit_rc"] == 0 and sbatch.startswith("#!/bin/bash")
+    assert f'OSPREY_REPO="${{OSPREY_REPO:-{cwd}}}"' in sbatch
+    assert f"{cwd}:{cwd}" in sbatch  # the default container mount
+    assert "ENTRY=(-m megatron_osprey.data.preprocess_cli --input" in sbatch
+    assert "tools/" not in sbatch and str(REPO) not in sbatch
