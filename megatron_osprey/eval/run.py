@@ -238,6 +238,7 @@ def run_eval(config: EvalConfig) -> dict:
     cells = [[] for _ in specs]
     cell_records, mismatches = [], []
     references = {split: {} for split in splits}  # target-only decodes, shared by the drafters
+    progress_done = 0  # requests finished (tqdm's own count stays 0 when the bar is off)
     with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
             _target_factory(config, model) as make_target:
         for item, loaded, domain, method in drafters:
@@ -252,10 +253,10 @@ def run_eval(config: EvalConfig) -> dict:
                     requests = [r.to_dict() for r in results]
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).
+                    progress_done += len(requests)
                     tqdm.write(f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
                                f"{len(requests)} requests, {summary['seconds']:.0f} s "
-                               f"({sum(len(c['requests']) for c in cell_records) + len(requests)}/{total} "
-                               f"requests done)")
+                               f"({progress_done}/{total} requests done)")
                     cells[index].append(Cell(item.name, method, domain, split, summary))
                     cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
                                          "split": split, **_setting(spec), "summary": summary, "requests": requests})

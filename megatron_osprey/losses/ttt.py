@@ -189,19 +189,15 @@ def ttt_step_terms(
     for k, logits in enumerate(drafter_logits):
         mask = step_mask(loss_mask, target_in_draft, k, mask_alignment)
         target_k = shift_rows(target_logits, 1 + k)
-        if logits.dim() == 2:  # counted rows only
+        if logits.dim() == 2:  # counted rows only: every row given counts
             if logits.shape[0] != int(mask.sum()):
                 raise ValueError(f"TTT step {k}: {logits.shape[0]} drafter rows for {int(mask.sum())} counted rows.")
-            target_k, mask = target_k[mask], None
+            target_k = target_k[mask]
+            mask = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         else:
             logits, target_k, mask = logits.reshape(-1, logits.shape[-1]), target_k.reshape(
                 -1, target_logits.shape[-1]), mask.reshape(-1)
         result = vocab_parallel_soft_cross_entropy(logits, target_k, draft_vocab_size, group)
-        if mask is None:
-            count = torch.tensor(result.loss.shape[0], device=result.loss.device)
-            terms.append(TTTStepTerms(loss_sum=result.loss.sum(), count=count,
-                                      agree_sum=result.agree.sum().detach(), accept_sum=result.accept.sum().detach()))
-            continue
         terms.append(TTTStepTerms(
             loss_sum=(result.loss * mask).sum(),
             count=mask.sum().detach(),
