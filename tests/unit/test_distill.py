@@ -49,10 +49,19 @@ def test_short_distillation_raises_acc0(setup):
     assert result.history[-1]["loss/train"] < result.history[0]["loss/train"]
 
 
-def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
-    from megatron_osprey.base.run_config import load_run_config
+def extract_store(setup, arch, store_dir, state) -> None:
+    """The tiny target's float32 hidden-state store of the training data, at the drafter's aux layers."""
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
+
+    extract_hidden_states(ExtractConfig(
+        target_dir=str(setup["target"]), data_path=str(setup["data"]),
+        store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
+        max_length=64, params_dtype="float32"), state, log=lambda _: None)
+
+
+def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
+    from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
     from transformers import AutoTokenizer
@@ -61,10 +70,7 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     store_dir = tmp_path / "store"
     with parallel_context(ParallelConfig()) as state:
-        extract_hidden_states(ExtractConfig(
-            target_dir=str(setup["target"]), data_path=str(setup["data"]),
-            store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
-            max_length=64, params_dtype="float32"), state, log=lambda _: None)
+        extract_store(setup, arch, store_dir, state)
         model = build_drafter_model(arch, state.config)
         load_backbone_weights(setup["drafter"] / "megatron", [model])
         head = TargetHead.from_hf(setup["target"], model.t2d)
@@ -191,8 +197,7 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
-    from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig, StoreMismatchError
+    from megatron_osprey.data.hidden_state_store import StoreMismatchError
     from megatron_osprey.models.drafter import DrafterArch
     from megatron_osprey.training.distillation import assistant_token_counts, build_sources
     from megatron_osprey.testing.distill_setup import write_chat_model
@@ -200,10 +205,7 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     store_dir = tmp_path / "store"
     with parallel_context(ParallelConfig()) as state:
-        extract_hidden_states(ExtractConfig(
-            target_dir=str(setup["target"]), data_path=str(setup["data"]),
-            store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
-            max_length=64, params_dtype="float32"), state, log=lambda _: None)
+        extract_store(setup, arch, store_dir, state)
     # Same family, layers, width and tokenizer as the store's target; other weights (another seed).
     twin = write_chat_model(tmp_path / "twin", "qwen3", layers=8, hidden=64, seed=7)
     tokenizer = AutoTokenizer.from_pretrained(setup["target"])

@@ -10,6 +10,15 @@ from megatron_osprey.eval.sglang_client import request_record
 from tools.sglang_bench import main
 
 
+def reply(handler: BaseHTTPRequestHandler, meta: dict) -> None:
+    """Answer a fake /generate request as SGLang does: text plus meta_info."""
+    data = json.dumps({"text": "x", "meta_info": meta}).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def test_request_record_uses_completion_tokens_over_spec_verify_ct():
     record = request_record("a", 12, {"completion_tokens": 50, "spec_verify_ct": 20, "finish_reason": "length"}, 2.0)
     assert (record["acceptance_length"], record["tokens_per_s"], record["verify_count"]) == (2.5, 25.0, 20)
@@ -35,12 +44,7 @@ def test_bench_tool_against_a_fake_server(tmp_path):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body)
             # Request i: 10 tokens in (i + 2) verifies.
-            meta = {"completion_tokens": 10, "spec_verify_ct": len(seen) + 1, "finish_reason": "stop"}
-            data = json.dumps({"text": "x", "meta_info": meta}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply(self, {"completion_tokens": 10, "spec_verify_ct": len(seen) + 1, "finish_reason": "stop"})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -81,12 +85,7 @@ def test_bench_sweeps_temperature_and_batch_size(tmp_path):
             time.sleep(0.05)
             with lock:
                 state["in_flight"] -= 1
-            meta = {"completion_tokens": 12, "spec_verify_ct": 4, "finish_reason": "length"}
-            data = json.dumps({"text": "x", "meta_info": meta}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply(self, {"completion_tokens": 12, "spec_verify_ct": 4, "finish_reason": "length"})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
