@@ -43,3 +43,24 @@ class RecomputeSession(DraftSession):
 
     def end_round(self):
         self.nodes = []
+
+
+class ScriptedSession(RecomputeSession):
+    """A draft session that proposes the reference continuation, except at every `miss`-th position.
+
+    It costs no model work and makes the real target accept several drafts per round and reject the
+    rest, so verify, tree masks and KV-cache commits are exercised with multi-token acceptance (the
+    adapted drafter at initialization, a 2-layer logit lens of SmolLM2, gets none accepted)."""
+
+    def __init__(self, script: list[int], vocab: int, miss: int = 7):
+        super().__init__()
+        self.script, self.vocab, self.miss = script, vocab, miss
+
+    def _logits(self, seq):
+        logits = torch.zeros(self.vocab)
+        n = len(seq)
+        right = self.script[n] if n < len(self.script) and seq == self.script[:n] else 0
+        # A miss proposes two wrong tokens, so the chain and the tree both get a rejection there.
+        first, second = ((right + 1) % self.vocab, (right + 2) % self.vocab) if n % self.miss == 0 else (right, (right + 1) % self.vocab)
+        logits[first], logits[second] = 10.0, 5.0
+        return logits

@@ -63,6 +63,7 @@ class DemoConfig:
     draft_vocab_fraction: float = 0.25  # EAGLE-3's reduced vocabulary: 32k of Llama-3's 128k
     regenerate_tokens: int = 96
     eval_tokens: int = 64
+    eval_batch: int = 8  # requests per target forward in evaluation (the batched engine; same tokens and AL)
     seeds: tuple[int, ...] = (0,)
     cross_tokenizer: SmallLM | None = None  # the target-agnostic arm (demo-full)
     bf16: bool = True  # bf16 compute where it is correct: backbone pretraining, distillation, regeneration
@@ -72,7 +73,7 @@ class DemoConfig:
     def quick(cls) -> "DemoConfig":
         """`make demo`, sized by measurement to finish in 30 minutes on 2 CPU cores from a cold cache:
         one training domain (chat: in domain) against five eval domains (four out of domain)."""
-        return cls(train_domains=("chat",), n_train=96, eval_tokens=32)
+        return cls(train_domains=("chat",), n_train=96, backbone_iters=120, eval_tokens=32)
 
     @classmethod
     def smoke(cls) -> "DemoConfig":
@@ -361,7 +362,7 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     eval_dir = output / "eval"
     argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
             "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress",
-            "--overwrite"]  # a resumed demo reruns eval only when its command changed
+            "--batch-size", str(cfg.eval_batch), "--overwrite"]  # a resumed demo reruns eval only when its command changed
     for d in drafters:
         argv += ["--drafter", f"{d['name']}={d['path']}"]
     argv += ["--train-domain", *[d["domain"] for d in drafters]]

@@ -9,6 +9,13 @@ import torch
 
 from megatron_osprey.eval.prompts import EvalPrompt
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.speculative.batched import (
+    BatchedHFTarget,
+    BatchedReferenceDraftSession,
+    batched_speculative_generate,
+    batched_target_generate,
+    cache_capacity,
+)
 from megatron_osprey.speculative import (
     DraftSession,
     ReferenceDraftSession,
@@ -94,3 +101,50 @@ def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalP
             progress.update(1)
             progress.set_postfix(al=f"{result.acceptance_length:.2f}")
     return results
+
+
+def run_requests_batched(model, drafter: ReferenceDrafter, prompts: list[EvalPrompt], spec: SpecConfig,
+                         batch_size: int, verify_lossless: bool = False, progress=None,
+                         references: dict | None = None) -> list[RequestResult]:
+    """run_requests with the batched greedy-chain engine: groups of `batch_size` prompts of similar length.
+
+    Each request gets the same tokens and acceptance as with run_requests (up to floating-point
+    reduction order); its seconds are its group's wall time divided among the group's requests.
+    Target-only references are decoded batched too, grouped the same way.
+    """
+    references = {} if references is None else references
+    aux = list(drafter.config.aux_layer_ids)
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].input_ids.numel(), i))
+    results: dict[int, RequestResult] = {}
+    for start in range(0, len(order), batch_size):
+        group = [prompts[i] for i in order[start: start + batch_size]]
+        ids = [p.input_ids for p in group]
+        _sync()
+        began = time.perf_counter()
+        target = BatchedHFTarget(model, aux, cache_capacity(ids, spec, spec.steps + 1))
+        session = BatchedReferenceDraftSession(drafter, cache_capacity(ids, spec, 2 * spec.steps + 1))
+        outs = batched_speculative_generate(target, session, ids, spec)
+        del target, session
+        _sync()
+        share = (time.perf_counter() - began) / len(group)
+        missing = [p for p in group if p.id not in references]
+        if verify_lossless and missing:
+            _sync()
+            began = time.perf_counter()
+            missing_ids = [p.input_ids for p in missing]
+            target = BatchedHFTarget(model, aux, cache_capacity(missing_ids, spec, 1))
+            expected = batched_target_generate(target, missing_ids, spec.max_new_tokens, spec.eos_token_ids)
+            _sync()
+            target_share = (time.perf_counter() - began) / len(missing)
+            references.update({p.id: (e, target_share) for p, e in zip(missing, expected)})
+        for index, prompt, out in zip(order[start: start + batch_size], group, outs):
+            result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
+                                   share, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
+            if verify_lossless:
+                expected, result.target_seconds = references[prompt.id]
+                result.mismatch_at = first_mismatch(out.tokens, expected)
+            results[index] = result
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(al=f"{result.acceptance_length:.2f}")
+    return [results[i] for i in range(len(prompts))]

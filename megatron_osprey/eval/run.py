@@ -58,6 +58,7 @@ class EvalConfig:
     target_backend: str = "hf"  # or "megatron": the Megatron-Core model (exact recompute, no KV cache)
     truncate_prompts: bool = False  # keep a too-long prompt's last tokens instead of refusing it
     overwrite: bool = False  # replace an existing OUTPUT/results.json
+    batch_size: int = 1  # > 1: the batched greedy-chain engine (same tokens and AL, several requests per forward)
     extra: dict = field(default_factory=dict)
 
 
@@ -81,6 +82,20 @@ def sweep_settings(config: EvalConfig) -> list[dict]:
                                  temperature=float(temperature), max_new_tokens=config.max_new_tokens,
                                  seed=config.seed))
     return settings
+
+
+def check_batch_size(config: EvalConfig, settings: list[dict]) -> None:
+    """--batch-size above 1 runs the batched engine, which decodes greedy chains on the HF target only."""
+    if config.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
+    if config.batch_size == 1:
+        return
+    if config.target_backend != "hf":
+        raise ValueError(f"--batch-size {config.batch_size} needs --target-backend hf (the batched engine drives a HF "
+                         f"model's KV cache); use --batch-size 1 with --target-backend {config.target_backend}.")
+    if any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
+        raise ValueError(f"--batch-size {config.batch_size} decodes greedy chains only (--topk 1, --temperature 0); "
+                         f"trees and sampling run with --batch-size 1.")
 
 
 def split_names(paths: list[Path]) -> list[str]:
@@ -206,6 +221,7 @@ def run_eval(config: EvalConfig) -> dict:
         raise ValueError("--verify-lossless compares greedy outputs token by token; it needs --temperature 0.")
     for kw in settings:
         SpecConfig(**kw)  # validate every draft shape before any loading
+    check_batch_size(config, settings)
     splits = split_names(config.data)
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):
@@ -248,8 +264,13 @@ def run_eval(config: EvalConfig) -> dict:
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
-                    results = benchmark.run_requests(target, session, prompts[split], spec, config.verify_lossless,
-                                                     progress, references[split])
+                    if config.batch_size > 1:
+                        results = benchmark.run_requests_batched(model, drafter, prompts[split], spec,
+                                                                 config.batch_size, config.verify_lossless, progress,
+                                                                 references[split])
+                    else:
+                        results = benchmark.run_requests(target, session, prompts[split], spec,
+                                                         config.verify_lossless, progress, references[split])
                     requests = [r.to_dict() for r in results]
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).

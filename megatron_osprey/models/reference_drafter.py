@@ -360,13 +360,16 @@ class ReferenceDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         kv_cache: DrafterKVCache | None = None,
         allowed: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | None = None,
     ):
         """One drafter pass; returns (draft-vocab logits [B,T,Vd], pre-final-norm hidden [B,T,H]).
 
         Pass exactly one of aux_hidden [B,T,3*Ht] (g = fc(aux)) or g [B,T,H].
         position_ids default to cache length + arange(T). With kv_cache, new
         keys/values are appended to it; `allowed` [B|1, T, past+T] (True =
-        attend) overrides the default causal mask.
+        attend) overrides the default causal mask. logits_rows [B] computes the
+        logits of one column per batch row only ([B,1,Vd]; the head is most of a
+        long prefill's cost).
         """
         if (aux_hidden is None) == (g is None):
             raise ValueError("ReferenceDrafter.forward needs exactly one of aux_hidden or g.")
@@ -384,7 +387,8 @@ class ReferenceDrafter(nn.Module):
             stream, k, v = layer(stream, side, position_ids, self.inv_freq, past_kv, allowed)
             if kv_cache is not None:
                 kv_cache.append(i, k, v)
-        return self.lm_head(self.norm(stream)), stream
+        head_input = stream if logits_rows is None else stream[torch.arange(b, device=stream.device), logits_rows, None]
+        return self.lm_head(self.norm(head_input)), stream
 
     def ttt_forward(
         self,

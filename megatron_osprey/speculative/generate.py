@@ -19,7 +19,7 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) 
     return int(torch.multinomial(probs.float(), 1, generator=generator))
 
 
-def _emit(out: list[int], new: list[int], cfg: SpecConfig) -> tuple[int, bool]:
+def emit_tokens(out: list[int], new: list[int], cfg: SpecConfig) -> tuple[int, bool]:
     """Append tokens up to EOS (kept) or max_new_tokens; return (tokens added, finished)."""
     added = 0
     for token in new:
@@ -45,7 +45,7 @@ def speculative_generate(
         raise ValueError("speculative_generate needs a non-empty prompt.")
     logits, aux = target.prefill(prompt_ids)
     tokens: list[int] = []
-    _, done = _emit(tokens, [_pick(logits[-1], cfg.temperature, generator)], cfg)
+    _, done = emit_tokens(tokens, [_pick(logits[-1], cfg.temperature, generator)], cfg)
     result = SpecResult(tokens=tokens, verify_count=0)
     if done:
         return result
@@ -61,7 +61,7 @@ def speculative_generate(
         else:
             path, bonus = accept_sampling(tree, target_logits, cfg.temperature, generator)
         new = [tree.tokens[i] for i in path] + [bonus]
-        added, done = _emit(tokens, new, cfg)
+        added, done = emit_tokens(tokens, new, cfg)
         result.accept_lengths.append(added)
         if done:
             return result
@@ -84,10 +84,10 @@ def target_generate(
     prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     logits, _ = target.prefill(prompt_ids)
     tokens: list[int] = []
-    _, done = _emit(tokens, [_pick(logits[-1], temperature, generator)], cfg)
+    _, done = emit_tokens(tokens, [_pick(logits[-1], temperature, generator)], cfg)
     one = torch.ones(1, 1, dtype=torch.bool)
     while not done:
         logits, _ = target.verify(torch.tensor([tokens[-1]]), torch.zeros(1, dtype=torch.long), one)
         target.commit([0])
-        _, done = _emit(tokens, [_pick(logits[0], temperature, generator)], cfg)
+        _, done = emit_tokens(tokens, [_pick(logits[0], temperature, generator)], cfg)
     return tokens

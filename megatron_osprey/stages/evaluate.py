@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--truncate-prompts", action="store_true",
                         help="keep the last tokens of a prompt too long for the target's max_position_embeddings "
                              "(default: refuse it)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="requests decoded together (default 1: the reference engine, one request at a time); "
+                             "above 1, greedy chains (--topk 1, --temperature 0) on the HF target share each forward")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT/results.json")
     return parser.parse_args(argv)
 
@@ -113,6 +116,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, prompt_messages=args.prompt_messages, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
         target_backend=args.target_backend, truncate_prompts=args.truncate_prompts, overwrite=args.overwrite,
+        batch_size=args.batch_size,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 

@@ -118,6 +118,28 @@ def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup
     assert "| code (a) |" in (tmp_path / "matrix.md").read_text()
 
 
+def test_batch_size_gives_the_same_requests_as_the_reference_engine(tiny_setup, tmp_path):
+    """--batch-size 3 (rows of different prompt lengths, one group short) decodes every request to the same
+    tokens and acceptance as batch 1, and checks them against batched target-only decoding."""
+    outputs = {}
+    for batch in (1, 3):
+        assert _cli(tiny_setup, tmp_path / str(batch), "--verify-lossless", "--batch-size", str(batch)) == 0
+        results = json.loads((tmp_path / str(batch) / "results.json").read_text())
+        assert results["config"]["batch_size"] == batch and results["lossless"]["mismatches"] == []
+        outputs[batch] = [(c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
+                          for c in results["cells"] for r in c["requests"]]
+    assert outputs[1] == outputs[3] and len(outputs[1]) == 8
+
+
+def test_batch_size_refuses_what_the_batched_engine_cannot_decode(tiny_setup, tmp_path, capsys):
+    for extra in (["--topk", "2", "--draft-tokens", "4"], ["--temperature", "0.5"], ["--target-backend", "megatron"],
+                  []):
+        batch = "0" if not extra else "4"
+        assert _cli(tiny_setup, tmp_path, "--batch-size", batch, *extra) == 2
+        assert "--batch-size" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_cli_reports_a_broken_verifier_and_exits_nonzero(tiny_setup, tmp_path, monkeypatch, capsys):
     def accept_every_draft(tree, target_logits):  # ignores the target: not lossless
         path, node = [], -1

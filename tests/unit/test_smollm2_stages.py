@@ -20,7 +20,7 @@ from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import causal_logits, truncated_logits
-from tests.draft_sessions import RecomputeSession
+from tests.draft_sessions import ScriptedSession
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
 
 VOCAB = 49152
@@ -181,27 +181,6 @@ def greedy_reference(smollm2, prompt_ids):
 MAX_NEW = 24
 
 
-class ScriptedSession(RecomputeSession):
-    """A draft session that proposes the reference continuation, except at every `miss`-th position.
-
-    It costs no model work and makes the real target accept several drafts per round and reject the
-    rest, so verify, tree masks and KV-cache commits are exercised with multi-token acceptance (the
-    adapted drafter at initialization, a 2-layer logit lens of SmolLM2, gets none accepted)."""
-
-    def __init__(self, script: list[int], vocab: int, miss: int = 7):
-        super().__init__()
-        self.script, self.vocab, self.miss = script, vocab, miss
-
-    def _logits(self, seq):
-        logits = torch.zeros(self.vocab)
-        n = len(seq)
-        right = self.script[n] if n < len(self.script) and seq == self.script[:n] else 0
-        # A miss proposes two wrong tokens, so the chain and the tree both get a rejection there.
-        first, second = ((right + 1) % self.vocab, (right + 2) % self.vocab) if n % self.miss == 0 else (right, (right + 1) % self.vocab)
-        logits[first], logits[second] = 10.0, 5.0
-        return logits
-
-
 @pytest.mark.parametrize("shape", [dict(steps=4, topk=1), dict(steps=3, topk=3, draft_tokens=8)], ids=["chain", "tree"])
 def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, smollm2, smollm2_tokenizer, prompt_ids,
                                                                greedy_reference):
@@ -223,3 +202,27 @@ def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, s
         scripted += result.accept_lengths[:-1]  # the last round may be cut by max_new_tokens or EOS
     # Full rounds and rounds cut by a rejection: multi-token commits after partial acceptance were checked.
     assert max(scripted) == shape["steps"] + 1 and min(scripted) < shape["steps"] + 1
+
+
+def test_batched_speculative_decoding_with_the_real_target_is_lossless(adapted, smollm2, prompt_ids, greedy_reference):
+    """The batched engine (the three prompts in one batch, float32) with the adapted drafter, and with
+    scripted drafts that make rows accept different numbers of tokens, equals transformers' greedy output."""
+    from megatron_osprey.speculative import SpecConfig
+    from megatron_osprey.speculative.batched import (BatchedHFTarget, BatchedReferenceDraftSession, RowwiseDraftSession,
+                                                     batched_speculative_generate, batched_target_generate,
+                                                     cache_capacity)
+
+    drafter, _ = adapted
+    cfg = SpecConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), steps=4, topk=1)
+    aux = list(SMOLLM2_AUX)
+    target = BatchedHFTarget(smollm2, aux, cache_capacity(prompt_ids, cfg, 1))
+    assert batched_target_generate(target, prompt_ids, MAX_NEW, (EOS,)) == greedy_reference
+    target = BatchedHFTarget(smollm2, aux, cache_capacity(prompt_ids, cfg, cfg.steps + 1))
+    session = BatchedReferenceDraftSession(drafter, cache_capacity(prompt_ids, cfg, 2 * cfg.steps + 1))
+    assert [r.tokens for r in batched_speculative_generate(target, session, prompt_ids, cfg)] == greedy_reference
+    scripts = iter([ScriptedSession(ids.tolist() + expected, VOCAB) for ids, expected in zip(prompt_ids, greedy_reference)])
+    target = BatchedHFTarget(smollm2, aux, cache_capacity(prompt_ids, cfg, cfg.steps + 1))
+    results = batched_speculative_generate(target, RowwiseDraftSession(lambda: next(scripts)), prompt_ids, cfg)
+    assert [r.tokens for r in results] == greedy_reference
+    per_row = [tuple(r.accept_lengths) for r in results]
+    assert len(set(per_row)) == len(per_row) and max(max(a) for a in per_row) == cfg.steps + 1

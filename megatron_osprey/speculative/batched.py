@@ -1,0 +1,407 @@
+"""Batched chain speculative decoding (topk 1, greedy): many requests share each target forward.
+
+The reference engine (``generate.py``) decodes one request at a time, which
+on a CPU spends most of its time in per-call overhead and small matrices.
+Here B requests advance together: one target forward verifies every row's
+draft chain, one drafter forward extends every row.
+
+Rows accept different numbers of tokens, so their caches would drift apart.
+Instead of rewriting caches, both the target and the drafter keep one shared,
+preallocated cache whose slots are appended for every row alike, plus a
+per-row validity mask: a slot is attended to only by the row that committed
+it. A verify block of T tokens writes T slots for all rows; afterwards each
+row marks valid only the slots of the tokens it accepted. Positions are per
+row (the count of its valid slots), so RoPE sees exactly the positions the
+batch-1 engine would use.
+
+Greedy acceptance is the batch-1 rule per row: the longest prefix of the
+chain that equals the target's argmax, plus the target's bonus token. The
+output is therefore token-identical to target-only greedy decoding up to
+floating-point reduction order (a batch of rows and a block of tokens sum
+in another order than one row and one token).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+import torch
+
+from megatron_osprey.models.reference_drafter import ReferenceDrafter
+
+from .config import SpecConfig, SpecResult
+from .generate import emit_tokens
+from .tree import build_chain
+
+
+def _slot_cache_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(DynamicLayer):
+        """A preallocated HF cache layer: update() writes in place and returns views of the used slots."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.used = capacity, 0
+
+        def lazy_initialization(self, key_states, value_states):
+            b, h, _, d = key_states.shape
+            self.keys = key_states.new_zeros(b, h, self.capacity, d)
+            self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+            self.device, self.is_initialized = key_states.device, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = key_states.shape[-2]
+            if self.used + n > self.capacity:
+                raise RuntimeError(f"batched KV cache is full ({self.capacity} slots); raise its capacity.")
+            self.keys[:, :, self.used: self.used + n] = key_states
+            self.values[:, :, self.used: self.used + n] = value_states
+            self.used += n
+            return self.keys[:, :, : self.used], self.values[:, :, : self.used]
+
+        def get_seq_length(self) -> int:
+            return self.used
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.keys = self.keys[indices]
+                self.values = self.values[indices]
+
+    return SlotLayer
+
+
+class BatchedHFTarget:
+    """A transformers causal LM over B rows: one preallocated KV cache plus per-row slot validity."""
+
+    def __init__(self, model, aux_layer_ids: list[int], capacity: int):
+        layers = model.config.num_hidden_layers
+        if not all(0 <= i < layers for i in aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must lie in 0..{layers - 1}, got {aux_layer_ids}.")
+        self.model, self.aux_layer_ids, self.capacity = model.eval(), list(aux_layer_ids), capacity
+        self.cache = self.valid = self.positions = None
+        self._block = None  # (first slot, tokens) of the last verify, until commit
+
+    @property
+    def length(self) -> int:
+        """Slots written so far (valid or not)."""
+        return self.cache.get_seq_length()
+
+    def _forward(self, ids, positions, new_valid, logits_to_keep=0):
+        """Run ids [B, T] as new slots; new_valid [B, T] says which of them are real tokens."""
+        device, dtype = self.model.device, self.model.dtype
+        b, t = ids.shape
+        n = self.length
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        allowed = torch.cat((self.valid[:, None, :n].expand(b, t, n),
+                             causal[None] & (new_valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=device))),
+                            dim=2)
+        mask = torch.zeros(b, 1, t, n + t, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        out = self.model(ids.to(device), attention_mask=mask, position_ids=positions.to(device), cache=self.cache,
+                         use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
+        return out.logits, aux
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Reset and run the prompts, left-padded; returns last-token logits [B, V] and each prompt's aux [n_b, F]."""
+        from transformers.cache_utils import Cache
+
+        layer = _slot_cache_layer_class()
+        self.cache = Cache(layers=[layer(self.capacity) for _ in range(self.model.config.num_hidden_layers)])
+        lengths = torch.tensor([p.numel() for p in prompts])
+        b, t = len(prompts), int(lengths.max())
+        ids = torch.zeros(b, t, dtype=torch.long)
+        pad = t - lengths
+        for row, prompt in enumerate(prompts):
+            ids[row, pad[row]:] = prompt
+        columns = torch.arange(t)[None]
+        new_valid = columns >= pad[:, None]
+        positions = (columns - pad[:, None]).clamp(min=0)
+        self.valid = torch.zeros(b, self.capacity, dtype=torch.bool, device=self.model.device)
+        logits, aux = self._forward(ids, positions, new_valid.to(self.model.device))
+        self.valid[:, :t] = new_valid
+        self.positions = lengths.clone()
+        return logits[:, -1], [aux[row, pad[row]:] for row in range(b)]
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain [B, T] after each row's committed tokens; returns logits [B, T, V] and aux [B, T, F]."""
+        if self._block is not None:
+            raise RuntimeError("BatchedHFTarget.verify called twice without commit in between.")
+        b, t = tokens.shape
+        positions = self.positions[:, None] + torch.arange(t)[None]
+        self._block = (self.length, t)
+        return self._forward(tokens, positions, torch.ones(b, t, dtype=torch.bool, device=self.model.device))
+
+    def commit(self, keep: list[int]) -> None:
+        """Row b keeps the first keep[b] tokens of the last verify in its cache."""
+        start, t = self._block
+        keep_t = torch.as_tensor(keep, dtype=torch.long)
+        self.valid[:, start: start + t] = torch.arange(t)[None] < keep_t[:, None].to(self.valid.device)
+        self.positions += keep_t
+        self._block = None
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished requests leave the batch)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(index.to(self.model.device))
+        self.valid, self.positions = self.valid[index.to(self.valid.device)], self.positions[index]
+
+
+class BatchedDraftSession(ABC):
+    """The drafter side of the batched engine; logits are over the target vocabulary."""
+
+    @abstractmethod
+    def start(self, prompts: list[torch.Tensor], first_tokens: list[int], aux: list[torch.Tensor]) -> torch.Tensor:
+        """Reset; commit each row's prompt rows and first token; return root logits [B, V]."""
+
+    @abstractmethod
+    def draft(self, root_logits: torch.Tensor, steps: int) -> torch.Tensor:
+        """A greedy chain of `steps` tokens per row [B, steps], drafted from root logits [B, V]."""
+
+    @abstractmethod
+    def extend(self, tokens: list[list[int]], aux: list[torch.Tensor]) -> torch.Tensor:
+        """Forget the chain; commit each row's new tokens with their aux [m_b, F]; return root logits [B, V]."""
+
+    @abstractmethod
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows."""
+
+
+class RowwiseDraftSession(BatchedDraftSession):
+    """Any batch-1 DraftSession per row behind the batched interface (no batching on the drafter side)."""
+
+    def __init__(self, make_session):
+        self.make_session = make_session  # () -> DraftSession, one per row
+        self.rows: list = []
+
+    def start(self, prompts, first_tokens, aux):
+        """Start one session per row."""
+        self.rows = [self.make_session() for _ in prompts]
+        return torch.stack([s.start(p, int(f), a) for s, p, f, a in zip(self.rows, prompts, first_tokens, aux)])
+
+    def draft(self, root_logits, steps):
+        """Each row's build_chain."""
+        cfg = SpecConfig(steps=steps, topk=1)
+        chains = []
+        for session, logits in zip(self.rows, root_logits):
+            chains.append(build_chain(session, logits, cfg, None).tokens)
+            session.end_round()
+        return torch.tensor(chains, dtype=torch.long)
+
+    def extend(self, tokens, aux):
+        """Each row's extend."""
+        return torch.stack([s.extend(torch.tensor(t), a) for s, t, a in zip(self.rows, tokens, aux)])
+
+    def select(self, rows):
+        """Keep these rows' sessions."""
+        self.rows = [self.rows[b] for b in rows]
+
+
+class SlotKVCache:
+    """The drafter's preallocated KV cache (ReferenceDrafter's cache interface: length, layer(i), append)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.used: list[int] = []
+
+    @property
+    def length(self) -> int:
+        """Slots written so far."""
+        return self.used[0] if self.used else 0
+
+    def layer(self, i: int):
+        """(keys, values) of layer i's used slots, or None before the first write."""
+        if i >= len(self.keys):
+            return None
+        return self.keys[i][:, :, : self.used[i]], self.values[i][:, :, : self.used[i]]
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new slots for layer i."""
+        if i == len(self.keys):
+            b, h, _, d = k.shape
+            self.keys.append(k.new_zeros(b, h, self.capacity, d))
+            self.values.append(v.new_zeros(b, h, self.capacity, v.shape[-1]))
+            self.used.append(0)
+        n = k.shape[2]
+        if self.used[i] + n > self.capacity:
+            raise RuntimeError(f"drafter KV cache is full ({self.capacity} slots); raise its capacity.")
+        self.keys[i][:, :, self.used[i]: self.used[i] + n] = k
+        self.values[i][:, :, self.used[i]: self.used[i] + n] = v
+        self.used[i] += n
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep these batch rows."""
+        self.keys = [k[index] for k in self.keys]
+        self.values = [v[index] for v in self.values]
+
+
+class BatchedReferenceDraftSession(BatchedDraftSession):
+    """BatchedDraftSession over a ReferenceDrafter: the batch-1 session's rows, positions and masks per row.
+
+    Drafter row p reads token x_{p+1} with the target's aux feature f_p and sits at position p; a chain
+    node drafted at depth d reads its parent's pre-norm hidden and sits at position committed - 1 + d.
+    """
+
+    def __init__(self, drafter: ReferenceDrafter, capacity: int):
+        self.drafter = drafter.eval()
+        self.capacity = capacity
+        self.dtype = next(drafter.parameters()).dtype
+        self.device = drafter.embed_tokens.weight.device
+
+    def _run(self, ids, positions, new_valid, last, aux=None, g=None, chain_from=None):
+        """Run ids [B, T] as new slots; returns target-vocab logits at column `last` [B] and all hiddens."""
+        b, t = ids.shape
+        n = self.cache.length
+        old = self.valid[:, :n].clone()
+        if chain_from is not None:  # this round's chain slots so far are the querying node's ancestors
+            old[:, chain_from:] = True
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        own = causal[None] & (new_valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device))
+        allowed = torch.cat((old[:, None, :].expand(b, t, n), own), dim=2)
+        logits, hidden = self.drafter(ids.to(self.device), aux_hidden=aux, g=g, position_ids=positions.to(self.device),
+                                      kv_cache=self.cache, allowed=allowed, logits_rows=last.to(self.device))
+        return self.drafter.target_logits(logits[:, 0]), hidden
+
+    def _commit_block(self, tokens: list[list[int]], aux: list[torch.Tensor]) -> torch.Tensor:
+        counts = torch.tensor([len(t) for t in tokens])
+        b, t = len(tokens), int(counts.max())
+        ids = torch.zeros(b, t, dtype=torch.long)
+        feats = torch.zeros(b, t, aux[0].shape[-1], dtype=self.dtype, device=self.device)
+        for row, (row_tokens, row_aux) in enumerate(zip(tokens, aux)):
+            ids[row, : len(row_tokens)] = torch.tensor(row_tokens)
+            feats[row, : len(row_tokens)] = row_aux.to(device=self.device, dtype=self.dtype)
+        new_valid = (torch.arange(t)[None] < counts[:, None]).to(self.device)
+        positions = self.committed[:, None] + torch.arange(t)[None]
+        start = self.cache.length
+        logits, hidden = self._run(ids, positions, new_valid, counts - 1, aux=feats)
+        self.valid[:, start: start + t] = new_valid
+        self.committed += counts
+        self.root_hidden = hidden[torch.arange(b), (counts - 1).to(self.device)]
+        return logits
+
+    @torch.no_grad()
+    def start(self, prompts, first_tokens, aux):
+        """Reset and prefill every row."""
+        self.cache = SlotKVCache(self.capacity)
+        self.valid = torch.zeros(len(prompts), self.capacity, dtype=torch.bool, device=self.device)
+        self.committed = torch.zeros(len(prompts), dtype=torch.long)
+        tokens = [p[1:].tolist() + [int(first)] for p, first in zip(prompts, first_tokens)]
+        return self._commit_block(tokens, aux)
+
+    @torch.no_grad()
+    def draft(self, root_logits, steps):
+        """Greedy chain: token d from the logits of depth d - 1 (the root's for d = 1)."""
+        b = root_logits.shape[0]
+        chain_from = self.cache.length
+        drafted = [root_logits.argmax(-1).cpu()]
+        g = self.root_hidden
+        for depth in range(1, steps):
+            positions = (self.committed - 1 + depth)[:, None]
+            last = torch.zeros(b, dtype=torch.long)
+            logits, hidden = self._run(drafted[-1][:, None], positions, torch.ones(b, 1, dtype=torch.bool,
+                                       device=self.device), last, g=g[:, None], chain_from=chain_from)
+            g = hidden[:, 0]
+            drafted.append(logits.argmax(-1).cpu())
+        return torch.stack(drafted, dim=1)
+
+    @torch.no_grad()
+    def extend(self, tokens, aux):
+        """Commit each row's accepted tokens and bonus (the chain's slots stay invalid)."""
+        return self._commit_block(tokens, aux)
+
+    def select(self, rows):
+        """Keep only these rows."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        self.cache.select(index.to(self.device))
+        self.valid = self.valid[index.to(self.device)]
+        self.committed = self.committed[index]
+        self.root_hidden = self.root_hidden[index.to(self.device)]
+
+
+def cache_capacity(prompts: list[torch.Tensor], cfg: SpecConfig, per_round: int) -> int:
+    """Slots a batch can need: the longest prompt plus one round's slots per new token (each round gains >= 1)."""
+    return max(p.numel() for p in prompts) + cfg.max_new_tokens * per_round + 1
+
+
+def batched_speculative_generate(target: BatchedHFTarget, session: BatchedDraftSession,
+                                 prompts: list[torch.Tensor], cfg: SpecConfig) -> list[SpecResult]:
+    """Greedy chain speculative decoding of a batch; results in prompt order.
+
+    The target and session must have been built with cache_capacity(prompts, cfg, per_round) slots
+    (per_round: steps + 1 for the target, 2 * steps + 1 for the drafter).
+    """
+    if cfg.topk != 1 or cfg.temperature != 0:
+        raise ValueError("the batched engine decodes greedy chains only (topk 1, temperature 0); "
+                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if any(p.numel() < 1 for p in prompts):
+        raise ValueError("batched_speculative_generate needs non-empty prompts.")
+    logits, aux = target.prefill(prompts)
+    first = logits.argmax(-1).tolist()
+    results = [SpecResult(tokens=[], verify_count=0) for _ in prompts]
+    live = [i for i, token in enumerate(first) if not emit_tokens(results[i].tokens, [token], cfg)[1]]
+    if not live:
+        return results
+    if len(live) < len(prompts):
+        target.select(live)
+    root = session.start([prompts[i] for i in live], [first[i] for i in live], [aux[i] for i in live])
+    while live:
+        drafts = session.draft(root, cfg.steps)  # [B, steps]
+        last = torch.tensor([results[i].tokens[-1] for i in live])
+        verify_logits, verify_aux = target.verify(torch.cat((last[:, None], drafts), dim=1))
+        best = verify_logits.argmax(-1).cpu()  # [B, steps + 1]
+        accepted = (drafts == best[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        keep, still, new_tokens, new_aux = [], [], [], []
+        for b, i in enumerate(live):
+            a = int(accepted[b])
+            new = drafts[b, :a].tolist() + [int(best[b, a])]
+            result = results[i]
+            result.verify_count += 1
+            added, done = emit_tokens(result.tokens, new, cfg)
+            result.accept_lengths.append(added)
+            keep.append(a + 1)
+            if not done:
+                still.append(b)
+                new_tokens.append(new)
+                new_aux.append(verify_aux[b, : a + 1])
+        target.commit(keep)
+        if not still:
+            break
+        if len(still) < len(live):
+            target.select(still)
+            session.select(still)
+            live = [live[b] for b in still]
+        root = session.extend(new_tokens, new_aux)
+    return results
+
+
+@torch.no_grad()
+def batched_target_generate(target: BatchedHFTarget, prompts: list[torch.Tensor], max_new_tokens: int,
+                            eos_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+    """Target-only greedy decoding of a batch (one token per row per forward); outputs in prompt order.
+
+    The target must have been built with cache_capacity(prompts, cfg, 1) slots.
+    """
+    cfg = SpecConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    logits, _ = target.prefill(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = []
+    for i, token in enumerate(logits.argmax(-1).tolist()):
+        if not emit_tokens(outputs[i], [token], cfg)[1]:
+            live.append(i)
+    if len(live) < len(prompts) and live:
+        target.select(live)
+    while live:
+        logits, _ = target.verify(torch.tensor([[outputs[i][-1]] for i in live]))
+        target.commit([1] * len(live))
+        still = [b for b, i in enumerate(live) if not emit_tokens(outputs[i], [int(logits[b, 0].argmax())], cfg)[1]]
+        if len(still) < len(live) and still:
+            target.select(still)
+        live = [live[b] for b in still]
+    return outputs
