@@ -300,6 +300,20 @@ def distill_argv(cfg: DemoConfig, method: str, init: Path | None, target: Path, 
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
+def eval_argv(cfg: DemoConfig, target: Path, eval_dir: Path, drafters: list[dict], data: dict) -> list:
+    """The eval step's command: every drafter on every eval domain, greedy chains, lossless-checked."""
+    argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
+            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress",
+            "--batch-size", str(cfg.eval_batch), "--overwrite"]  # a resumed demo reruns eval only when its command changed
+    for d in drafters:
+        argv += ["--drafter", f"{d['name']}={d['path']}"]
+    argv += ["--train-domain", *[d["domain"] for d in drafters]]
+    argv += ["--method", *[f"{d['name']}={d['method']}" for d in drafters]]
+    for domain in cfg.eval_domains:
+        argv += ["--data", data["splits"][domain]["eval"]]
+    return argv
+
+
 def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     """Run every stage; returns report.json's content."""
     from megatron_osprey.assets.models import get_model_dir
@@ -362,16 +376,16 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
 
     steps.header("evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.eval)")
     eval_dir = output / "eval"
-    argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
-            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress",
-            "--batch-size", str(cfg.eval_batch), "--overwrite"]  # a resumed demo reruns eval only when its command changed
-    for d in drafters:
-        argv += ["--drafter", f"{d['name']}={d['path']}"]
-    argv += ["--train-domain", *[d["domain"] for d in drafters]]
-    argv += ["--method", *[f"{d['name']}={d['method']}" for d in drafters]]
-    for domain in cfg.eval_domains:
-        argv += ["--data", data["splits"][domain]["eval"]]
-    steps.run("eval", argv)
+    if len(cfg.seeds) == 1:
+        steps.run("eval", eval_argv(cfg, target, eval_dir, drafters, data))
+    else:  # one resumable step per seed, merged into one results.json
+        from megatron_osprey.eval.run import merge_results
+
+        for seed in cfg.seeds:
+            steps.run(f"eval_s{seed}", eval_argv(cfg, target, eval_dir / f"seed{seed}",
+                                                 [d for d in drafters if d["seed"] == seed], data))
+        merge_results([json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in cfg.seeds],
+                      eval_dir)
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report

@@ -306,6 +306,36 @@ def run_eval(config: EvalConfig) -> dict:
     return results
 
 
+def merge_results(parts: list[dict], output: Path) -> dict:
+    """One results.json from evaluations of different drafters on the same splits and setting (say, one per
+    training seed, each a resumable step): cells and mismatches concatenated, matrices rebuilt."""
+    if not parts:
+        raise ValueError("merge_results needs at least one results dict.")
+    first = parts[0]
+    splits = [s["name"] for s in first["splits"]]
+    for part in parts[1:]:
+        if [s["name"] for s in part["splits"]] != splits or len(part["sweep"]) != 1 or len(first["sweep"]) != 1:
+            raise ValueError("merge_results merges single-setting evaluations of the same splits only.")
+        if _sweep_key(part) != _sweep_key(first):
+            raise ValueError("merge_results: the evaluations used different decoding settings.")
+    names = [d["name"] for part in parts for d in part["drafters"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"merge_results: drafter names repeat across the evaluations: {names}.")
+    records = [c for part in parts for c in part["cells"]]
+    cells = [Cell(c["drafter"], c["method"], c["train_domain"], c["split"], c["summary"]) for c in records]
+    matrices = build_matrices(cells, splits)
+    merged = {**first, "drafters": [d for part in parts for d in part["drafters"]], "cells": records,
+              "matrices": matrices, "sweep": [{**first["sweep"][0], "matrices": matrices}],
+              "lossless": {"checked": all(p["lossless"]["checked"] for p in parts),
+                           "mismatches": [m for p in parts for m in p["lossless"]["mismatches"]]}}
+    write_results(merged, Path(output))
+    return merged
+
+
+def _sweep_key(results: dict) -> dict:
+    return {k: v for k, v in results["sweep"][0].items() if k != "matrices"}
+
+
 def _setting(spec: SpecConfig) -> dict:
     """The sweep coordinates of one run; the seed matters (and is reported) whenever sampling."""
     return {"steps": spec.steps, "topk": spec.topk, "draft_tokens": spec.draft_tokens,

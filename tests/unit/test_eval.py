@@ -140,6 +140,31 @@ def test_batch_size_refuses_what_the_batched_engine_cannot_decode(tiny_setup, tm
     assert not (tmp_path / "results.json").exists()
 
 
+def test_merged_evaluations_equal_one_evaluation_of_all_drafters(tiny_setup, tmp_path):
+    """The demo evaluates each seed's drafters in its own resumable step and merges the results."""
+    from megatron_osprey.eval.run import merge_results
+
+    common = ["--data", str(tiny_setup / "code.jsonl"), "--data", str(tiny_setup / "math.jsonl"), "--steps", "2",
+              "--max-new-tokens", "7", "--no-progress", "--verify-lossless", "--target", str(tiny_setup / "target")]
+    parts = []
+    for name, domain in (("a", "code"), ("b", "math")):
+        out = tmp_path / name
+        assert main([*common, "--drafter", f"{name}={tiny_setup / 'drafter'}", "--train-domain", domain,
+                     "--output", str(out)]) == 0
+        parts.append(json.loads((out / "results.json").read_text()))
+    merged = merge_results(parts, tmp_path / "merged")
+    assert _cli(tiny_setup, tmp_path / "both", "--verify-lossless") == 0
+    both = json.loads((tmp_path / "both" / "results.json").read_text())
+    strip = lambda cells: [(c["drafter"], c["split"], [r["output_ids"] for r in c["requests"]]) for c in cells]  # noqa: E731
+    assert strip(merged["cells"]) == strip(both["cells"])
+    for key in ("mean", "id_mean", "ood_mean", "acceptance_length", "train_domains"):
+        assert merged["matrices"]["osprey"][key] == both["matrices"]["osprey"][key], key
+    assert json.loads((tmp_path / "merged" / "results.json").read_text())["lossless"] == {"checked": True,
+                                                                                          "mismatches": []}
+    with pytest.raises(ValueError, match="drafter names repeat"):
+        merge_results([parts[0], parts[0]], tmp_path / "again")
+
+
 def test_cli_reports_a_broken_verifier_and_exits_nonzero(tiny_setup, tmp_path, monkeypatch, capsys):
     def accept_every_draft(tree, target_logits):  # ignores the target: not lossless
         path, node = [], -1
