@@ -64,6 +64,10 @@ class DemoConfig:
     regenerate_tokens: int = 96
     eval_tokens: int = 64
     eval_batch: int = 8  # requests per target forward in evaluation (the batched engine; same tokens and AL)
+    # AL by replaying the target's greedy output (eval --replay: one target forward per prompt for all drafters);
+    # seed 0's drafters are then also decoded live, lossless-checked, on `live_check_prompts` prompts per domain.
+    eval_replay: bool = False
+    live_check_prompts: int = 8
     seeds: tuple[int, ...] = (0,)
     cross_tokenizer: SmallLM | None = None  # the target-agnostic arm (demo-full)
     bf16: bool = True  # bf16 compute where it is correct: backbone pretraining, distillation, regeneration
@@ -85,9 +89,10 @@ class DemoConfig:
     @classmethod
     def full(cls) -> "DemoConfig":
         """`make demo-full`: two training domains (chat, code), three seeds of every arm, the cross-tokenizer
-        arm, 32 prompts x 128 new tokens per eval domain, evaluated 32 requests per forward."""
+        arm, 32 prompts x 128 new tokens per eval domain; AL replayed 32 requests at a time, and seed 0
+        decoded live (lossless-checked) on 8 prompts per domain."""
         return cls(train_domains=("chat", "code"), n_train=96, n_eval=32, backbone_iters=120, eval_tokens=128,
-                   eval_batch=32, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
+                   eval_batch=32, eval_replay=True, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
 
     def with_cross_tokenizer(self) -> "DemoConfig":
         """This size plus the cross-tokenizer arm; its small LM trains 5 steps per backbone step (300 at full)."""
@@ -300,11 +305,15 @@ def distill_argv(cfg: DemoConfig, method: str, init: Path | None, target: Path, 
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
-def eval_argv(cfg: DemoConfig, target: Path, eval_dir: Path, drafters: list[dict], data: dict) -> list:
-    """The eval step's command: every drafter on every eval domain, greedy chains, lossless-checked."""
+def eval_argv(cfg: DemoConfig, target: Path, eval_dir: Path, drafters: list[dict], data: dict, replay: bool = False,
+              limit: int | None = None) -> list:
+    """An eval step's command: every drafter on every eval domain, greedy chains, decoded live and
+    lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
     argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
-            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--verify-lossless", "--no-progress",
-            "--batch-size", str(cfg.eval_batch), "--overwrite"]  # a resumed demo reruns eval only when its command changed
+            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--replay" if replay else "--verify-lossless",
+            "--no-progress", "--batch-size", str(cfg.eval_batch), "--overwrite"]  # reruns only when its command changed
+    if limit is not None:
+        argv += ["--limit", str(limit)]
     for d in drafters:
         argv += ["--drafter", f"{d['name']}={d['path']}"]
     argv += ["--train-domain", *[d["domain"] for d in drafters]]
@@ -376,16 +385,20 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
 
     steps.header("evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.eval)")
     eval_dir = output / "eval"
-    if len(cfg.seeds) == 1:
+    if len(cfg.seeds) == 1 and not cfg.eval_replay:
         steps.run("eval", eval_argv(cfg, target, eval_dir, drafters, data))
     else:  # one resumable step per seed, merged into one results.json
         from megatron_osprey.eval.run import merge_results
 
         for seed in cfg.seeds:
             steps.run(f"eval_s{seed}", eval_argv(cfg, target, eval_dir / f"seed{seed}",
-                                                 [d for d in drafters if d["seed"] == seed], data))
+                                                 [d for d in drafters if d["seed"] == seed], data, cfg.eval_replay))
         merge_results([json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in cfg.seeds],
                       eval_dir)
+    if cfg.eval_replay:
+        steps.run("eval_live_check", eval_argv(cfg, target, eval_dir / "live_check",
+                                               [d for d in drafters if d["seed"] == cfg.seeds[0]], data,
+                                               limit=cfg.live_check_prompts))
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report

@@ -15,6 +15,8 @@ from megatron_osprey.speculative.batched import (
     batched_speculative_generate,
     batched_target_generate,
     cache_capacity,
+    replay_speculative_generate,
+    target_features,
 )
 from megatron_osprey.speculative import (
     DraftSession,
@@ -103,6 +105,45 @@ def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalP
     return results
 
 
+def _decode_in_groups(prompts: list[EvalPrompt], batch_size: int, decode) -> list[tuple]:
+    """decode(group of prompts) -> SpecResults, over groups of `batch_size` prompts of similar length.
+
+    Returns (prompt, SpecResult, seconds) in prompt order; seconds are the group's wall time shared out."""
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].input_ids.numel(), i))
+    out: dict[int, tuple] = {}
+    for start in range(0, len(order), batch_size):
+        indices = order[start: start + batch_size]
+        group = [prompts[i] for i in indices]
+        _sync()
+        began = time.perf_counter()
+        results = decode(group)
+        _sync()
+        share = (time.perf_counter() - began) / len(group)
+        out.update({i: (p, r, share) for i, p, r in zip(indices, group, results)})
+    return [out[i] for i in range(len(prompts))]
+
+
+def _request_result(prompt: EvalPrompt, out, seconds: float, progress) -> RequestResult:
+    result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
+                           seconds, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
+    if progress is not None:
+        progress.update(1)
+        progress.set_postfix(al=f"{result.acceptance_length:.2f}")
+    return result
+
+
+def _target_references(model, aux: list[int], prompts: list[EvalPrompt], spec: SpecConfig, batch_size: int,
+                       references: dict) -> None:
+    """Target-only greedy outputs (and their amortized seconds) for the prompts not in `references` yet."""
+    def decode(group):
+        ids = [p.input_ids for p in group]
+        target = BatchedHFTarget(model, aux, cache_capacity(ids, spec, 1))
+        return batched_target_generate(target, ids, spec.max_new_tokens, spec.eos_token_ids)
+
+    missing = [p for p in prompts if p.id not in references]
+    references.update({p.id: (tokens, seconds) for p, tokens, seconds in _decode_in_groups(missing, batch_size, decode)})
+
+
 def run_requests_batched(model, drafter: ReferenceDrafter, prompts: list[EvalPrompt], spec: SpecConfig,
                          batch_size: int, verify_lossless: bool = False, progress=None,
                          references: dict | None = None) -> list[RequestResult]:
@@ -114,37 +155,61 @@ def run_requests_batched(model, drafter: ReferenceDrafter, prompts: list[EvalPro
     """
     references = {} if references is None else references
     aux = list(drafter.config.aux_layer_ids)
-    order = sorted(range(len(prompts)), key=lambda i: (prompts[i].input_ids.numel(), i))
-    results: dict[int, RequestResult] = {}
-    for start in range(0, len(order), batch_size):
-        group = [prompts[i] for i in order[start: start + batch_size]]
+
+    def decode(group):
         ids = [p.input_ids for p in group]
-        _sync()
-        began = time.perf_counter()
         target = BatchedHFTarget(model, aux, cache_capacity(ids, spec, spec.steps + 1))
         session = BatchedReferenceDraftSession(drafter, cache_capacity(ids, spec, 2 * spec.steps + 1))
-        outs = batched_speculative_generate(target, session, ids, spec)
-        del target, session
-        _sync()
-        share = (time.perf_counter() - began) / len(group)
-        missing = [p for p in group if p.id not in references]
-        if verify_lossless and missing:
-            _sync()
-            began = time.perf_counter()
-            missing_ids = [p.input_ids for p in missing]
-            target = BatchedHFTarget(model, aux, cache_capacity(missing_ids, spec, 1))
-            expected = batched_target_generate(target, missing_ids, spec.max_new_tokens, spec.eos_token_ids)
-            _sync()
-            target_share = (time.perf_counter() - began) / len(missing)
-            references.update({p.id: (e, target_share) for p, e in zip(missing, expected)})
-        for index, prompt, out in zip(order[start: start + batch_size], group, outs):
-            result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
-                                   share, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
-            if verify_lossless:
-                expected, result.target_seconds = references[prompt.id]
-                result.mismatch_at = first_mismatch(out.tokens, expected)
-            results[index] = result
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(al=f"{result.acceptance_length:.2f}")
-    return [results[i] for i in range(len(prompts))]
+        return batched_speculative_generate(target, session, ids, spec)
+
+    decoded = _decode_in_groups(prompts, batch_size, decode)
+    if verify_lossless:
+        _target_references(model, aux, prompts, spec, batch_size, references)
+    results = []
+    for prompt, out, seconds in decoded:
+        result = _request_result(prompt, out, seconds, progress)
+        if verify_lossless:
+            expected, result.target_seconds = references[prompt.id]
+            result.mismatch_at = first_mismatch(out.tokens, expected)
+        results.append(result)
+    return results
+
+
+def run_requests_replayed(model, drafter: ReferenceDrafter, prompts: list[EvalPrompt], spec: SpecConfig,
+                          batch_size: int, progress=None, references: dict | None = None,
+                          features: dict | None = None) -> list[RequestResult]:
+    """Acceptance by replaying the target's greedy output (replay_speculative_generate), `batch_size` rows at once.
+
+    `references` (prompt id -> (target-only tokens, seconds)) and `features` ((prompt id, aux layers) ->
+    the target's aux features over prompt + output) are caches shared by every drafter, so the target
+    runs once per prompt. A request's seconds are its group's drafting time shared out; no verify
+    forward runs, so they are not a decoding speed.
+    """
+    references = {} if references is None else references
+    features = {} if features is None else features
+    aux = list(drafter.config.aux_layer_ids)
+    key = tuple(aux)
+    _target_references(model, aux, prompts, spec, batch_size, references)
+
+    def target_pass(group):
+        sequences = [torch.cat((p.input_ids, torch.tensor(references[p.id][0][:-1], dtype=torch.long)))
+                     for p in group]
+        target = BatchedHFTarget(model, aux, max(s.numel() for s in sequences))
+        return [f.cpu() for f in target_features(target, sequences)]
+
+    missing = [p for p in prompts if (p.id, key) not in features]
+    features.update({(p.id, key): f for p, f, _ in _decode_in_groups(missing, batch_size, target_pass)})
+
+    def decode(group):
+        session = BatchedReferenceDraftSession(drafter, cache_capacity([p.input_ids for p in group], spec,
+                                                                       2 * spec.steps + 1))
+        return replay_speculative_generate(session, [p.input_ids for p in group],
+                                           [references[p.id][0] for p in group],
+                                           [features[(p.id, key)] for p in group], spec)
+
+    results = []
+    for prompt, out, seconds in _decode_in_groups(prompts, batch_size, decode):
+        result = _request_result(prompt, out, seconds, progress)
+        result.target_seconds = references[prompt.id][1]
+        results.append(result)
+    return results

@@ -59,6 +59,7 @@ class EvalConfig:
     truncate_prompts: bool = False  # keep a too-long prompt's last tokens instead of refusing it
     overwrite: bool = False  # replace an existing OUTPUT/results.json
     batch_size: int = 1  # > 1: the batched greedy-chain engine (same tokens and AL, several requests per forward)
+    replay: bool = False  # AL by replaying the target's greedy output: one target forward per prompt for all drafters
     extra: dict = field(default_factory=dict)
 
 
@@ -88,6 +89,13 @@ def check_batch_size(config: EvalConfig, settings: list[dict]) -> None:
     """--batch-size above 1 runs the batched engine, which decodes greedy chains on the HF target only."""
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
+    if config.replay:
+        if config.verify_lossless:
+            raise ValueError("--replay commits the target-only output by construction, so --verify-lossless would "
+                             "check nothing; check live decoding without --replay.")
+        if config.target_backend != "hf" or any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
+            raise ValueError("--replay covers greedy chains (--topk 1, --temperature 0) on the HF target only.")
+        return
     if config.batch_size == 1:
         return
     if config.target_backend != "hf":
@@ -254,6 +262,7 @@ def run_eval(config: EvalConfig) -> dict:
     cells = [[] for _ in specs]
     cell_records, mismatches = [], []
     references = {split: {} for split in splits}  # target-only decodes, shared by the drafters
+    features = {split: {} for split in splits}  # --replay: the target's features over prompt + output
     progress_done = 0  # requests finished (tqdm's own count stays 0 when the bar is off)
     with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
             _target_factory(config, model) as make_target:
@@ -264,7 +273,11 @@ def run_eval(config: EvalConfig) -> dict:
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
-                    if config.batch_size > 1:
+                    if config.replay:
+                        results = benchmark.run_requests_replayed(model, drafter, prompts[split], spec,
+                                                                  config.batch_size, progress, references[split],
+                                                                  features[split])
+                    elif config.batch_size > 1:
                         results = benchmark.run_requests_batched(model, drafter, prompts[split], spec,
                                                                  config.batch_size, config.verify_lossless, progress,
                                                                  references[split])

@@ -120,7 +120,7 @@ class BatchedHFTarget:
         new_valid = columns >= pad[:, None]
         positions = (columns - pad[:, None]).clamp(min=0)
         self.valid = torch.zeros(b, self.capacity, dtype=torch.bool, device=self.model.device)
-        logits, aux = self._forward(ids, positions, new_valid.to(self.model.device))
+        logits, aux = self._forward(ids, positions, new_valid.to(self.model.device), logits_to_keep=1)
         self.valid[:, :t] = new_valid
         self.positions = lengths.clone()
         return logits[:, -1], [aux[row, pad[row]:] for row in range(b)]
@@ -405,3 +405,68 @@ def batched_target_generate(target: BatchedHFTarget, prompts: list[torch.Tensor]
             target.select(still)
         live = [live[b] for b in still]
     return outputs
+
+
+def replay_speculative_generate(session: BatchedDraftSession, prompts: list[torch.Tensor], references: list[list[int]],
+                                features: list[torch.Tensor], cfg: SpecConfig) -> list[SpecResult]:
+    """Greedy chain speculative decoding of a batch, replayed against the target's own greedy output.
+
+    Greedy verification commits the target's greedy text whatever the drafter proposes, and a causal
+    target's hidden states at committed positions do not depend on rejected drafts. So given the
+    target-only output r of each prompt (decoded with the same EOS ids and max_new_tokens) and the
+    target's aux features over prompt + r[:-1] (`features[b]`: [n_b + len(r_b) - 1, F]), each round
+    accepts the longest prefix of the drafter's chain equal to r's next tokens, adds r's next token as
+    the bonus, and extends the drafter exactly as batched_speculative_generate does. The result (tokens,
+    accept lengths, verify count) is the live engine's, up to floating-point differences between the
+    target's full-sequence and incremental forwards; the target's work is one forward per prompt,
+    shared by every drafter evaluated on it.
+    """
+    if cfg.topk != 1 or cfg.temperature != 0:
+        raise ValueError("replayed decoding covers greedy chains only (topk 1, temperature 0); "
+                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+    prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    for prompt, ref, feats in zip(prompts, references, features):
+        if not ref or feats.shape[0] != prompt.numel() + len(ref) - 1:
+            raise ValueError(f"replay needs each reference's features over prompt + reference[:-1]: "
+                             f"{prompt.numel()} + {len(ref)} - 1 rows, got {feats.shape[0]}.")
+    results = [SpecResult(tokens=[], verify_count=0) for _ in prompts]
+    live = [i for i, ref in enumerate(references) if not emit_tokens(results[i].tokens, [ref[0]], cfg)[1]]
+    if not live:
+        return results
+    lengths = [p.numel() for p in prompts]
+    root = session.start([prompts[i] for i in live], [references[i][0] for i in live],
+                         [features[i][: lengths[i]] for i in live])
+    while live:
+        drafts = session.draft(root, cfg.steps).tolist()
+        still, new_tokens, new_aux = [], [], []
+        for b, i in enumerate(live):
+            ref, result = references[i], results[i]
+            k = len(result.tokens)
+            ahead = ref[k: k + cfg.steps]  # the target's greedy tokens after the committed ones
+            a = 0
+            while a < len(ahead) and drafts[b][a] == ahead[a]:
+                a += 1
+            new = ref[k: k + a + 1]
+            result.verify_count += 1
+            added, done = emit_tokens(result.tokens, new, cfg)
+            result.accept_lengths.append(added)
+            if not done:
+                if k + a + 1 >= len(ref):
+                    raise ValueError(f"replay: reference {i} ends after {len(ref)} tokens without an EOS id and "
+                                     f"short of max_new_tokens {cfg.max_new_tokens}; decode it with the same settings.")
+                still.append(b)
+                new_tokens.append(new)
+                new_aux.append(features[i][lengths[i] + k - 1: lengths[i] + k + a])
+        if not still:
+            break
+        if len(still) < len(live):
+            session.select(still)
+            live = [live[b] for b in still]
+        root = session.extend(new_tokens, new_aux)
+    return results
+
+
+@torch.no_grad()
+def target_features(target: BatchedHFTarget, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The target's aux features over each whole sequence [n_b, F] (one batched forward)."""
+    return target.prefill(sequences)[1]

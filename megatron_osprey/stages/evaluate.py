@@ -65,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1,
                         help="requests decoded together (default 1: the reference engine, one request at a time); "
                              "above 1, greedy chains (--topk 1, --temperature 0) on the HF target share each forward")
+    parser.add_argument("--replay", action="store_true",
+                        help="measure AL by replaying the target's greedy output: each round accepts the drafter's "
+                             "chain as far as it equals the target-only output, so the target runs one forward per "
+                             "prompt for every drafter (greedy chains; the same AL as live decoding up to "
+                             "floating-point order; no decoding speed)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT/results.json")
     return parser.parse_args(argv)
 
@@ -116,7 +121,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, prompt_messages=args.prompt_messages, limit=args.limit, verify_lossless=args.verify_lossless,
         dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
         target_backend=args.target_backend, truncate_prompts=args.truncate_prompts, overwrite=args.overwrite,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, replay=args.replay,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 

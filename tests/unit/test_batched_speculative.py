@@ -17,6 +17,8 @@ from megatron_osprey.speculative.batched import (
     batched_speculative_generate,
     batched_target_generate,
     cache_capacity,
+    replay_speculative_generate,
+    target_features,
 )
 from megatron_osprey.speculative.tree import build_chain
 from tests.draft_sessions import ScriptedSession
@@ -114,6 +116,49 @@ def test_batched_engine_is_lossless_with_multi_token_acceptance():
     assert [g.accept_lengths for g in got] == [s.accept_lengths for s in single]
     lengths = [a for g in got for a in g.accept_lengths[:-1]]
     assert max(lengths) == STEPS + 1 and len(set(lengths)) >= 3
+
+
+def replayed(model, prompts, cfg, session):
+    """replay_speculative_generate against target-only greedy outputs and the target's full-sequence features."""
+    references = batched_target_generate(BatchedHFTarget(model, AUX, cache_capacity(prompts, cfg, 1)), prompts,
+                                         cfg.max_new_tokens, cfg.eos_token_ids)
+    sequences = [torch.cat((p, torch.tensor(r[:-1], dtype=torch.long))) for p, r in zip(prompts, references)]
+    features = target_features(BatchedHFTarget(model, AUX, max(s.numel() for s in sequences)), sequences)
+    return replay_speculative_generate(session, prompts, references, features, cfg)
+
+
+@pytest.mark.parametrize("family,vocab,draft_vocab,variant,seed",
+                         [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1)])
+def test_replayed_acceptance_equals_live_decoding(family, vocab, draft_vocab, variant, seed):
+    """Replaying the target's greedy output gives every request the live engine's tokens, accept lengths and
+    verify count, with a real drafter (EOS cutting some rows short) and with scripted multi-token acceptance."""
+    model = tiny_target(family, vocab, seed)
+    drafter = tiny_drafter(vocab, draft_vocab, variant, seed)
+    prompts = random_prompts(vocab, 5, seed)
+    reference = HFTargetModel(model, AUX)
+    eos = target_generate(reference, prompts[0], 18)[9]
+    cfg = SpecConfig(max_new_tokens=18, steps=STEPS, topk=1, eos_token_ids=(eos,))
+    live = engine(model, prompts, cfg, drafter=drafter)
+    session = BatchedReferenceDraftSession(drafter, cache_capacity(prompts, cfg, 2 * cfg.steps + 1))
+    got = replayed(model, prompts, cfg, session)
+    assert [(g.tokens, g.accept_lengths, g.verify_count) for g in got] == \
+        [(x.tokens, x.accept_lengths, x.verify_count) for x in live]
+    cfg = SpecConfig(max_new_tokens=30, steps=STEPS, topk=1)
+    scripts = [p.tolist() + target_generate(reference, p, 30) for p in prompts]
+    live_sessions, replay_sessions = (iter([ScriptedSession(s, vocab) for s in scripts]) for _ in range(2))
+    live = engine(model, prompts, cfg, make_session=lambda: next(live_sessions))
+    got = replayed(model, prompts, cfg, RowwiseDraftSession(lambda: next(replay_sessions)))
+    assert [(g.tokens, g.accept_lengths) for g in got] == [(x.tokens, x.accept_lengths) for x in live]
+    assert max(a for g in got for a in g.accept_lengths) == STEPS + 1
+
+
+def test_replay_refuses_features_that_do_not_cover_the_reference():
+    model = tiny_target("qwen3", 50, 0)
+    prompts = random_prompts(50, 2, 0)
+    cfg = SpecConfig(max_new_tokens=4, steps=2, topk=1)
+    features = [torch.zeros(p.numel(), 96, dtype=torch.float64) for p in prompts]
+    with pytest.raises(ValueError, match="prompt \\+ reference"):
+        replay_speculative_generate(RowwiseDraftSession(lambda: None), prompts, [[1, 2, 3, 4]] * 2, features, cfg)
 
 
 def test_batched_engine_refuses_trees_and_sampling():

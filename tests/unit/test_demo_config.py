@@ -17,3 +17,34 @@ def test_quick_keeps_the_paper_protocol_and_holds_out_every_eval_domain():
     assert quick.ttt_steps == 5 and quick.draft_vocab_fraction == 0.25
     assert set(quick.train_domains) < set(quick.eval_domains)  # the rest are out of domain
     assert len(quick.eval_domains) == 5
+
+
+def test_full_meets_the_issue_minimums_and_replays_with_a_live_check():
+    full = DemoConfig.full()
+    assert len(full.train_domains) >= 2 and len(full.seeds) >= 3 and full.cross_tokenizer is not None
+    assert full.n_eval >= 32 and full.eval_tokens >= 128
+    assert full.eval_replay and 0 < full.live_check_prompts <= full.n_eval
+    assert not DemoConfig.quick().eval_replay  # make demo decodes live, lossless-checked
+
+
+def test_live_check_compares_live_requests_with_the_replayed_ones(tmp_path):
+    import json
+
+    from megatron_osprey.demo.report import live_check
+
+    def request(rid, accept, tokens):
+        return {"id": rid, "accept_lengths": accept, "output_ids": tokens, "completion_tokens": len(tokens),
+                "seconds": 1.0, "target_seconds": 0.5}
+
+    replayed = {"config": {"replay": True, "batch_size": 4}, "cells": [
+        {"drafter": "a", "method": "osprey", "split": "code",
+         "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [1, 1], [8, 9, 1])]}]}
+    live = {"config": {"batch_size": 4}, "lossless": {"mismatches": [{"id": "c1"}]}, "cells": [
+        {"drafter": "a", "method": "osprey", "split": "code",
+         "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [2], [8, 9, 2])]}]}
+    path = tmp_path / "live.json"
+    path.write_text(json.dumps(live))
+    check = live_check(replayed, path)
+    assert (check["requests"], check["same_as_replay"], check["lossless_mismatches"]) == (2, 1, 1)
+    assert check["speed"]["target_only_tokens_per_s"] == 6 / 1.0
+    assert live_check({**replayed, "config": {}}, path) is None and live_check(replayed, tmp_path / "no") is None

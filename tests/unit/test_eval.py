@@ -129,14 +129,23 @@ def test_batch_size_gives_the_same_requests_as_the_reference_engine(tiny_setup, 
         outputs[batch] = [(c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
                           for c in results["cells"] for r in c["requests"]]
     assert outputs[1] == outputs[3] and len(outputs[1]) == 8
+    # --replay: the same requests from the target's greedy output, with no verify forwards.
+    assert _cli(tiny_setup, tmp_path / "replay", "--replay", "--batch-size", "3") == 0
+    results = json.loads((tmp_path / "replay" / "results.json").read_text())
+    assert results["config"]["replay"] and not results["lossless"]["checked"]
+    assert [(c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
+            for c in results["cells"] for r in c["requests"]] == outputs[1]
 
 
-def test_batch_size_refuses_what_the_batched_engine_cannot_decode(tiny_setup, tmp_path, capsys):
+def test_batch_size_and_replay_refuse_what_they_cannot_decode(tiny_setup, tmp_path, capsys):
     for extra in (["--topk", "2", "--draft-tokens", "4"], ["--temperature", "0.5"], ["--target-backend", "megatron"],
                   []):
         batch = "0" if not extra else "4"
         assert _cli(tiny_setup, tmp_path, "--batch-size", batch, *extra) == 2
         assert "--batch-size" in capsys.readouterr().err
+    for extra in (["--verify-lossless"], ["--topk", "2", "--draft-tokens", "4"], ["--target-backend", "megatron"]):
+        assert _cli(tiny_setup, tmp_path, "--replay", *extra) == 2
+        assert "--replay" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 
