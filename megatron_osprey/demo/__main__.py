@@ -11,7 +11,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, default=Path("demo_out"))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true",
-                      help="every training domain, 3 seeds per arm, 32 prompts x 128 tokens, cross-tokenizer arm")
+                      help="two training domains, 3 seeds per arm, cross-tokenizer arm, 32 prompts x 128 tokens per "
+                           "eval domain (AL replayed; seed 0 also decoded live)")
     size.add_argument("--smoke", action="store_true", help="every stage at the smallest size (minutes)")
     parser.add_argument("--cross-tokenizer", action="store_true",
                         help="add the cross-tokenizer arm (a small LM with the Llama-3 tokenizer, adapted to the "

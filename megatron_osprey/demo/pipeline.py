@@ -90,9 +90,9 @@ class DemoConfig:
     def full(cls) -> "DemoConfig":
         """`make demo-full`: two training domains (chat, code), three seeds of every arm, the cross-tokenizer
         arm, 32 prompts x 128 new tokens per eval domain; AL replayed 32 requests at a time, and seed 0
-        decoded live (lossless-checked) on 8 prompts per domain."""
+        decoded live (lossless-checked) on 4 prompts per domain."""
         return cls(train_domains=("chat", "code"), n_train=96, n_eval=32, backbone_iters=120, eval_tokens=128,
-                   eval_batch=32, eval_replay=True, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
+                   eval_batch=32, eval_replay=True, live_check_prompts=4, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
 
     def with_cross_tokenizer(self) -> "DemoConfig":
         """This size plus the cross-tokenizer arm; its small LM trains 5 steps per backbone step (300 at full)."""
