@@ -114,6 +114,9 @@ def bootstrap(per_method: dict, rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -
 
 def speed(results: dict) -> dict:
     """Pooled tokens/s of speculative decoding per method, and of target-only decoding, on this CPU."""
+    if results["config"].get("replay"):  # replayed: no verify forwards ran, so there is no decoding speed
+        return {"batch_size": results["config"].get("batch_size", 1), "replayed": True,
+                "speculative_tokens_per_s": {}, "target_only_tokens_per_s": None, "speedup": {}}
     out = {}
     target_tokens = target_seconds = 0.0
     for cell in results["cells"]:
@@ -124,9 +127,6 @@ def speed(results: dict) -> dict:
             if r.get("target_seconds"):
                 target_tokens += r["completion_tokens"]
                 target_seconds += r["target_seconds"]
-    if results["config"].get("replay"):  # replayed: no verify forwards ran, so there is no decoding speed
-        return {"batch_size": results["config"].get("batch_size", 1), "replayed": True,
-                "speculative_tokens_per_s": {}, "target_only_tokens_per_s": None, "speedup": {}}
     speeds = {m: e["tokens"] / e["seconds"] for m, e in out.items() if e["seconds"] > 0}
     baseline = target_tokens / target_seconds if target_seconds else None
     return {"batch_size": results["config"].get("batch_size", 1),

@@ -85,8 +85,8 @@ def sweep_settings(config: EvalConfig) -> list[dict]:
     return settings
 
 
-def check_batch_size(config: EvalConfig, settings: list[dict]) -> None:
-    """--batch-size above 1 runs the batched engine, which decodes greedy chains on the HF target only."""
+def check_engine(config: EvalConfig, settings: list[dict]) -> None:
+    """--replay and --batch-size above 1 decode greedy chains on the HF target only (one error per bad flag)."""
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
     if config.replay:
@@ -229,7 +229,7 @@ def run_eval(config: EvalConfig) -> dict:
         raise ValueError("--verify-lossless compares greedy outputs token by token; it needs --temperature 0.")
     for kw in settings:
         SpecConfig(**kw)  # validate every draft shape before any loading
-    check_batch_size(config, settings)
+    check_engine(config, settings)
     splits = split_names(config.data)
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):

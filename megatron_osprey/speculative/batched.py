@@ -328,6 +328,50 @@ def cache_capacity(prompts: list[torch.Tensor], cfg: SpecConfig, per_round: int)
     return max(p.numel() for p in prompts) + cfg.max_new_tokens * per_round + 1
 
 
+def _decode_chains(session: BatchedDraftSession, prompts: list[torch.Tensor], first: list[int],
+                   prompt_aux: list[torch.Tensor], cfg: SpecConfig, judge, drop=None) -> list[SpecResult]:
+    """The greedy chain loop shared by live and replayed decoding; results in prompt order.
+
+    judge(live, drafts [B, steps], results) returns per live row the tokens the round commits (accepted
+    drafts + bonus) and the target's aux rows for the drafter's extend; drop(rows) is told which rows stay
+    whenever requests finish.
+    """
+    results = [SpecResult(tokens=[], verify_count=0) for _ in prompts]
+    live = [i for i, token in enumerate(first) if not emit_tokens(results[i].tokens, [token], cfg)[1]]
+    if not live:
+        return results
+    if len(live) < len(prompts) and drop is not None:
+        drop(live)
+    root = session.start([prompts[i] for i in live], [first[i] for i in live], [prompt_aux[i] for i in live])
+    while live:
+        judged = judge(live, session.draft(root, cfg.steps), results)
+        still, new_tokens, new_aux = [], [], []
+        for b, (i, (new, aux)) in enumerate(zip(live, judged)):
+            result = results[i]
+            result.verify_count += 1
+            added, done = emit_tokens(result.tokens, new, cfg)
+            result.accept_lengths.append(added)
+            if not done:
+                still.append(b)
+                new_tokens.append(new)
+                new_aux.append(aux)
+        if not still:
+            break
+        if len(still) < len(live):
+            if drop is not None:
+                drop(still)
+            session.select(still)
+            live = [live[b] for b in still]
+        root = session.extend(new_tokens, new_aux)
+    return results
+
+
+def _check_greedy_chain(cfg: SpecConfig, what: str) -> None:
+    if cfg.topk != 1 or cfg.temperature != 0:
+        raise ValueError(f"{what} greedy chains only (topk 1, temperature 0); "
+                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+
+
 def batched_speculative_generate(target: BatchedHFTarget, session: BatchedDraftSession,
                                  prompts: list[torch.Tensor], cfg: SpecConfig) -> list[SpecResult]:
     """Greedy chain speculative decoding of a batch; results in prompt order.
@@ -335,49 +379,21 @@ def batched_speculative_generate(target: BatchedHFTarget, session: BatchedDraftS
     The target and session must have been built with cache_capacity(prompts, cfg, per_round) slots
     (per_round: steps + 1 for the target, 2 * steps + 1 for the drafter).
     """
-    if cfg.topk != 1 or cfg.temperature != 0:
-        raise ValueError("the batched engine decodes greedy chains only (topk 1, temperature 0); "
-                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+    _check_greedy_chain(cfg, "the batched engine decodes")
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     if any(p.numel() < 1 for p in prompts):
         raise ValueError("batched_speculative_generate needs non-empty prompts.")
     logits, aux = target.prefill(prompts)
-    first = logits.argmax(-1).tolist()
-    results = [SpecResult(tokens=[], verify_count=0) for _ in prompts]
-    live = [i for i, token in enumerate(first) if not emit_tokens(results[i].tokens, [token], cfg)[1]]
-    if not live:
-        return results
-    if len(live) < len(prompts):
-        target.select(live)
-    root = session.start([prompts[i] for i in live], [first[i] for i in live], [aux[i] for i in live])
-    while live:
-        drafts = session.draft(root, cfg.steps)  # [B, steps]
+
+    def verify(live, drafts, results):
         last = torch.tensor([results[i].tokens[-1] for i in live])
         verify_logits, verify_aux = target.verify(torch.cat((last[:, None], drafts), dim=1))
         best = verify_logits.argmax(-1).cpu()  # [B, steps + 1]
-        accepted = (drafts == best[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-        keep, still, new_tokens, new_aux = [], [], [], []
-        for b, i in enumerate(live):
-            a = int(accepted[b])
-            new = drafts[b, :a].tolist() + [int(best[b, a])]
-            result = results[i]
-            result.verify_count += 1
-            added, done = emit_tokens(result.tokens, new, cfg)
-            result.accept_lengths.append(added)
-            keep.append(a + 1)
-            if not done:
-                still.append(b)
-                new_tokens.append(new)
-                new_aux.append(verify_aux[b, : a + 1])
-        target.commit(keep)
-        if not still:
-            break
-        if len(still) < len(live):
-            target.select(still)
-            session.select(still)
-            live = [live[b] for b in still]
-        root = session.extend(new_tokens, new_aux)
-    return results
+        accepted = (drafts == best[:, :-1]).long().cumprod(dim=1).sum(dim=1).tolist()
+        target.commit([a + 1 for a in accepted])
+        return [(drafts[b, :a].tolist() + [int(best[b, a])], verify_aux[b, : a + 1]) for b, a in enumerate(accepted)]
+
+    return _decode_chains(session, prompts, logits.argmax(-1).tolist(), aux, cfg, verify, target.select)
 
 
 @torch.no_grad()
@@ -421,49 +437,30 @@ def replay_speculative_generate(session: BatchedDraftSession, prompts: list[torc
     target's full-sequence and incremental forwards; the target's work is one forward per prompt,
     shared by every drafter evaluated on it.
     """
-    if cfg.topk != 1 or cfg.temperature != 0:
-        raise ValueError("replayed decoding covers greedy chains only (topk 1, temperature 0); "
-                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+    _check_greedy_chain(cfg, "replayed decoding covers")
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     for prompt, ref, feats in zip(prompts, references, features):
         if not ref or feats.shape[0] != prompt.numel() + len(ref) - 1:
             raise ValueError(f"replay needs each reference's features over prompt + reference[:-1]: "
                              f"{prompt.numel()} + {len(ref)} - 1 rows, got {feats.shape[0]}.")
-    results = [SpecResult(tokens=[], verify_count=0) for _ in prompts]
-    live = [i for i, ref in enumerate(references) if not emit_tokens(results[i].tokens, [ref[0]], cfg)[1]]
-    if not live:
-        return results
+        if ref[-1] not in cfg.eos_token_ids and len(ref) < cfg.max_new_tokens:
+            raise ValueError(f"replay: a reference ends after {len(ref)} tokens without an EOS id and short of "
+                             f"max_new_tokens {cfg.max_new_tokens}; decode it with the same settings.")
     lengths = [p.numel() for p in prompts]
-    root = session.start([prompts[i] for i in live], [references[i][0] for i in live],
-                         [features[i][: lengths[i]] for i in live])
-    while live:
-        drafts = session.draft(root, cfg.steps).tolist()
-        still, new_tokens, new_aux = [], [], []
+
+    def replay(live, drafts, results):
+        drafts, judged = drafts.tolist(), []
         for b, i in enumerate(live):
-            ref, result = references[i], results[i]
-            k = len(result.tokens)
+            ref, k = references[i], len(results[i].tokens)
             ahead = ref[k: k + cfg.steps]  # the target's greedy tokens after the committed ones
             a = 0
             while a < len(ahead) and drafts[b][a] == ahead[a]:
                 a += 1
-            new = ref[k: k + a + 1]
-            result.verify_count += 1
-            added, done = emit_tokens(result.tokens, new, cfg)
-            result.accept_lengths.append(added)
-            if not done:
-                if k + a + 1 >= len(ref):
-                    raise ValueError(f"replay: reference {i} ends after {len(ref)} tokens without an EOS id and "
-                                     f"short of max_new_tokens {cfg.max_new_tokens}; decode it with the same settings.")
-                still.append(b)
-                new_tokens.append(new)
-                new_aux.append(features[i][lengths[i] + k - 1: lengths[i] + k + a])
-        if not still:
-            break
-        if len(still) < len(live):
-            session.select(still)
-            live = [live[b] for b in still]
-        root = session.extend(new_tokens, new_aux)
-    return results
+            judged.append((ref[k: k + a + 1], features[i][lengths[i] + k - 1: lengths[i] + k + a]))
+        return judged
+
+    return _decode_chains(session, prompts, [ref[0] for ref in references],
+                          [f[: n] for f, n in zip(features, lengths)], cfg, replay)
 
 
 @torch.no_grad()
