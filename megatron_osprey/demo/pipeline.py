@@ -122,6 +122,7 @@ class StepRunner:
         self.index = 0
         self.start = time.time()
         self.timings: dict[str, float] = {}
+        self.earlier: dict[str, float] = {}  # seconds of the steps skipped because an earlier run finished them
 
     def header(self, name: str) -> None:
         self.index += 1
@@ -130,7 +131,13 @@ class StepRunner:
 
     def finished(self, name: str, command: list[str]) -> bool:
         marker = self.done / f"{name}.json"
-        return marker.is_file() and json.loads(marker.read_text()).get("command") == command
+        if not marker.is_file():
+            return False
+        record = json.loads(marker.read_text())
+        if record.get("command") != command:
+            return False
+        self.earlier[name] = float(record.get("seconds", 0.0))
+        return True
 
     def timed(self, name: str, seconds: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + seconds
@@ -242,13 +249,19 @@ def _count_rows(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def backbone_steps(steps: StepRunner, cfg: DemoConfig, output: Path, source: Path, tokenizer_dir: Path,
-                   data: dict, target: Path, name: str) -> Path:
-    """Stage 1 (prune to 2 layers), Stage 2 (continue pretraining on the general mix), Stage 3 (adapt)."""
+def preprocess_general(steps: StepRunner, output: Path, data: dict, tokenizer_dir: Path, name: str) -> Path:
+    """The general mix, tokenized with `name`'s tokenizer into Megatron's indexed format; returns its prefix."""
     prefix = output / "data" / f"general_{name}"
     steps.run(f"preprocess_general_{name}", ["tools/preprocess_data.py", "--input", data["general"], "--json-key",
                                              "text", "--tokenizer", tokenizer_dir, "--output-prefix", prefix,
                                              "--workers", "1", "--overwrite"])
+    return prefix
+
+
+def backbone_steps(steps: StepRunner, cfg: DemoConfig, output: Path, source: Path, prefix: Path, target: Path,
+                   name: str) -> Path:
+    """Stage 1 (prune to 2 layers), Stage 2 (continue pretraining on the general mix at `prefix`), Stage 3
+    (adapt)."""
     steps.run(f"prune_{name}", ["tools/prune_backbone.py", "--source", source, "--num-layers", "2",
                                 "--output", output / f"pruned_{name}", "--overwrite"])
     steps.run(f"pretrain_backbone_{name}", pretrain_argv(cfg, "--backbone", output / f"pruned_{name}",
@@ -260,9 +273,10 @@ def backbone_steps(steps: StepRunner, cfg: DemoConfig, output: Path, source: Pat
     return init
 
 
-def train_small_lm(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict) -> Path:
+def train_small_lm(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict) -> tuple[Path, Path]:
     """The cross-tokenizer arm's off-the-shelf small LM: a from-scratch Qwen3-style LM with another real
-    tokenizer, trained on the general mix (which holds no eval text)."""
+    tokenizer, trained on the general mix (which holds no eval text). Returns its HF checkpoint and the prefix
+    of the general mix in its tokenization."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -280,13 +294,10 @@ def train_small_lm(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict)
             eos_token_id=tokenizer.eos_token_id,
         )).save_pretrained(init)
         tokenizer.save_pretrained(init)
-    prefix = output / "data" / "general_small_lm"
-    steps.run("preprocess_general_small_lm", ["tools/preprocess_data.py", "--input", data["general"], "--json-key",
-                                              "text", "--tokenizer", get_tokenizer_dir(small.tokenizer),
-                                              "--output-prefix", prefix, "--workers", "1", "--overwrite"])
+    prefix = preprocess_general(steps, output, data, get_tokenizer_dir(small.tokenizer), "small_lm")
     steps.run("train_small_lm", pretrain_argv(cfg, "--hf-model", init, Path(f"{prefix}_text_document"),
                                               output / "small_lm", small.iters, 3e-3))
-    return output / "small_lm" / "hf"
+    return output / "small_lm" / "hf", prefix
 
 
 def distill_argv(cfg: DemoConfig, method: str, init: Path | None, target: Path, domain: str, data: Path,
@@ -346,13 +357,11 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
           f"{cfg.n_eval} eval prompts, {data['general_docs']} general documents", flush=True)
 
     steps.header("Stage 1-3: prune, continue pretraining and adapt the backbone(s)")
-    inits = {"osprey": backbone_steps(steps, cfg, output, target, target, data, target, "target")}
-    if cfg.cross_tokenizer:
-        from megatron_osprey.assets import get_tokenizer_dir
-
-        small = train_small_lm(steps, cfg, output, data)
-        inits["osprey_xtok"] = backbone_steps(steps, cfg, output, small, get_tokenizer_dir(cfg.cross_tokenizer.tokenizer),
-                                              data, target, "small_lm")
+    general = preprocess_general(steps, output, data, target, "target")
+    inits = {"osprey": backbone_steps(steps, cfg, output, target, general, target, "target")}
+    if cfg.cross_tokenizer:  # the small LM is trained and pruned on the same tokenization of the general mix
+        small, small_general = train_small_lm(steps, cfg, output, data)
+        inits["osprey_xtok"] = backbone_steps(steps, cfg, output, small, small_general, target, "small_lm")
 
     steps.header("regenerate the training conversations with the target and extract its hidden states once")
     regenerated, stores = {}, {}
@@ -403,4 +412,5 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     steps.header("report")
     from megatron_osprey.demo.report import write_report
 
-    return write_report(output, eval_dir, cfg, drafters, steps.timings, time.time() - steps.start, target)
+    return write_report(output, eval_dir, cfg, drafters, steps.timings, time.time() - steps.start, target,
+                        earlier=steps.earlier)

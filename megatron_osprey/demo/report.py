@@ -210,9 +210,22 @@ def _speed_lines(sp: dict) -> list[str]:
                     "share too); these figures are reported, not targeted."]
 
 
+def _time_line(report: dict) -> str:
+    line = (f"Total time {report['seconds'] / 60:.1f} min; per step: "
+            + ", ".join(f"{k} {v:.0f}s" for k, v in report["step_seconds"].items()))
+    earlier = report.get("earlier_step_seconds") or {}
+    if earlier:
+        steps = sum(report["step_seconds"].values()) + sum(earlier.values())
+        line += (f". Resumed: {len(earlier)} steps finished in earlier runs and were skipped ("
+                 + ", ".join(f"{k} {v:.0f}s" for k, v in earlier.items())
+                 + f"); all steps together took {steps / 60:.1f} min")
+    return line
+
+
 def write_report(output: Path, eval_dir: Path, cfg, drafters: list[dict], timings: dict, seconds: float,
-                 target: Path) -> dict:
-    """report.json, report.md and heatmap.png under `output` from the eval results."""
+                 target: Path, earlier: dict | None = None) -> dict:
+    """report.json, report.md and heatmap.png under `output` from the eval results. `timings` are this run's
+    step seconds, `earlier` those of the steps an earlier run finished (a resumed run skips them)."""
     results = json.loads((eval_dir / "results.json").read_text())
     results["demo_drafters"] = [{**d, "path": str(d["path"])} for d in drafters]
     per_method = collect(results)
@@ -248,6 +261,7 @@ def write_report(output: Path, eval_dir: Path, cfg, drafters: list[dict], timing
         "eval": results["config"],
         "seconds": round(seconds, 1),
         "step_seconds": {k: round(v, 1) for k, v in timings.items()},
+        "earlier_step_seconds": {k: round(v, 1) for k, v in (earlier or {}).items()},
     }
     _write_text(output / "report.json", json.dumps(report, indent=2) + "\n")
     if (eval_dir / "matrix.png").is_file():
@@ -339,8 +353,7 @@ def render_markdown(report: dict, cfg) -> str:
             reply = item["reply"].strip().replace("\n", " ")
             lines.append(f"- **{split}** — *{item['prompt'][:160]}* → {reply[:400]}")
     lines += ["", "![AL matrix](heatmap.png)", "",
-              f"Total time {report['seconds'] / 60:.1f} min; per step: "
-              + ", ".join(f"{k} {v:.0f}s" for k, v in report["step_seconds"].items()),
+              _time_line(report),
               "", "Reproduce: `make demo` (or `make demo-full` for two training domains, 3 seeds and the "
               "cross-tokenizer arm)."]
     return "\n".join(lines) + "\n"

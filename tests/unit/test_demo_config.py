@@ -48,3 +48,24 @@ def test_live_check_compares_live_requests_with_the_replayed_ones(tmp_path):
     assert (check["requests"], check["same_as_replay"], check["lossless_mismatches"]) == (2, 1, 1)
     assert check["speed"]["target_only_tokens_per_s"] == 6 / 1.0
     assert live_check({**replayed, "config": {}}, path) is None and live_check(replayed, tmp_path / "no") is None
+
+
+def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
+    import sys
+
+    from megatron_osprey.demo.pipeline import StepRunner
+    from megatron_osprey.demo.report import _time_line
+
+    first = StepRunner(tmp_path, total_steps=1)
+    first.run("noop", ["-c", "pass"])
+    assert first.earlier == {} and "noop" in first.timings
+    resumed = StepRunner(tmp_path, total_steps=1)
+    resumed.run("noop", ["-c", "pass"])  # same command: skipped, its recorded seconds kept
+    resumed.run("other", ["-c", "pass"])
+    assert set(resumed.earlier) == {"noop"} and set(resumed.timings) == {"other"}
+    assert resumed.earlier["noop"] == round(first.timings["noop"], 1)
+    changed = StepRunner(tmp_path, total_steps=1)
+    assert not changed.finished("noop", [sys.executable, "-c", "pass"][1:] + ["x"])  # another command reruns
+    line = _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}, "earlier_step_seconds": {"noop": 90.0}})
+    assert "Resumed: 1 steps finished in earlier runs" in line and "all steps together took 2.0 min" in line
+    assert "Resumed" not in _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}})
