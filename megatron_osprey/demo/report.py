@@ -129,7 +129,9 @@ def speed(results: dict) -> dict:
                 target_seconds += r["target_seconds"]
     speeds = {m: e["tokens"] / e["seconds"] for m, e in out.items() if e["seconds"] > 0}
     baseline = target_tokens / target_seconds if target_seconds else None
-    return {"batch_size": results["config"].get("batch_size", 1),
+    # one cell's requests are decoded together, so a cell with fewer requests than --batch-size sets the batch
+    batch = min(results["config"].get("batch_size", 1), max((len(c["requests"]) for c in results["cells"]), default=1))
+    return {"batch_size": batch,
             "speculative_tokens_per_s": speeds, "target_only_tokens_per_s": baseline,
             "speedup": {m: (v / baseline if baseline else None) for m, v in speeds.items()}}
 

@@ -69,3 +69,17 @@ def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
     line = _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}, "earlier_step_seconds": {"noop": 90.0}})
     assert "Resumed: 1 steps finished in earlier runs" in line and "all steps together took 2.0 min" in line
     assert "Resumed" not in _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}})
+
+
+def test_speed_names_the_batch_that_really_ran():
+    from megatron_osprey.demo.report import speed
+
+    def cell(method, n):
+        return {"method": method, "requests": [{"completion_tokens": 8, "seconds": 1.0, "target_seconds": 0.5}] * n}
+
+    results = {"config": {"batch_size": 32}, "cells": [cell("osprey", 4), cell("eagle3", 4)]}
+    out = speed(results)  # 4 requests per cell decode 4 at a time, whatever --batch-size allows
+    assert out["batch_size"] == 4 and out["speculative_tokens_per_s"] == {"osprey": 8.0, "eagle3": 8.0}
+    assert out["target_only_tokens_per_s"] == 16.0
+    results["cells"] = [cell("osprey", 40)]
+    assert speed(results)["batch_size"] == 32
