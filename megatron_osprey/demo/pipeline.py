@@ -129,15 +129,13 @@ class StepRunner:
         elapsed = time.time() - self.start
         print(f"\n[{self.index}/{self.total}] {name}   (demo time {elapsed / 60:.1f} min)", flush=True)
 
-    def finished(self, name: str, command: list[str]) -> bool:
+    def finished(self, name: str, command: list[str]) -> float | None:
+        """The recorded seconds of step `name` if it already finished with this command, else None."""
         marker = self.done / f"{name}.json"
         if not marker.is_file():
-            return False
+            return None
         record = json.loads(marker.read_text())
-        if record.get("command") != command:
-            return False
-        self.earlier[name] = float(record.get("seconds", 0.0))
-        return True
+        return float(record.get("seconds", 0.0)) if record.get("command") == command else None
 
     def timed(self, name: str, seconds: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + seconds
@@ -151,7 +149,9 @@ class StepRunner:
             prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "--master_addr=127.0.0.1",
                        "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
         command = prefix + [str(a) for a in argv]
-        if self.finished(name, command[1:]):
+        earlier = self.finished(name, command[1:])
+        if earlier is not None:
+            self.earlier[name] = earlier
             print(f"    {name}: finished in an earlier run, skipped", flush=True)
             return
         log_path = self.logs / f"{name}.log"

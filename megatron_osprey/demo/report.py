@@ -213,14 +213,15 @@ def _speed_lines(sp: dict) -> list[str]:
 
 
 def _time_line(report: dict) -> str:
-    line = (f"Total time {report['seconds'] / 60:.1f} min; per step: "
-            + ", ".join(f"{k} {v:.0f}s" for k, v in report["step_seconds"].items()))
+    def listed(seconds: dict) -> str:
+        return ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items())
+
+    line = f"Total time {report['seconds'] / 60:.1f} min; per step: {listed(report['step_seconds'])}"
     earlier = report.get("earlier_step_seconds") or {}
     if earlier:
         steps = sum(report["step_seconds"].values()) + sum(earlier.values())
-        line += (f". Resumed: {len(earlier)} steps finished in earlier runs and were skipped ("
-                 + ", ".join(f"{k} {v:.0f}s" for k, v in earlier.items())
-                 + f"); all steps together took {steps / 60:.1f} min")
+        line += (f". Resumed: {len(earlier)} steps finished in earlier runs and were skipped ({listed(earlier)}); "
+                 f"all steps together took {steps / 60:.1f} min")
     return line
 
 

@@ -51,8 +51,6 @@ def test_live_check_compares_live_requests_with_the_replayed_ones(tmp_path):
 
 
 def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
-    import sys
-
     from megatron_osprey.demo.pipeline import StepRunner
     from megatron_osprey.demo.report import _time_line
 
@@ -65,7 +63,8 @@ def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
     assert set(resumed.earlier) == {"noop"} and set(resumed.timings) == {"other"}
     assert resumed.earlier["noop"] == round(first.timings["noop"], 1)
     changed = StepRunner(tmp_path, total_steps=1)
-    assert not changed.finished("noop", [sys.executable, "-c", "pass"][1:] + ["x"])  # another command reruns
+    assert changed.finished("noop", ["-c", "pass"]) == resumed.earlier["noop"]
+    assert changed.finished("noop", ["-c", "pass", "x"]) is None and changed.earlier == {}  # another command reruns
     line = _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}, "earlier_step_seconds": {"noop": 90.0}})
     assert "Resumed: 1 steps finished in earlier runs" in line and "all steps together took 2.0 min" in line
     assert "Resumed" not in _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}})
