@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-full test test-unit test-distributed clean
+.PHONY: venv demo demo-full test test-unit test-distributed lint format clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 demo-full: $(STAMP)
 	$(PY) -m megatron_osprey.demo --full --output demo_out_full
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -26,8 +26,8 @@ def main() -> int:
 
     from megatron_osprey.config.recipes import get_recipe
     from megatron_osprey.parallel import parallel_context
-    from megatron_osprey.training.distillation import run_distill
     from megatron_osprey.testing.distill_setup import build_distill_setup
+    from megatron_osprey.training.distillation import run_distill
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = build_distill_setup(Path(tmp))
@@ -44,8 +44,10 @@ def main() -> int:
             result = run_distill(cfg, state)
     last = result.history[-1]
     memory_key = next(k for k in last if k.startswith("memory/"))
-    print(f"distill (online, TTT {cfg.ttt.ttt_steps}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
-          f"drafter hidden {result.arch.hidden_size}, target hidden {result.arch.target_hidden_size}):")
+    print(
+        f"distill (online, TTT {cfg.ttt.ttt_steps}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+        f"drafter hidden {result.arch.hidden_size}, target hidden {result.arch.target_hidden_size}):"
+    )
     print(f"  tokens/s per device: {last['throughput/tokens_per_sec_per_gpu']:.0f}")
     print(f"  iteration time:      {last['throughput/iteration_time_s']:.3f} s")
     print(f"  peak memory:         {last[memory_key]:.2f} GiB ({memory_key})")

@@ -1,7 +1,8 @@
 """Benchmark hidden-state extraction on this machine: tokens/s, store bytes/token, write speed vs the disk.
 
 Usage:
-    python benchmarks/extract_hidden_states.py [--hidden 512] [--layers 8] [--samples 64] [--dir /scratch] [--json out.json]
+    python benchmarks/extract_hidden_states.py [--hidden 512] [--layers 8] [--samples 64] [--dir /scratch] \
+        [--json out.json]
 
 A random Llama-style target (tiny chat tokenizer) is extracted on one rank
 (CPU: float32; GPU: bf16) into a bf16 and an int8 store. Reported: steady-state
@@ -39,9 +40,16 @@ def write_target(directory: Path, hidden: int, layers: int) -> None:
     from megatron_osprey.testing.tiny_models import make_hf_model
 
     tokenizer = build_tiny_tokenizer("qwen3")
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 256), intermediate_size=hidden * 3,
-                         vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        intermediate_size=hidden * 3,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     make_hf_model(config, directory)
     tokenizer.save_pretrained(str(directory))
 
@@ -61,11 +69,16 @@ def write_long_conversations(path: Path, count: int) -> None:
 def extract(root: Path, data: Path, encoding: str, micro_batch: int) -> dict:
     store = root / f"store-{encoding}"
     steps: list[float] = []
-    config = ExtractConfig(target_dir=str(root / "target"), data_path=str(data), micro_batch_size=micro_batch,
-                           store=HiddenStateStoreConfig(store_dir=str(store), encoding=encoding, samples_per_shard=16))
+    config = ExtractConfig(
+        target_dir=str(root / "target"),
+        data_path=str(data),
+        micro_batch_size=micro_batch,
+        store=HiddenStateStoreConfig(store_dir=str(store), encoding=encoding, samples_per_shard=16),
+    )
     with parallel_context(ParallelConfig()) as state:
-        result = extract_hidden_states(config, state, log=lambda _: None,
-                                       on_batch=lambda step: steps.append(time.perf_counter()))
+        result = extract_hidden_states(
+            config, state, log=lambda _: None, on_batch=lambda step: steps.append(time.perf_counter())
+        )
     manifest = json.loads((store / "manifest.json").read_text())
     loop_seconds = steps[-1] - steps[0]
     # Tokens processed after the first step's timestamp (the first batch's time is not in loop_seconds).
@@ -86,8 +99,16 @@ def writer_only_mb_s(root: Path, encoding: str) -> float:
     h = source.header
     out = root / f"rewrite-{encoding}"
     start = time.perf_counter()
-    with HiddenStateWriter(out, target_id=h.target_id, config_hash=h.config_hash, aux_layer_ids=h.aux_layer_ids,
-                           hidden_size=h.hidden_size, encoding=encoding, samples_per_shard=16, threads=2) as writer:
+    with HiddenStateWriter(
+        out,
+        target_id=h.target_id,
+        config_hash=h.config_hash,
+        aux_layer_ids=h.aux_layer_ids,
+        hidden_size=h.hidden_size,
+        encoding=encoding,
+        samples_per_shard=16,
+        threads=2,
+    ) as writer:
         for s in samples:
             writer.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["aux_hidden"], s["final_hidden"])
     elapsed = time.perf_counter() - start
@@ -109,8 +130,13 @@ def main() -> None:
         write_target(root / "target", args.hidden, args.layers)
         data = root / "conversations.jsonl"
         write_long_conversations(data, args.samples)
-        figures = {"hidden": args.hidden, "layers": args.layers, "device": "cuda" if torch.cuda.is_available() else "cpu",
-                   "threads": torch.get_num_threads(), "specforge_bytes_per_token": 8 * args.hidden}
+        figures = {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": torch.get_num_threads(),
+            "specforge_bytes_per_token": 8 * args.hidden,
+        }
         for encoding in ("bf16", "int8"):
             figures[encoding] = extract(root, data, encoding, args.micro_batch_size)
             figures[encoding]["vs_specforge"] = figures[encoding]["bytes_per_token"] / (8 * args.hidden)

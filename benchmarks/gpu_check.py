@@ -60,22 +60,42 @@ class Sizes:
 
 
 def _qwen3(layers, hidden, heads, kv, head_dim, ffn, vocab, tie=True) -> dict:
-    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers,
-            "hidden_size": hidden, "intermediate_size": ffn, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": vocab, "max_position_embeddings": 40960,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": tie, "torch_dtype": "bfloat16"}
+    return {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": tie,
+        "torch_dtype": "bfloat16",
+    }
 
 
 GPU = Sizes(
-    body=_qwen3(2, 2560, 32, 8, 128, 9728, 151936), target_hidden=4096, seq=4096,
-    memory_seq=4096, memory_heads=(32, 8, 128),
-    loss_body=_qwen3(2, 512, 8, 2, 64, 1024, 8192), loss_seq=512,
+    body=_qwen3(2, 2560, 32, 8, 128, 9728, 151936),
+    target_hidden=4096,
+    seq=4096,
+    memory_seq=4096,
+    memory_heads=(32, 8, 128),
+    loss_body=_qwen3(2, 512, 8, 2, 64, 1024, 8192),
+    loss_seq=512,
     throughput_args=("--bf16", "--transformer-impl", "local", "--seq-length", "4096", "--steps", "10", "--warmup", "3"),
 )
 TOY = Sizes(
-    body=_qwen3(2, 64, 4, 2, 32, 128, 512), target_hidden=48, seq=32,
-    memory_seq=128, memory_heads=(4, 2, 16),
-    loss_body=_qwen3(2, 64, 4, 2, 32, 128, 512), loss_seq=24,
+    body=_qwen3(2, 64, 4, 2, 32, 128, 512),
+    target_hidden=48,
+    seq=32,
+    memory_seq=128,
+    memory_heads=(4, 2, 16),
+    loss_body=_qwen3(2, 64, 4, 2, 32, 128, 512),
+    loss_seq=24,
     throughput_args=("--shape", "tiny", "--seq-length", "32", "--steps", "1", "--warmup", "0"),
 )
 
@@ -91,8 +111,13 @@ def _drafter_arch(body: dict, target_hidden: int):
     from megatron_osprey.models.drafter_arch import DrafterArch
 
     vocab = body["vocab_size"]
-    return DrafterArch(body=ModelArch.from_hf_config(body), target_hidden_size=target_hidden, vocab_size=vocab,
-                       draft_vocab_size=vocab, aux_layer_ids=(1, 2, 3))
+    return DrafterArch(
+        body=ModelArch.from_hf_config(body),
+        target_hidden_size=target_hidden,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=(1, 2, 3),
+    )
 
 
 # ----------------------------------------------------------------------------- training runs
@@ -104,13 +129,24 @@ def _run(model, state, seq: int, distributed_optimizer: bool):
     from megatron_osprey.training.loop import TrainRun
     from megatron_osprey.training.setup import build_optimizer_and_scheduler
 
-    section = OptimizerSection(lr=1e-4, min_lr=1e-5, lr_decay_style="constant",
-                               use_distributed_optimizer=distributed_optimizer)
+    section = OptimizerSection(
+        lr=1e-4, min_lr=1e-5, lr_decay_style="constant", use_distributed_optimizer=distributed_optimizer
+    )
     bf16 = state.device.type == "cuda"
     optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=bf16, train_iters=10)
     training = TrainingSection(micro_batch_size=1, global_batch_size=state.dp_size, seq_length=seq, train_iters=10)
-    return TrainRun(model, optimizer, scheduler, training, CheckpointSection(), LoggingSection(), None, None,
-                    state.dp_size, state.device), section
+    return TrainRun(
+        model,
+        optimizer,
+        scheduler,
+        training,
+        CheckpointSection(),
+        LoggingSection(),
+        None,
+        None,
+        state.dp_size,
+        state.device,
+    ), section
 
 
 def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
@@ -124,16 +160,17 @@ def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 
 def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
-    from megatron_osprey.config.pretrain import PretrainConfig
     from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.config.pretrain import PretrainConfig
     from megatron_osprey.training.pretraining import model_provider
     from megatron_osprey.training.setup import build_model_chunks
 
     arch = ModelArch.from_hf_config(sizes.body)
     cfg = PretrainConfig()
     cfg.model.bf16, cfg.model.transformer_impl, cfg.parallel = state.device.type == "cuda", "local", state.config
-    return arch, build_model_chunks(model_provider(arch, cfg), state.config, bf16=cfg.model.bf16,
-                                    use_distributed_optimizer=distributed_optimizer)
+    return arch, build_model_chunks(
+        model_provider(arch, cfg), state.config, bf16=cfg.model.bf16, use_distributed_optimizer=distributed_optimizer
+    )
 
 
 def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
@@ -146,17 +183,22 @@ def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
     run, _ = _run(model, state, sizes.seq, distributed_optimizer)
     gen = torch.Generator().manual_seed(0)
     v, ht = arch.vocab_size, arch.target_hidden_size
-    head = TargetHead(torch.ones(ht), 1e-6, 0.02 * torch.randn(v, ht, generator=gen), None, v,
-                      torch.ones(v, dtype=torch.bool)).to(state.device)
+    head = TargetHead(
+        torch.ones(ht), 1e-6, 0.02 * torch.randn(v, ht, generator=gen), None, v, torch.ones(v, dtype=torch.bool)
+    ).to(state.device)
     cfg = DistillConfig()
 
     def batches():
         while True:
-            yield {k: t.to(state.device) for k, t in {
-                "input_ids": torch.randint(0, v, (1, sizes.seq), generator=gen),
-                "loss_mask": torch.ones(1, sizes.seq, dtype=torch.bool),
-                "aux_hidden": torch.randn(1, sizes.seq, 3 * ht, generator=gen),
-                "final_hidden": torch.randn(1, sizes.seq, ht, generator=gen)}.items()}
+            yield {
+                k: t.to(state.device)
+                for k, t in {
+                    "input_ids": torch.randint(0, v, (1, sizes.seq), generator=gen),
+                    "loss_mask": torch.ones(1, sizes.seq, dtype=torch.bool),
+                    "aux_hidden": torch.randn(1, sizes.seq, 3 * ht, generator=gen),
+                    "final_hidden": torch.randn(1, sizes.seq, ht, generator=gen),
+                }.items()
+            }
 
     result = train_step(distill_forward_step(None, head, cfg, v, None), batches(), run)
     return {"loss": result.loss, "grad_norm": result.grad_norm}
@@ -166,9 +208,12 @@ def _backbone_batches(vocab: int, seq: int, device, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     while True:
         tokens = torch.randint(0, vocab, (1, seq + 1), generator=gen)
-        yield {"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device),
-               "loss_mask": torch.ones(1, seq, device=device),
-               "position_ids": torch.arange(seq, device=device)[None]}
+        yield {
+            "tokens": tokens[:, :-1].to(device),
+            "labels": tokens[:, 1:].to(device),
+            "loss_mask": torch.ones(1, seq, device=device),
+            "position_ids": torch.arange(seq, device=device)[None],
+        }
 
 
 def _backbone_step(sizes: Sizes, state, distributed_optimizer: bool):
@@ -192,8 +237,15 @@ def check_init(sizes: Sizes, state) -> dict:
     torch.distributed.all_reduce(total)
     on_gpu = state.device.type == "cuda"
     ok = float(total) == state.world_size and (backend == "nccl" and not cpu_compat.is_active() if on_gpu else True)
-    return emit("init", ok, backend=backend, compat_active=cpu_compat.is_active(), device=str(state.device),
-                world_size=state.world_size, torch=torch.__version__)
+    return emit(
+        "init",
+        ok,
+        backend=backend,
+        compat_active=cpu_compat.is_active(),
+        device=str(state.device),
+        world_size=state.world_size,
+        torch=torch.__version__,
+    )
 
 
 def _off_device(module, device) -> list[str]:
@@ -217,8 +269,10 @@ def check_train_steps(sizes: Sizes, state) -> dict:
         tag = "distopt" if distributed_optimizer else "ddp"
         results[f"drafter_{tag}"] = _drafter_step(sizes, state, distributed_optimizer)
         results[f"backbone_{tag}"] = _backbone_step(sizes, state, distributed_optimizer)[0]
-    finite = all(math.isfinite(r["loss"]) and r["grad_norm"] is not None and math.isfinite(r["grad_norm"])
-                 for r in results.values())
+    finite = all(
+        math.isfinite(r["loss"]) and r["grad_norm"] is not None and math.isfinite(r["grad_norm"])
+        for r in results.values()
+    )
     dtype = "bf16" if state.device.type == "cuda" else "fp32"
     return emit("train_steps", finite, dtype=dtype, seq=sizes.seq, **results)
 
@@ -233,8 +287,9 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
     _, run, section = _backbone_step(sizes, state, True)
     metadata = sharding_metadata(section)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpointing.save_training_checkpoint(tmp, 1, 1, run.model, run.optimizer, run.scheduler,
-                                               {"check": "gpu_check"}, metadata)
+        checkpointing.save_training_checkpoint(
+            tmp, 1, 1, run.model, run.optimizer, run.scheduler, {"check": "gpu_check"}, metadata
+        )
         torch.manual_seed(123)  # fresh chunks with other weights
         _, fresh, _ = _backbone_step(sizes, state, True)
         checkpointing.load_training_checkpoint(tmp, fresh.model, fresh.optimizer, fresh.scheduler, metadata)
@@ -245,9 +300,13 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
         checkpointing.load_model_weights(tmp, bare)
         place_on_device([bare], state.device)
         other_diff = _max_diff(run.model[0], other[0])
-    return emit("checkpoint", same == 0.0 and other_diff == 0.0, resumed_max_abs_diff=same,
-                other_layout_max_abs_diff=other_diff,
-                note="one device: TP/PP resharding is covered by tests/distributed on CPU")
+    return emit(
+        "checkpoint",
+        same == 0.0 and other_diff == 0.0,
+        resumed_max_abs_diff=same,
+        other_layout_max_abs_diff=other_diff,
+        note="one device: TP/PP resharding is covered by tests/distributed on CPU",
+    )
 
 
 def _max_diff(a, b) -> float:
@@ -277,8 +336,9 @@ def check_ttt_memory(sizes: Sizes) -> dict:
             if impl == "linear":
                 ok &= row["peak_mib"] <= 1.5 * plan + 64  # inputs' grads and allocator slack
             curve.append({"impl": impl, "K": steps, "peak_mib": row["peak_mib"], "plan_mib": round(plan, 1)})
-    return emit("ttt_memory", ok, seq=sizes.memory_seq, heads=heads, kv_heads=kv, head_dim=dim, dtype=dtype,
-                curve=curve)
+    return emit(
+        "ttt_memory", ok, seq=sizes.memory_seq, heads=heads, kv_heads=kv, head_dim=dim, dtype=dtype, curve=curve
+    )
 
 
 def check_ttt_loss(sizes: Sizes, state) -> dict:
@@ -301,28 +361,50 @@ def check_ttt_loss(sizes: Sizes, state) -> dict:
     target_logits = 3 * torch.randn(2, s, v, generator=gen)
     mask, in_draft = torch.rand(2, s, generator=gen) > 0.2, torch.ones(2, s, dtype=torch.bool)
     with torch.no_grad():
-        cpu_loss, _ = ttt_loss(reference.ttt_forward(drafter_inputs(ids), aux, 5), target_logits, mask, in_draft, v,
-                               config)
+        cpu_loss, _ = ttt_loss(
+            reference.ttt_forward(drafter_inputs(ids), aux, 5), target_logits, mask, in_draft, v, config
+        )
         model = build_drafter_model(arch, state.config)
         load_reference_state(model, reference.state_dict(), 0, 1)
         place_on_device([model], state.device)
         logits, _ = model.ttt_forward(drafter_inputs(ids).to(state.device), aux.to(state.device), 5)
         dev = state.device
-        dev_loss, _ = ttt_loss([x[..., :v] for x in logits], target_logits.to(dev), mask.to(dev), in_draft.to(dev),
-                               v, config)
+        dev_loss, _ = ttt_loss(
+            [x[..., :v] for x in logits], target_logits.to(dev), mask.to(dev), in_draft.to(dev), v, config
+        )
     rel = abs(float(dev_loss) - float(cpu_loss)) / abs(float(cpu_loss))
-    return emit("ttt_loss", rel < 1e-4, device=str(state.device), loss_device=float(dev_loss),
-                loss_cpu_reference=float(cpu_loss), relative_diff=rel)
+    return emit(
+        "ttt_loss",
+        rel < 1e-4,
+        device=str(state.device),
+        loss_device=float(dev_loss),
+        loss_cpu_reference=float(cpu_loss),
+        relative_diff=rel,
+    )
 
 
 def check_throughput(sizes: Sizes) -> dict:
     import train_throughput
 
     report = train_throughput.main(list(sizes.throughput_args))
-    return emit("throughput", math.isfinite(report["last_loss"]) and report["tokens_per_sec_per_device"] > 0,
-                **{k: report[k] for k in ("device", "precision", "transformer_impl", "seq_length",
-                                          "tokens_per_sec_per_device", "tflops_per_device", "mfu",
-                                          "peak_memory_gib", "step_time_s")})
+    return emit(
+        "throughput",
+        math.isfinite(report["last_loss"]) and report["tokens_per_sec_per_device"] > 0,
+        **{
+            k: report[k]
+            for k in (
+                "device",
+                "precision",
+                "transformer_impl",
+                "seq_length",
+                "tokens_per_sec_per_device",
+                "tflops_per_device",
+                "mfu",
+                "peak_memory_gib",
+                "step_time_s",
+            )
+        },
+    )
 
 
 def _guarded(name: str, fn, *args) -> dict:
@@ -330,8 +412,13 @@ def _guarded(name: str, fn, *args) -> dict:
     try:
         return fn(*args)
     except Exception as err:  # one failing check must not hide the others
-        return emit(name, False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()[-2000:],
-                    seconds=round(time.perf_counter() - start, 1))
+        return emit(
+            name,
+            False,
+            error=f"{type(err).__name__}: {err}",
+            traceback=traceback.format_exc()[-2000:],
+            seconds=round(time.perf_counter() - start, 1),
+        )
 
 
 def main(argv=None) -> int:
@@ -349,8 +436,13 @@ def main(argv=None) -> int:
     in_context = [c for c in ("init", "placement", "train_steps", "checkpoint", "ttt_loss") if c in args.only]
     if in_context:
         with parallel_context(ParallelConfig()) as state:
-            table = {"init": check_init, "placement": check_placement, "train_steps": check_train_steps,
-                     "checkpoint": check_checkpoint, "ttt_loss": check_ttt_loss}
+            table = {
+                "init": check_init,
+                "placement": check_placement,
+                "train_steps": check_train_steps,
+                "checkpoint": check_checkpoint,
+                "ttt_loss": check_ttt_loss,
+            }
             lines += [_guarded(name, table[name], sizes, state) for name in in_context]
     if "ttt_memory" in args.only:
         lines.append(_guarded("ttt_memory", check_ttt_memory, sizes))

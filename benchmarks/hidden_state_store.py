@@ -60,13 +60,15 @@ def synthetic_samples(num_samples: int, tokens: int, hidden: int, seed: int, rea
             layers.append(x)
         low, mid, high, noise = layers
         final = high + 0.5 * mid + noise
-        samples.append({
-            "sample_id": f"b{i}",
-            "input_ids": torch.randint(0, 150_000, (tokens,), generator=g),
-            "loss_mask": torch.ones(tokens, dtype=torch.bool),
-            "aux_hidden": torch.cat([low, mid, high], dim=1),
-            "final_hidden": final,
-        })
+        samples.append(
+            {
+                "sample_id": f"b{i}",
+                "input_ids": torch.randint(0, 150_000, (tokens,), generator=g),
+                "loss_mask": torch.ones(tokens, dtype=torch.bool),
+                "aux_hidden": torch.cat([low, mid, high], dim=1),
+                "final_hidden": final,
+            }
+        )
     return samples
 
 
@@ -85,7 +87,7 @@ def make_soft_ce(hidden: int, vocab: int, seed: int):
         aux = sample["aux_hidden"].float()
         final = sample["final_hidden"].float()
         target = torch.softmax(_rms_norm(final) @ lm_head, dim=-1)
-        fused = sum(f * aux[:, j * hidden:(j + 1) * hidden] for j, f in enumerate(fuse))
+        fused = sum(f * aux[:, j * hidden : (j + 1) * hidden] for j, f in enumerate(fuse))
         draft = torch.log_softmax(_rms_norm(fused) @ draft_head, dim=-1)
         mask = sample["loss_mask"]
         return -(target * draft).sum(-1)[mask].mean()
@@ -109,13 +111,22 @@ def disk_write_mb_s(directory: Path, megabytes: int) -> float:
     return size / elapsed / 1e6
 
 
-def write_store(directory: Path, samples: list[dict], hidden: int, encoding: str,
-                threads: int = 0) -> tuple[dict, float, float]:
+def write_store(
+    directory: Path, samples: list[dict], hidden: int, encoding: str, threads: int = 0
+) -> tuple[dict, float, float]:
     """Write and finalize a store; return its manifest, the writer's wall time and the time spent inside add()."""
     start = time.perf_counter()
     in_add = 0.0
-    with HiddenStateWriter(directory, target_id="bench", config_hash="0", aux_layer_ids=AUX_LAYER_IDS,
-                           hidden_size=hidden, encoding=encoding, samples_per_shard=4, threads=threads) as writer:
+    with HiddenStateWriter(
+        directory,
+        target_id="bench",
+        config_hash="0",
+        aux_layer_ids=AUX_LAYER_IDS,
+        hidden_size=hidden,
+        encoding=encoding,
+        samples_per_shard=4,
+        threads=threads,
+    ) as writer:
         for s in samples:
             t0 = time.perf_counter()
             writer.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["aux_hidden"], s["final_hidden"])
@@ -136,25 +147,36 @@ def bench_size(root: Path, hidden: int, tokens: int, vocab: int, results: dict) 
             bpt = manifest["bytes_per_token"]
             row[f"{encoding}_{kind}_bytes_per_token"] = bpt
             row[f"{encoding}_{kind}_ratio"] = bpt / specforge
-            print(f"  Ht={hidden:5d} {encoding:4s} {kind:8s}: {bpt:10.1f} bytes/token = {bpt / specforge:.4f} x SpecForge "
-                  f"(estimate_store_bytes bound {estimate_store_bytes(tokens, hidden, encoding, num_samples=2) / tokens:.0f})")
+            print(
+                f"  Ht={hidden:5d} {encoding:4s} {kind:8s}: {bpt:10.1f} bytes/token = {bpt / specforge:.4f} x "
+                f"SpecForge (estimate_store_bytes bound "
+                f"{estimate_store_bytes(tokens, hidden, encoding, num_samples=2) / tokens:.0f})"
+            )
     loss_fn = make_soft_ce(hidden, vocab, seed=7)
     for encoding, k in (("bf16", 8), ("int8", 8), ("int8", 0)):
         d = loss_delta_under_encoding(loss_fn, samples, encoding, outliers_per_token=k)
         label = encoding if encoding == "bf16" else f"int8 k={k}"
-        row[f"loss_{label.replace(' ', '_')}"] = {"exact": d.exact_loss, "encoded": d.encoded_loss,
-                                                 "relative_change": d.relative_change,
-                                                 "max_sample_relative_change": d.max_sample_relative_change}
+        row[f"loss_{label.replace(' ', '_')}"] = {
+            "exact": d.exact_loss,
+            "encoded": d.encoded_loss,
+            "relative_change": d.relative_change,
+            "max_sample_relative_change": d.max_sample_relative_change,
+        }
         note = "" if (encoding, k) != ("int8", 0) else "  (ablation: no exact outliers)"
-        print(f"  Ht={hidden:5d} soft CE {label:10s}: exact {d.exact_loss:.4f} -> {d.encoded_loss:.4f}, "
-              f"relative change {d.relative_change:+.3%} (worst sample {d.max_sample_relative_change:.3%}){note}")
+        print(
+            f"  Ht={hidden:5d} soft CE {label:10s}: exact {d.exact_loss:.4f} -> {d.encoded_loss:.4f}, "
+            f"relative change {d.relative_change:+.3%} (worst sample {d.max_sample_relative_change:.3%}){note}"
+        )
     results["sizes"].append(row)
 
 
 def bench_read(store_dir: Path, encoding: str, ntok: int, threads_max: int) -> dict:
     """Reader speed (page cache warm, so this is CPU cost, not disk) in a few modes."""
-    modes = [("sha256 verify + decode", {}, 1), ("decode", {"verify_sha256": False}, 1),
-             (f"decode, {threads_max} workers", {"verify_sha256": False}, threads_max)]
+    modes = [
+        ("sha256 verify + decode", {}, 1),
+        ("decode", {"verify_sha256": False}, 1),
+        (f"decode, {threads_max} workers", {"verify_sha256": False}, threads_max),
+    ]
     if encoding == "int8":
         modes.append(("zstd only, dequantize on device", {"verify_sha256": False, "dequantize": False}, 1))
     out = {}
@@ -187,11 +209,17 @@ def bench_throughput(root: Path, hidden: int, tokens: int, disk_mb: int, threads
             ntok = manifest["num_tokens"]
             written = manifest["num_bytes"] / elapsed / 1e6
             specforge_equiv = ntok * 8 * hidden / elapsed / 1e6
-            row = {"tokens_per_s": ntok / elapsed, "disk_mb_s": written, "bf16_equivalent_mb_s": specforge_equiv,
-                   "add_blocking_tokens_per_s": ntok / in_add}
-            print(f"  Ht={hidden} {encoding:4s} write (best of 2), threads={threads}: {ntok / elapsed:7.0f} tokens/s, "
-                  f"{written:6.1f} MB/s to disk ({written / disk:4.0%} of plain write), "
-                  f"{specforge_equiv:6.1f} MB/s of bf16 hidden states; add() blocks at {ntok / in_add:7.0f} tokens/s")
+            row = {
+                "tokens_per_s": ntok / elapsed,
+                "disk_mb_s": written,
+                "bf16_equivalent_mb_s": specforge_equiv,
+                "add_blocking_tokens_per_s": ntok / in_add,
+            }
+            print(
+                f"  Ht={hidden} {encoding:4s} write (best of 2), threads={threads}: {ntok / elapsed:7.0f} tokens/s, "
+                f"{written:6.1f} MB/s to disk ({written / disk:4.0%} of plain write), "
+                f"{specforge_equiv:6.1f} MB/s of bf16 hidden states; add() blocks at {ntok / in_add:7.0f} tokens/s"
+            )
             if threads == 0:
                 row["read_tokens_per_s"] = bench_read(store_dir, encoding, ntok, threads_max)
             results[f"write_{encoding}_threads{threads}"] = row

@@ -74,8 +74,10 @@ def train_tokenizer(corpus: Path, out: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
 
     def texts():
@@ -87,8 +89,7 @@ def train_tokenizer(corpus: Path, out: Path, vocab_size: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
-                   "model_max_length": 1 << 30}, f)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length": 1 << 30}, f)
 
 
 @dataclass
@@ -158,15 +159,38 @@ def _env(extra_pythonpath: Optional[str] = None) -> dict:
 
 
 def _ours_cmd(inp: str, tok: str, prefix: str, workers: int) -> List[str]:
-    return [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", inp,
-            "--tokenizer", tok, "--output-prefix", prefix, "--workers", str(workers),
-            "--no-progress", "--overwrite"]
+    return [
+        sys.executable,
+        str(REPO / "tools" / "preprocess_data.py"),
+        "--input",
+        inp,
+        "--tokenizer",
+        tok,
+        "--output-prefix",
+        prefix,
+        "--workers",
+        str(workers),
+        "--no-progress",
+        "--overwrite",
+    ]
 
 
 def _megatron_cmd(mlm: str, inp: str, tok: str, prefix: str, workers: int) -> List[str]:
-    return [sys.executable, os.path.join(mlm, "tools", "preprocess_data.py"), "--input", inp,
-            "--output-prefix", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", tok, "--workers", str(workers), "--append-eod"]
+    return [
+        sys.executable,
+        os.path.join(mlm, "tools", "preprocess_data.py"),
+        "--input",
+        inp,
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        tok,
+        "--workers",
+        str(workers),
+        "--append-eod",
+    ]
 
 
 def measure(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_bytes: int, repeat: int = 1) -> Timing:
@@ -178,8 +202,9 @@ def measure(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_byte
 def _measure_once(name: str, build_cmd, inp: str, workdir: Path, env: dict, input_bytes: int) -> Timing:
     empty = workdir / "empty.jsonl"
     empty.write_text("")
-    overhead, overhead_cpu = _run(build_cmd(str(empty), str(workdir / f"{name}_empty")), env,
-                                  workdir / f"{name}_empty.log")
+    overhead, overhead_cpu = _run(
+        build_cmd(str(empty), str(workdir / f"{name}_empty")), env, workdir / f"{name}_empty.log"
+    )
     wall, cpu = _run(build_cmd(inp, str(workdir / name)), env, workdir / f"{name}.log")
     tokens, docs = _counts(str(workdir / f"{name}_text_document"))
     return Timing(name, wall, overhead, cpu, overhead_cpu, tokens, docs, input_bytes)
@@ -192,8 +217,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="tokenizer directory (tokenizer.json + tokenizer_config.json)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--megatron-lm", help="a Megatron-LM checkout; also runs its tools/preprocess_data.py")
-    p.add_argument("--megatron-pythonpath", default=None,
-                   help="extra PYTHONPATH for Megatron-LM's imports (e.g. six, triton), after the checkout")
+    p.add_argument(
+        "--megatron-pythonpath",
+        default=None,
+        help="extra PYTHONPATH for Megatron-LM's imports (e.g. six, triton), after the checkout",
+    )
     p.add_argument("--workdir", default=None, help="where outputs and logs go (default: a temp dir)")
     p.add_argument("--repeat", type=int, default=1, help="runs per tool; the fastest is reported")
     p.add_argument("--make-corpus", type=Path, help="write a benchmark JSONL here first")
@@ -220,13 +248,21 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     input_bytes = os.path.getsize(a.input)
     print(f"input {a.input} ({input_bytes / 1e6:.1f} MB), tokenizer {a.tokenizer}, workers {a.workers}")
-    ours = measure("ours", lambda i, o: _ours_cmd(i, a.tokenizer, o, a.workers), a.input, workdir,
-                   _env(), input_bytes, a.repeat)
+    ours = measure(
+        "ours", lambda i, o: _ours_cmd(i, a.tokenizer, o, a.workers), a.input, workdir, _env(), input_bytes, a.repeat
+    )
     print(ours.line())
     if a.megatron_lm:
         mlm_path = os.pathsep.join(filter(None, [a.megatron_lm, a.megatron_pythonpath]))
-        theirs = measure("megatron-lm", lambda i, o: _megatron_cmd(a.megatron_lm, i, a.tokenizer, o, a.workers),
-                         a.input, workdir, _env(mlm_path), input_bytes, a.repeat)
+        theirs = measure(
+            "megatron-lm",
+            lambda i, o: _megatron_cmd(a.megatron_lm, i, a.tokenizer, o, a.workers),
+            a.input,
+            workdir,
+            _env(mlm_path),
+            input_bytes,
+            a.repeat,
+        )
         print(theirs.line())
         same = all(
             (workdir / f"ours_text_document{ext}").read_bytes()
@@ -236,8 +272,10 @@ def main(argv=None) -> int:
         e2e = (ours.tokens / ours.wall_s) / (theirs.tokens / theirs.wall_s)
         proc = (ours.tokens / ours.processing_s) / (theirs.tokens / theirs.processing_s)
         per_cpu = (ours.tokens / ours.processing_cpu_s) / (theirs.tokens / theirs.processing_cpu_s)
-        print(f"ratio ours/megatron-lm tokens/s: {e2e:.2f}x end-to-end, {proc:.2f}x processing only, "
-              f"{per_cpu:.2f}x per CPU-second; outputs byte-identical: {same}")
+        print(
+            f"ratio ours/megatron-lm tokens/s: {e2e:.2f}x end-to-end, {proc:.2f}x processing only, "
+            f"{per_cpu:.2f}x per CPU-second; outputs byte-identical: {same}"
+        )
     return 0
 
 

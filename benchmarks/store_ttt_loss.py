@@ -28,7 +28,6 @@ def main() -> int:
     parser.add_argument("--seq-length", type=int, default=192)
     args = parser.parse_args()
 
-    import torch
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
@@ -37,8 +36,8 @@ def main() -> int:
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.models.targets.online import OnlineTarget
     from megatron_osprey.models.targets.lm_head import TargetHead
+    from megatron_osprey.models.targets.online import OnlineTarget
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_model_weights
     from megatron_osprey.training.distillation import distill_forward_step
@@ -49,8 +48,9 @@ def main() -> int:
 
             setup = build_distill_setup(Path(tmp))
             args.drafter, args.target, args.data = setup["drafter"], setup["target"], setup["data"]
-        run_config = load_run_config(args.drafter if (args.drafter / "run_config.yaml").is_file()
-                                     else next(args.drafter.glob("iter_*")))
+        run_config = load_run_config(
+            args.drafter if (args.drafter / "run_config.yaml").is_file() else next(args.drafter.glob("iter_*"))
+        )
         arch = DrafterArch.from_dict(run_config["drafter"])
         weights = args.drafter / "megatron" if (args.drafter / "megatron").is_dir() else args.drafter
         with parallel_context(ParallelConfig()) as state:
@@ -64,8 +64,14 @@ def main() -> int:
                 batch = pad_samples([source[index]], args.seq_length, 0)
                 aux, final = target(batch["input_ids"])
                 # The store keeps [T, ...] per sample: drop the batch dimension, restore it in loss_fn.
-                samples.append({"input_ids": batch["input_ids"][0], "loss_mask": batch["loss_mask"][0],
-                                "aux_hidden": aux[0], "final_hidden": final[0]})
+                samples.append(
+                    {
+                        "input_ids": batch["input_ids"][0],
+                        "loss_mask": batch["loss_mask"][0],
+                        "aux_hidden": aux[0],
+                        "final_hidden": final[0],
+                    }
+                )
             step = distill_forward_step(None, head, DistillConfig(), arch.draft_vocab_size, None)
 
             def loss_fn(sample):
@@ -82,9 +88,11 @@ def main() -> int:
     print(f"TTT loss of {args.drafter} on {len(samples)} conversations ({tokens} token slots), Ht={ht}:")
     for row in rows:
         per_token = estimate_store_bytes(tokens, ht, row.encoding, num_samples=len(samples)) / tokens
-        print(f"  {row.encoding:5s}: loss {row.encoded_loss:.5f} vs exact {row.exact_loss:.5f} "
-              f"({100 * row.relative_change:+.3f}%, worst sample {100 * row.max_sample_relative_change:.3f}%); "
-              f"~{per_token:.0f} bytes/token = {per_token / (8 * ht):.3f}x SpecForge's 8*Ht (estimate)")
+        print(
+            f"  {row.encoding:5s}: loss {row.encoded_loss:.5f} vs exact {row.exact_loss:.5f} "
+            f"({100 * row.relative_change:+.3f}%, worst sample {100 * row.max_sample_relative_change:.3f}%); "
+            f"~{per_token:.0f} bytes/token = {per_token / (8 * ht):.3f}x SpecForge's 8*Ht (estimate)"
+        )
     return 0
 
 

@@ -18,16 +18,34 @@ import time
 import torch
 
 QWEN3_4B_2LAYER = {
-    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2,
-    "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 151645,
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 151645,
 }
 
 
 # A toy shape of the same family, for the CPU dry run of benchmarks/gpu_check.py.
-TINY = {**QWEN3_4B_2LAYER, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512}
+TINY = {
+    **QWEN3_4B_2LAYER,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+}
 SHAPES = {"qwen3_4b_2layer": QWEN3_4B_2LAYER, "tiny": TINY}
 
 
@@ -77,27 +95,49 @@ def main(argv=None) -> dict:
         gbs = args.micro_batch_size * args.num_microbatches * state.dp_size
         cfg.training.micro_batch_size, cfg.training.global_batch_size = args.micro_batch_size, gbs
         cfg.training.seq_length, cfg.training.train_iters = seq, warmup + steps
-        section = OptimizerSection(lr=1e-4, min_lr=1e-5, lr_decay_style="constant",
-                                   use_distributed_optimizer=args.use_distributed_optimizer)
-        model = build_model_chunks(model_provider(arch, cfg), cfg.parallel, bf16=args.bf16,
-                                   use_distributed_optimizer=args.use_distributed_optimizer)
-        optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=args.bf16,
-                                                             train_iters=warmup + steps)
+        section = OptimizerSection(
+            lr=1e-4, min_lr=1e-5, lr_decay_style="constant", use_distributed_optimizer=args.use_distributed_optimizer
+        )
+        model = build_model_chunks(
+            model_provider(arch, cfg),
+            cfg.parallel,
+            bf16=args.bf16,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=args.bf16, train_iters=warmup + steps)
         head_width = arch.padded_vocab_size(args.tensor_model_parallel_size)
         flops_per_iter = gbs * training_flops_per_sequence(arch, seq, head_width)
         peak = device_peak_tflops(args.peak_tflops, fp8=bool(args.fp8_format))
-        metrics = MetricsLogger(cfg.logging, ThroughputModel(gbs * seq, flops_per_iter, state.world_size, peak),
-                                is_writer=False, total_iters=warmup + steps, start_iter=0)
-        run = TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics, None,
-                       state.dp_size, state.device)
+        metrics = MetricsLogger(
+            cfg.logging,
+            ThroughputModel(gbs * seq, flops_per_iter, state.world_size, peak),
+            is_writer=False,
+            total_iters=warmup + steps,
+            start_iter=0,
+        )
+        run = TrainRun(
+            model,
+            optimizer,
+            scheduler,
+            cfg.training,
+            cfg.checkpoint,
+            cfg.logging,
+            metrics,
+            None,
+            state.dp_size,
+            state.device,
+        )
         generator = torch.Generator().manual_seed(state.dp_rank)
 
         def batches():
             while True:
                 tokens = torch.randint(0, arch.vocab_size, (args.micro_batch_size, seq + 1), generator=generator)
-                yield {"tokens": tokens[:, :-1].to(state.device), "labels": tokens[:, 1:].to(state.device),
-                       "loss_mask": torch.ones(args.micro_batch_size, seq, device=state.device),
-                       "position_ids": torch.arange(seq, device=state.device).expand(args.micro_batch_size, seq)}
+                yield {
+                    "tokens": tokens[:, :-1].to(state.device),
+                    "labels": tokens[:, 1:].to(state.device),
+                    "loss_mask": torch.ones(args.micro_batch_size, seq, device=state.device),
+                    "position_ids": torch.arange(seq, device=state.device).expand(args.micro_batch_size, seq),
+                }
 
         data = batches()
         for _ in range(warmup):
@@ -114,20 +154,29 @@ def main(argv=None) -> dict:
         tflops = flops_per_iter * steps / elapsed / state.world_size / 1e12
         report = {
             "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-            "world_size": state.world_size, "seq_length": seq, "global_batch_size": gbs,
+            "world_size": state.world_size,
+            "seq_length": seq,
+            "global_batch_size": gbs,
             "precision": ("fp8-" + args.fp8_format) if args.fp8_format else ("bf16" if args.bf16 else "fp32"),
-            "transformer_impl": unwrap_impl(model), "params": arch.num_parameters(),
+            "transformer_impl": unwrap_impl(model),
+            "params": arch.num_parameters(),
             "step_time_s": elapsed / steps,
             "tokens_per_sec_per_device": gbs * seq * steps / elapsed / state.world_size,
-            "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
-            "peak_memory_gib": memory, "peak_memory_source": memory_source, "last_loss": result.loss,
+            "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None,
+            "peak_tflops": peak,
+            "peak_memory_gib": memory,
+            "peak_memory_source": memory_source,
+            "last_loss": result.loss,
         }
         if state.rank == 0:
             for key, value in report.items():
                 print(f"{key:>28}: {value}")
             if not on_gpu:
-                print("note: CPU run with a short sequence and batch (--seq-length to change); "
-                      "MFU needs --peak-tflops on CPU.")
+                print(
+                    "note: CPU run with a short sequence and batch (--seq-length to change); "
+                    "MFU needs --peak-tflops on CPU."
+                )
             if args.json_out:
                 with open(args.json_out, "w") as f:
                     json.dump(report, f, indent=1)

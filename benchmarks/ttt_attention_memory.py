@@ -36,7 +36,7 @@ def _rss_bytes() -> int:
 
 
 def _pin_mmap_threshold() -> None:
-    """glibc: serve allocations >= 64 KiB by mmap, so that freed tensors leave the process (mallopt M_MMAP_THRESHOLD)."""
+    """glibc: serve allocations >= 64 KiB by mmap, so that freed tensors leave the process (M_MMAP_THRESHOLD)."""
     import ctypes
 
     try:
@@ -61,8 +61,9 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(impl: str, seq: int, steps: int, heads: int, kv_heads: int, head_dim: int, device: str,
-            dtype_name: str = "float32") -> dict:
+def measure(
+    impl: str, seq: int, steps: int, heads: int, kv_heads: int, head_dim: int, device: str, dtype_name: str = "float32"
+) -> dict:
     """Peak bytes of a `steps`-step unroll of one attention layer (forward + backward), in this process."""
     import torch
 
@@ -75,7 +76,7 @@ def measure(impl: str, seq: int, steps: int, heads: int, kv_heads: int, head_dim
     queries = [make(heads) for _ in range(steps)]
     keys = [make(kv_heads) for _ in range(steps)]
     values = [make(kv_heads) for _ in range(steps)]
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -93,16 +94,42 @@ def measure(impl: str, seq: int, steps: int, heads: int, kv_heads: int, head_dim
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = _peak_rss_bytes() - base
-    return {"impl": impl, "seq": seq, "steps": steps, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": dtype_name, "device": device, "peak_mib": round(peak / MIB, 1)}
+    return {
+        "impl": impl,
+        "seq": seq,
+        "steps": steps,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype_name,
+        "device": device,
+        "peak_mib": round(peak / MIB, 1),
+    }
 
 
 def run_child(impl: str, seq: int, steps: int, args) -> dict:
     """`measure` in a fresh process (a process's peak RSS only grows)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, __file__, "--child", impl, "--seq", str(seq), "--steps", str(steps),
-           "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
-           "--device", args.device, "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        "--seq",
+        str(seq),
+        "--steps",
+        str(steps),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -120,8 +147,20 @@ def main(argv=None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.seq[0], args.steps[0], args.heads, args.kv_heads,
-                                 args.head_dim, args.device, args.dtype)))
+        print(
+            json.dumps(
+                measure(
+                    args.child,
+                    args.seq[0],
+                    args.steps[0],
+                    args.heads,
+                    args.kv_heads,
+                    args.head_dim,
+                    args.device,
+                    args.dtype,
+                )
+            )
+        )
         return 0
     from megatron_osprey.models.ttt_attention import ttt_attention_bytes
 
@@ -131,7 +170,9 @@ def main(argv=None) -> int:
             for impl in args.impl:
                 row = run_child(impl, seq, steps, args)
                 dtype_bytes = 4 if args.dtype == "float32" else 2
-                row["plan_mib"] = round(ttt_attention_bytes(1, args.heads, seq, args.head_dim, steps, dtype_bytes) / MIB, 1)
+                row["plan_mib"] = round(
+                    ttt_attention_bytes(1, args.heads, seq, args.head_dim, steps, dtype_bytes) / MIB, 1
+                )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print(f"\n{'K':>2} {'seq':>6} " + " ".join(f"{impl + ' MiB':>12}" for impl in args.impl) + f" {'plan MiB':>10}")

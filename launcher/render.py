@@ -27,8 +27,15 @@ from megatron_osprey.config.recipes.recipe import Recipe
 # Inside the package (package-data in pyproject.toml), so an installed wheel has them too.
 TEMPLATE_DIR = Path(__file__).resolve().parent / "slurm"
 STAGE_TEMPLATES = {
-    "preprocess": "preprocess", "pretrain": "pretrain", "regenerate": "regenerate", "extract": "extract",
-    "distill": "distill", "eval": "eval_sglang", "export": "export", "prune": "export", "adapt": "export",
+    "preprocess": "preprocess",
+    "pretrain": "pretrain",
+    "regenerate": "regenerate",
+    "extract": "extract",
+    "distill": "distill",
+    "eval": "eval_sglang",
+    "export": "export",
+    "prune": "export",
+    "adapt": "export",
 }
 # GPUs in one H100 / B200 node: the regeneration server pool fills whole nodes.
 GPUS_PER_NODE = 8
@@ -67,14 +74,23 @@ def _resources(recipe: Recipe, stage: str) -> dict[str, object]:
     if stage in ("pretrain", "distill"):
         return dict(nodes=lay.nodes, gpus_per_node=lay.gpus_per_node, ntasks_per_node=lay.gpus_per_node, array="")
     if stage == "extract":
-        return dict(nodes=lay.nodes, gpus_per_node=lay.gpus_per_node, ntasks_per_node=lay.gpus_per_node,
-                    array=f"0-{d.extract_shards - 1}")
+        return dict(
+            nodes=lay.nodes,
+            gpus_per_node=lay.gpus_per_node,
+            ntasks_per_node=lay.gpus_per_node,
+            array=f"0-{d.extract_shards - 1}",
+        )
     if stage == "preprocess":
         return dict(nodes=1, gpus_per_node=0, ntasks_per_node=1, array=f"0-{d.preprocess_files - 1}")
     if stage == "regenerate":
         per_node = max(1, GPUS_PER_NODE // d.regenerate_server_tensor_parallel_size)
-        return dict(nodes=math.ceil(d.regenerate_servers / per_node), gpus_per_node=GPUS_PER_NODE,
-                    ntasks_per_node=per_node, array="", servers_per_node=per_node)
+        return dict(
+            nodes=math.ceil(d.regenerate_servers / per_node),
+            gpus_per_node=GPUS_PER_NODE,
+            ntasks_per_node=per_node,
+            array="",
+            servers_per_node=per_node,
+        )
     if stage == "eval":
         gpus = lay.target_tensor_model_parallel_size * lay.target_pipeline_model_parallel_size
         return dict(nodes=1, gpus_per_node=gpus, ntasks_per_node=1, array="")
@@ -105,10 +121,10 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
         "sbatch_options": "\n".join(sbatch_lines),
         "repo": str(repo),
         "log_dir": paths["logs"],
-        "container_image": (options.container_image or recipe.slurm.container_image
-                            or os.environ.get("CONTAINER_IMAGE", "")),
-        "container_mounts": (options.container_mounts or recipe.slurm.container_mounts
-                             or f"{repo}:{repo}"),
+        "container_image": (
+            options.container_image or recipe.slurm.container_image or os.environ.get("CONTAINER_IMAGE", "")
+        ),
+        "container_mounts": (options.container_mounts or recipe.slurm.container_mounts or f"{repo}:{repo}"),
         "entry": shlex.join(entry_args(recipe, stage, extra, **entry_kwargs)) if stage != "preprocess" else "",
         "extra_args": shlex.join([*recipe.extra_args, *(extra or [])]),
         "save_dir": paths["save"],
@@ -125,7 +141,8 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
         "eval_topk": d.eval_topk,
         "eval_draft_tokens": d.eval_draft_tokens,
         "eval_data": " ".join(recipe.domain_path("eval_data", domain) for domain in recipe.drafter.eval_domains)
-        if recipe.target is not None else "",
+        if recipe.target is not None
+        else "",
         "method": recipe.drafter.method,
         "train_domain": recipe.drafter.domain or "",
         **resources,
@@ -133,8 +150,10 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
     }
     for key, value in context.items():
         if key not in ("entry", "extra_args", "sbatch_options") and _UNSAFE.search(str(value)):
-            raise ValueError(f"{key} = {value!r} contains a quote, $, backslash or newline; "
-                             "use a plain path or name in the recipe, --set or the environment.")
+            raise ValueError(
+                f"{key} = {value!r} contains a quote, $, backslash or newline; "
+                "use a plain path or name in the recipe, --set or the environment."
+            )
     for key in _SBATCH_VALUES:
         if key in context:
             _check_sbatch_value(key, context[key], "the recipe or --set")
@@ -144,16 +163,19 @@ def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: 
 def _check_sbatch_value(key: str, value, source: str) -> None:
     """A value bound for an #SBATCH line: letters, digits and _ . , : @ + / % = - only."""
     if value is not None and value != "" and not _SBATCH_SAFE.fullmatch(str(value)):
-        raise ValueError(f"{key} = {value!r} (from {source}) may hold only letters, digits and _ . , : @ + / % = -; "
-                         "a space, quote or newline would add lines or options to the sbatch script.")
+        raise ValueError(
+            f"{key} = {value!r} (from {source}) may hold only letters, digits and _ . , : @ + / % = -; "
+            "a space, quote or newline would add lines or options to the sbatch script."
+        )
 
 
 def render_text(text: str, context: dict, source: str) -> str:
     """Substitute `{{ name }}` placeholders; an unknown name raises naming `source`."""
     unknown = sorted({m.group(1) for m in _PLACEHOLDER.finditer(text)} - set(context))
     if unknown:
-        raise ValueError(f"{source} uses unknown placeholder(s) {', '.join(unknown)}; "
-                         f"available: {', '.join(sorted(context))}.")
+        raise ValueError(
+            f"{source} uses unknown placeholder(s) {', '.join(unknown)}; available: {', '.join(sorted(context))}."
+        )
     return _PLACEHOLDER.sub(lambda m: str(context[m.group(1)]), text)
 
 

@@ -8,10 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from megatron_osprey.base.atomic_io import write_text_atomic
 from launcher.commands import work_dir
-from megatron_osprey.config.recipes.recipe import Recipe
 from launcher.render import SubmitOptions, render
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.config.recipes.recipe import Recipe
 
 
 def script_path(recipe: Recipe, stage: str) -> Path:
@@ -22,8 +22,15 @@ def script_path(recipe: Recipe, stage: str) -> Path:
     return logs / "sbatch" / f"osprey-{stage}-{recipe.run_name}-{stamp}.sbatch"
 
 
-def submit(recipe: Recipe, stage: str, options: SubmitOptions | None = None, extra: list[str] | None = None,
-           *, dry_run: bool = False, say=print) -> int:
+def submit(
+    recipe: Recipe,
+    stage: str,
+    options: SubmitOptions | None = None,
+    extra: list[str] | None = None,
+    *,
+    dry_run: bool = False,
+    say=print,
+) -> int:
     """Print the script (dry run) or write it and run `sbatch` on it; returns sbatch's exit code."""
     script = render(recipe, stage, options, extra)
     if dry_run:

@@ -1,4 +1,4 @@
-"""`python -m megatron_osprey.distill`: Stage 4, kept for the commands that call it (megatron_osprey/stages/distill.py)."""
+"""`python -m megatron_osprey.distill`: Stage 4 shim (megatron_osprey/stages/distill.py)."""
 
 import sys
 

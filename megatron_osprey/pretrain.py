@@ -1,4 +1,4 @@
-"""`python -m megatron_osprey.pretrain`: Stage 2, kept for the commands that call it (megatron_osprey/stages/pretrain.py)."""
+"""`python -m megatron_osprey.pretrain`: Stage 2 shim (megatron_osprey/stages/pretrain.py)."""
 
 import sys
 

@@ -31,8 +31,14 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
     torch.manual_seed(0)
     source = root / "small_lm"
     config = Qwen3Config(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=128, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -47,8 +53,14 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
     with parallel_context(ParallelConfig()) as state:
         prune_backbone(PruneConfig(source=source, output=root / "backbone", num_layers=2), state)
         report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
-    return {"root": root, "source": source, "backbone": root / "backbone", "target": target,
-            "drafter": root / "drafter", "report": report}
+    return {
+        "root": root,
+        "source": source,
+        "backbone": root / "backbone",
+        "target": target,
+        "drafter": root / "drafter",
+        "report": report,
+    }
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,10 @@ class ScriptedSession(RecomputeSession):
         n = len(seq)
         right = self.script[n] if n < len(self.script) and seq == self.script[:n] else 0
         # A miss proposes two wrong tokens, so the chain and the tree both get a rejection there.
-        first, second = ((right + 1) % self.vocab, (right + 2) % self.vocab) if n % self.miss == 0 else (right, (right + 1) % self.vocab)
+        first, second = (
+            ((right + 1) % self.vocab, (right + 2) % self.vocab)
+            if n % self.miss == 0
+            else (right, (right + 1) % self.vocab)
+        )
         logits[first], logits[second] = 10.0, 5.0
         return logits

@@ -17,8 +17,13 @@ from pathlib import Path
 # The EAGLE-3 draft architectures stock SGLang registers.
 STOCK_EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 # (fused parameter, checkpoint name, shard id), as in the stock load_weights.
-STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+STACKED = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
 SHARDS = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 
 
@@ -30,8 +35,12 @@ class StockLoad:
 
 
 # Checkpoint names 0.5.23 renames before matching (its legacy_name_map).
-LEGACY_NAMES = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
-                "aux_norm_high": "fc_norm.2"}
+LEGACY_NAMES = {
+    "midlayer": "layers.0",
+    "aux_norm_low": "fc_norm.0",
+    "aux_norm_mid": "fc_norm.1",
+    "aux_norm_high": "fc_norm.2",
+}
 
 
 def stock_parameters(config: dict) -> dict[str, tuple[int, ...]]:
@@ -103,8 +112,12 @@ def stock_load(directory: str | Path) -> StockLoad:
         else:
             assert tuple(tensor.shape) == expected, (name, tuple(tensor.shape), expected)
         shards.setdefault(param, set()).add(SHARDS[shard] if shard is not None else None)
-    needed = {name: ({0, 1, 2} if ".qkv_proj." in name else {0, 1} if ".gate_up_proj." in name else {None})
-              for name in params}
-    missing = sorted(name for name, want in needed.items()
-                     if shards.get(name, set()) != want and name not in unused_parameters(config))
+    needed = {
+        name: ({0, 1, 2} if ".qkv_proj." in name else {0, 1} if ".gate_up_proj." in name else {None}) for name in params
+    }
+    missing = sorted(
+        name
+        for name, want in needed.items()
+        if shards.get(name, set()) != want and name not in unused_parameters(config)
+    )
     return StockLoad(skipped=skipped, missing=missing, loaded=sorted(shards))

@@ -19,15 +19,27 @@ TARGET_VOCAB, TARGET_HIDDEN, DRAFT_VOCAB, SEQ, BATCH = 300, 48, 200, 20, 2
 def make_target(directory: Path):
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=TARGET_HIDDEN, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=96, vocab_size=TARGET_VOCAB)
+    config = LlamaConfig(
+        hidden_size=TARGET_HIDDEN,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=TARGET_VOCAB,
+    )
     return make_hf_model(config, directory, seed=3)
 
 
 def make_drafter(draft_vocab: int = DRAFT_VOCAB, variant: str = "osprey") -> tuple[DrafterArch, ReferenceDrafter]:
     body = ModelArch.from_hf_config(qwen3_config(layers=2))
-    arch = DrafterArch(body=body, target_hidden_size=TARGET_HIDDEN, vocab_size=TARGET_VOCAB,
-                       draft_vocab_size=draft_vocab, aux_layer_ids=(1, 2, 3), variant=variant)
+    arch = DrafterArch(
+        body=body,
+        target_hidden_size=TARGET_HIDDEN,
+        vocab_size=TARGET_VOCAB,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=(1, 2, 3),
+        variant=variant,
+    )
     torch.manual_seed(11)
     drafter = ReferenceDrafter(arch.reference_config())
     with torch.no_grad():

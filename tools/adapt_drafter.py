@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stage 3: adapt a pretrained Osprey backbone to a target (megatron_osprey/stages/adapt.py; flags: --help).
 
-    python tools/adapt_drafter.py --backbone BACKBONE_DIR --target TARGET_DIR --output OUT
+python tools/adapt_drafter.py --backbone BACKBONE_DIR --target TARGET_DIR --output OUT
 """
 
 import sys

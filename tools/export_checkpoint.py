@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Export a drafter checkpoint for serving (megatron_osprey/stages/export.py; formats and trust: --help).
 
-    python tools/export_checkpoint.py --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
+python tools/export_checkpoint.py --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
 """
 
 import sys

@@ -29,13 +29,23 @@ from megatron_osprey.assets.tokenizer_cache import INFO_FILE  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"tokenizers to fetch (default: all of {', '.join(available_tokenizers())})")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="cache directory (default: $OSPREY_CACHE/tokenizers, "
-                             "else ~/.cache/megatron_osprey/tokenizers)")
-    parser.add_argument("--verify", action="store_true",
-                        help="encode llama.cpp's test strings and compare with the original tokenizer's ids")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"tokenizers to fetch (default: all of {', '.join(available_tokenizers())})",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache directory (default: $OSPREY_CACHE/tokenizers, else ~/.cache/megatron_osprey/tokenizers)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="encode llama.cpp's test strings and compare with the original tokenizer's ids",
+    )
     parser.add_argument("--list", action="store_true", help="print the pinned sources and exit")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in available_tokenizers()]

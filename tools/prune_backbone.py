@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stage 1: prune a HF small LM to its first N blocks (megatron_osprey/stages/prune.py; flags: --help).
 
-    python tools/prune_backbone.py --source HF_DIR --num-layers 2 --output OUT
+python tools/prune_backbone.py --source HF_DIR --num-layers 2 --output OUT
 """
 
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Serve a local HF model directory as an OpenAI-compatible chat server on loopback (tests, the demo).
 
-    python tools/serve_local.py --model DIR [--port 8000] [--served-model-name local]
+python tools/serve_local.py --model DIR [--port 8000] [--served-model-name local]
 """
 
 from __future__ import annotations

@@ -34,8 +34,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", default="osprey")
     parser.add_argument("--max-new-tokens", type=int, default=4096, help="the paper's benchmark: 4096")
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (a sweep)")
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
-                        help="requests in flight at once; one or more (the paper reports 1 and 16)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="requests in flight at once; one or more (the paper reports 1 and 16)",
+    )
     parser.add_argument("--prompt-messages", choices=("first_user", "before_assistant"), default="first_user")
     parser.add_argument("--seed", type=int, default=None, help="the server's --random-seed, recorded with sampled rows")
     parser.add_argument("--limit", type=int, default=None)
@@ -60,7 +65,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}.")
         splits = split_names(args.data)
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-        prompts = {s: load_prompts(p, tokenizer, args.limit, mode=args.prompt_messages) for s, p in zip(splits, args.data)}
+        prompts = {
+            s: load_prompts(p, tokenizer, args.limit, mode=args.prompt_messages) for s, p in zip(splits, args.data)
+        }
         if args.wait:
             wait_for_server(args.url, args.wait)
         sweep, records = [], []
@@ -73,16 +80,34 @@ def main(argv=None) -> int:
                     start = time.perf_counter()
                     requests = bench_prompts(server, prompts[split], progress, batch_size=batch_size)
                     wall = time.perf_counter() - start
-                    summary = {**summarize(requests), "wall_seconds": wall,
-                               "throughput_tokens_per_s": throughput(requests, wall)}
+                    summary = {
+                        **summarize(requests),
+                        "wall_seconds": wall,
+                        "throughput_tokens_per_s": throughput(requests, wall),
+                    }
                     cells.append(Cell(args.drafter_name, args.method, args.train_domain, split, summary))
-                    records.append({"drafter": args.drafter_name, "method": args.method,
-                                    "train_domain": args.train_domain, "split": split, "temperature": temperature,
-                                    "batch_size": batch_size, "seed": args.seed, "summary": summary,
-                                    "requests": requests})
-                sweep.append({"temperature": temperature, "batch_size": batch_size, "seed": args.seed,
-                              "sampling": "greedy" if temperature == 0 else "lossless rejection sampling",
-                              "matrices": build_matrices(cells, splits)})
+                    records.append(
+                        {
+                            "drafter": args.drafter_name,
+                            "method": args.method,
+                            "train_domain": args.train_domain,
+                            "split": split,
+                            "temperature": temperature,
+                            "batch_size": batch_size,
+                            "seed": args.seed,
+                            "summary": summary,
+                            "requests": requests,
+                        }
+                    )
+                sweep.append(
+                    {
+                        "temperature": temperature,
+                        "batch_size": batch_size,
+                        "seed": args.seed,
+                        "sampling": "greedy" if temperature == 0 else "lossless rejection sampling",
+                        "matrices": build_matrices(cells, splits),
+                    }
+                )
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -92,23 +117,39 @@ def main(argv=None) -> int:
         row.update(steps=steps, topk=topk, draft_tokens=draft_tokens)
     results = {
         "format": "megatron_osprey.eval/1",
-        "config": {"target": str(args.tokenizer), "server": args.url, "steps": steps, "topk": topk,
-                   "draft_tokens": draft_tokens, "temperature": args.temperature[0], "batch_size": args.batch_size[0],
-                   "sweep_temperature": args.temperature, "sweep_batch_size": args.batch_size, "seed": args.seed,
-                   "max_new_tokens": args.max_new_tokens, "prompt_messages": args.prompt_messages,
-                   "limit": args.limit, **notes},
-        "drafters": [{"name": args.drafter_name, "method": args.method, "train_domain": args.train_domain,
-                      "source": "sglang"}],
+        "config": {
+            "target": str(args.tokenizer),
+            "server": args.url,
+            "steps": steps,
+            "topk": topk,
+            "draft_tokens": draft_tokens,
+            "temperature": args.temperature[0],
+            "batch_size": args.batch_size[0],
+            "sweep_temperature": args.temperature,
+            "sweep_batch_size": args.batch_size,
+            "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens,
+            "prompt_messages": args.prompt_messages,
+            "limit": args.limit,
+            **notes,
+        },
+        "drafters": [
+            {"name": args.drafter_name, "method": args.method, "train_domain": args.train_domain, "source": "sglang"}
+        ],
         "splits": [{"name": s, "path": str(p), "requests": len(prompts[s])} for s, p in zip(splits, args.data)],
-        "cells": records, "matrices": sweep[0]["matrices"], "sweep": sweep,
+        "cells": records,
+        "matrices": sweep[0]["matrices"],
+        "sweep": sweep,
         "lossless": {"checked": False, "mismatches": []},
     }
     write_results(results, args.output)
     for record in records:
         s = record["summary"]
-        print(f"T={record['temperature']:g} batch {record['batch_size']} {record['split']}: "
-              f"AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
-              f"{s['throughput_tokens_per_s']:.1f} tok/s over {s['requests']} requests")
+        print(
+            f"T={record['temperature']:g} batch {record['batch_size']} {record['split']}: "
+            f"AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
+            f"{s['throughput_tokens_per_s']:.1f} tok/s over {s['requests']} requests"
+        )
     if len(sweep) > 1:
         print(sweep_markdown(sweep, column="batch_size"))
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
+
 from .sources import Distribution
 
 PROVENANCE_FILE = "source.json"

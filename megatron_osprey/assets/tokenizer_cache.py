@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
+
 from .download import (
     PROVENANCE_FILE,
     SOURCES_SUBDIR,

@@ -35,9 +35,7 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """SGLang's default taps: [1, L//2 - 1, L - 4] (0-based)."""
     ids = [1, num_target_layers // 2 - 1, num_target_layers - 4]
     if num_target_layers < 5 or len(set(ids)) != 3:
-        raise ValueError(
-            f"a target with {num_target_layers} layers has no default --aux-layer-ids; pass three ids."
-        )
+        raise ValueError(f"a target with {num_target_layers} layers has no default --aux-layer-ids; pass three ids.")
     return ids
 
 
@@ -227,8 +225,7 @@ class ModelArch:
         for name, value, size, flag in checks:
             if value % size:
                 raise ValueError(
-                    f"{flag} {size} does not divide the model's {name} ({value}); "
-                    f"choose a size that divides {value}."
+                    f"{flag} {size} does not divide the model's {name} ({value}); choose a size that divides {value}."
                 )
 
     def torch_dtype_obj(self) -> torch.dtype:
@@ -237,9 +234,7 @@ class ModelArch:
     def rotary_inv_freq(self) -> torch.Tensor:
         """RoPE inverse frequencies exactly as the HF model computes them (default or llama3)."""
         dim = self.rotary_dim or self.head_dim
-        inv_freq = 1.0 / (
-            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.rope_scaling is None:
             return inv_freq
         factor = float(self.rope_scaling["factor"])
@@ -298,7 +293,9 @@ def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[st
                 f"{config['shared_intermediate_size']}) is not supported."
             )
         if config.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ValueError(f"{source}: MiniMax-M2 scoring_func {config['scoring_func']!r} is not supported (sigmoid).")
+            raise ValueError(
+                f"{source}: MiniMax-M2 scoring_func {config['scoring_func']!r} is not supported (sigmoid)."
+            )
         attn_types = config.get("attn_type_list")
         if attn_types and any(int(t) != 1 for t in attn_types):
             raise ValueError(f"{source}: MiniMax-M2 layers with linear attention (attn_type_list 0) are not supported.")

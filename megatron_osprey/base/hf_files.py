@@ -21,8 +21,9 @@ TOKENIZER_FILES = (
 GENERATION_CONFIG = "generation_config.json"
 
 
-def copy_tokenizer_files(source: str | Path, dest: str | Path, *, with_generation_config: bool = False,
-                         keep_existing: bool = False) -> list[str]:
+def copy_tokenizer_files(
+    source: str | Path, dest: str | Path, *, with_generation_config: bool = False, keep_existing: bool = False
+) -> list[str]:
     """Copy the tokenizer files source has into dest; returns the names copied."""
     source, dest = Path(source), Path(dest)
     names = TOKENIZER_FILES + ((GENERATION_CONFIG,) if with_generation_config else ())

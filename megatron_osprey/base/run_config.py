@@ -27,10 +27,7 @@ def to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {
-            str(k): ("<redacted>" if _is_secret_key(str(k)) and v else to_plain(v))
-            for k, v in value.items()
-        }
+        return {str(k): ("<redacted>" if _is_secret_key(str(k)) and v else to_plain(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if isinstance(value, enum.Enum):

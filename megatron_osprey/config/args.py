@@ -49,8 +49,11 @@ ARGUMENT_GROUPS: dict[str, list[Flag]] = {
         ("--exit-interval", "training.exit_interval", {"type": int}),
         ("--exit-duration-in-mins", "training.exit_duration_in_mins", {"type": float}),
         ("--exit-signal-handler", "training.exit_signal_handler", STORE_TRUE),
-        ("--max-nonfinite-loss-steps", "training.max_nonfinite_loss_steps",
-         {"type": int, "help": "stop with an error after N consecutive NaN/inf losses (default 1; 0: never)"}),
+        (
+            "--max-nonfinite-loss-steps",
+            "training.max_nonfinite_loss_steps",
+            {"type": int, "help": "stop with an error after N consecutive NaN/inf losses (default 1; 0: never)"},
+        ),
     ],
     "learning rate": [
         ("--lr", "optimizer.lr", {"type": float}),
@@ -65,9 +68,15 @@ ARGUMENT_GROUPS: dict[str, list[Flag]] = {
         ("--adam-beta1", "optimizer.adam_beta1", {"type": float}),
         ("--adam-beta2", "optimizer.adam_beta2", {"type": float}),
         ("--adam-eps", "optimizer.adam_eps", {"type": float}),
-        ("--override-opt-param-scheduler", "optimizer.override_opt_param_scheduler",
-         {"action": "store_true", "help": "on resume, switch to the schedule these flags give (Megatron-LM's "
-                                          "--override-opt_param-scheduler) instead of refusing a change"}),
+        (
+            "--override-opt-param-scheduler",
+            "optimizer.override_opt_param_scheduler",
+            {
+                "action": "store_true",
+                "help": "on resume, switch to the schedule these flags give (Megatron-LM's "
+                "--override-opt_param-scheduler) instead of refusing a change",
+            },
+        ),
     ],
     "data": [
         ("--data-path", "data.data_path", {"nargs": "+", "help": "PREFIX, or WEIGHT PREFIX [WEIGHT PREFIX ...]"}),
@@ -100,10 +109,19 @@ ARGUMENT_GROUPS: dict[str, list[Flag]] = {
 def build_parser(prog: str, description: str, stage: str, groups: dict[str, list[Flag]]) -> argparse.ArgumentParser:
     """A stage's parser: --recipe, --set and its flag groups; only typed flags land in the namespace."""
     parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, description=description)
-    parser.add_argument("--recipe", metavar="NAME[:DOMAIN]", type=lambda spec: _recipe(spec, stage),
-                        help=f"start from a registered {stage} recipe (`osprey recipes` lists them)")
-    parser.add_argument("--set", dest="overrides", action="append", metavar="SECTION.KEY=VALUE",
-                        help="override any config key (repeatable; applied last)")
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME[:DOMAIN]",
+        type=lambda spec: _recipe(spec, stage),
+        help=f"start from a registered {stage} recipe (`osprey recipes` lists them)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override any config key (repeatable; applied last)",
+    )
     for title, flags in groups.items():
         group = parser.add_argument_group(title)
         for flag, dest, kwargs in flags:
@@ -123,8 +141,12 @@ def _recipe(spec: str, stage: str):
 
 def pretrain_parser() -> argparse.ArgumentParser:
     """The Stage 2 parser."""
-    return build_parser("python -m megatron_osprey.pretrain", "Stage 2: pretrain the pruned Osprey backbone.",
-                        "pretrain", ARGUMENT_GROUPS)
+    return build_parser(
+        "python -m megatron_osprey.pretrain",
+        "Stage 2: pretrain the pruned Osprey backbone.",
+        "pretrain",
+        ARGUMENT_GROUPS,
+    )
 
 
 def config_from_args(argv: list[str] | None) -> PretrainConfig:

@@ -74,10 +74,14 @@ class DistillConfig:
     data: DistillDataSection = dataclasses.field(default_factory=DistillDataSection)
     ttt: TTTLossConfig = dataclasses.field(default_factory=TTTLossConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    training: TrainingSection = dataclasses.field(default_factory=lambda: TrainingSection(
-        micro_batch_size=1, global_batch_size=2, seq_length=4096))  # the paper's: one sequence per GPU, 2 GPUs
-    optimizer: OptimizerSection = dataclasses.field(default_factory=lambda: OptimizerSection(
-        lr=1e-4, min_lr=0.0, lr_decay_style="cosine", weight_decay=0.0, clip_grad=1.0))
+    training: TrainingSection = dataclasses.field(
+        default_factory=lambda: TrainingSection(micro_batch_size=1, global_batch_size=2, seq_length=4096)
+    )  # the paper's: one sequence per GPU, 2 GPUs
+    optimizer: OptimizerSection = dataclasses.field(
+        default_factory=lambda: OptimizerSection(
+            lr=1e-4, min_lr=0.0, lr_decay_style="cosine", weight_decay=0.0, clip_grad=1.0
+        )
+    )
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     lr_warmup_fraction: float | None = 0.04  # the paper's 4%; --lr-warmup-iters wins when given

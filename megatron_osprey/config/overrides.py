@@ -70,14 +70,21 @@ def coerce(current: Any, value: Any, where: str, declared: tuple[type, ...] | No
     if str in declared or any(issubclass(t, PurePath) for t in declared):
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-    names = {bool: "true or false", int: "an integer", float: "a number", list: "a list such as [1, 2]",
-             tuple: "a list such as [1, 2]", type(None): "null"}
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        list: "a list such as [1, 2]",
+        tuple: "a list such as [1, 2]",
+        type(None): "null",
+    }
     wanted = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in declared))
     raise ValueError(f"{where}: expected {wanted}, got {value!r}.")
 
 
-def with_override(node: Any, path: list[str], value: Any, where: str, convert: Convert | None = None,
-                  depth: int = 0) -> Any:
+def with_override(
+    node: Any, path: list[str], value: Any, where: str, convert: Convert | None = None, depth: int = 0
+) -> Any:
     """A copy of node with path set to value; dataclasses (frozen or not) and dicts are walked."""
     key = path[depth]
     last = depth == len(path) - 1

@@ -195,8 +195,10 @@ def validate_optimizer(optimizer: OptimizerSection, training: TrainingSection) -
         raise ValueError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}.")
     decay = optimizer.lr_decay_iters or training.num_train_iters()
     if optimizer.lr_warmup_iters >= decay:  # Megatron's scheduler asserts warmup < decay
-        raise ValueError(f"--lr-warmup-iters {optimizer.lr_warmup_iters} must be below the decay length {decay} "
-                         f"(--lr-decay-iters, else the run's length).")
+        raise ValueError(
+            f"--lr-warmup-iters {optimizer.lr_warmup_iters} must be below the decay length {decay} "
+            f"(--lr-decay-iters, else the run's length)."
+        )
 
 
 def validate_numerics(model: ModelSection) -> None:
@@ -223,6 +225,4 @@ def validate_against_model(config: PretrainConfig, max_position_embeddings: int,
             f"--seq-length {config.training.seq_length} exceeds the model's max_position_embeddings "
             f"({max_position_embeddings}); use --seq-length <= {max_position_embeddings}."
         )
-    arch.validate_parallel(
-        config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    )
+    arch.validate_parallel(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)

@@ -28,7 +28,9 @@ def _gather_tp(tensor: torch.Tensor, tp_group) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def stage_to_hf_tensors(models: list, arch: ModelArch, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def stage_to_hf_tensors(
+    models: list, arch: ModelArch, tp_group=None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """This PP stage's parameters as full HF tensors (collective over the TP group)."""
     from megatron_osprey.convert.hf_to_megatron import global_layer_index
 

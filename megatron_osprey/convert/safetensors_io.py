@@ -58,8 +58,9 @@ def _open_safetensors(path: Path):
     try:
         return safe_open(path, framework="pt")
     except Exception as exc:  # SafetensorError is not exported under a stable name
-        raise ValueError(f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt: "
-                         f"copy it again.") from None
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt: copy it again."
+        ) from None
 
 
 class SafetensorsCheckpoint:
@@ -75,9 +76,7 @@ class SafetensorsCheckpoint:
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(
-                    f"{self.directory} holds no *.safetensors files (and no {INDEX_NAME})."
-                )
+                raise FileNotFoundError(f"{self.directory} holds no *.safetensors files (and no {INDEX_NAME}).")
             weight_map = {}
             for file in files:
                 with _open_safetensors(file) as handle:

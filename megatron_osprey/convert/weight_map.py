@@ -66,11 +66,30 @@ DENSE_RULES: tuple[WeightRule, ...] = (
         Split.QKV,
         when="qkv_bias",
     ),
-    WeightRule(f"{_LAYER}.self_attention.q_layernorm.weight", (f"{_ATTN}.q_norm.weight",), Split.REPLICATED, when="qk_layernorm"),
-    WeightRule(f"{_LAYER}.self_attention.k_layernorm.weight", (f"{_ATTN}.k_norm.weight",), Split.REPLICATED, when="qk_layernorm"),
+    WeightRule(
+        f"{_LAYER}.self_attention.q_layernorm.weight",
+        (f"{_ATTN}.q_norm.weight",),
+        Split.REPLICATED,
+        when="qk_layernorm",
+    ),
+    WeightRule(
+        f"{_LAYER}.self_attention.k_layernorm.weight",
+        (f"{_ATTN}.k_norm.weight",),
+        Split.REPLICATED,
+        when="qk_layernorm",
+    ),
     WeightRule(f"{_LAYER}.self_attention.linear_proj.weight", (f"{_ATTN}.o_proj.weight",), Split.ROW),
-    WeightRule(f"{_LAYER}.pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",), Split.REPLICATED),
-    WeightRule(f"{_LAYER}.mlp.linear_fc1.weight", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"), Split.GATE_UP, when="is_dense"),
+    WeightRule(
+        f"{_LAYER}.pre_mlp_layernorm.weight",
+        ("model.layers.{layer}.post_attention_layernorm.weight",),
+        Split.REPLICATED,
+    ),
+    WeightRule(
+        f"{_LAYER}.mlp.linear_fc1.weight",
+        (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
+        Split.GATE_UP,
+        when="is_dense",
+    ),
     WeightRule(f"{_LAYER}.mlp.linear_fc2.weight", (f"{_MLP}.down_proj.weight",), Split.ROW, when="is_dense"),
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
     WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB),
@@ -85,10 +104,16 @@ _MOE_BLOCK = "model.layers.{layer}.block_sparse_moe"
 def _expert_mlp(hf_expert: str, gate: str, up: str, down: str, families: tuple[str, ...]) -> tuple[WeightRule, ...]:
     """One routed expert's gated MLP: HF `gate` and `up` fuse into fc1, `down` is fc2."""
     return (
-        WeightRule(f"{_EXPERT}.linear_fc1.weight", (f"{hf_expert}.{gate}.weight", f"{hf_expert}.{up}.weight"),
-                   Split.GATE_UP, families=families, expert=True),
-        WeightRule(f"{_EXPERT}.linear_fc2.weight", (f"{hf_expert}.{down}.weight",), Split.ROW,
-                   families=families, expert=True),
+        WeightRule(
+            f"{_EXPERT}.linear_fc1.weight",
+            (f"{hf_expert}.{gate}.weight", f"{hf_expert}.{up}.weight"),
+            Split.GATE_UP,
+            families=families,
+            expert=True,
+        ),
+        WeightRule(
+            f"{_EXPERT}.linear_fc2.weight", (f"{hf_expert}.{down}.weight",), Split.ROW, families=families, expert=True
+        ),
     )
 
 
@@ -98,8 +123,14 @@ MOE_RULES: tuple[WeightRule, ...] = (
     *_expert_mlp(f"{_MLP}.experts.{{expert}}", "gate_proj", "up_proj", "down_proj", _QWEN3_MOE),
     # MiniMax-M2: Mixtral-style names (w1 gate, w3 up, w2 down), sigmoid router with a routing bias.
     WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MOE_BLOCK}.gate.weight",), Split.REPLICATED, families=_MINIMAX),
-    WeightRule(f"{_LAYER}.mlp.router.expert_bias", (f"{_MOE_BLOCK}.e_score_correction_bias",), Split.REPLICATED,
-               families=_MINIMAX, when="moe_expert_bias", buffer=True),
+    WeightRule(
+        f"{_LAYER}.mlp.router.expert_bias",
+        (f"{_MOE_BLOCK}.e_score_correction_bias",),
+        Split.REPLICATED,
+        families=_MINIMAX,
+        when="moe_expert_bias",
+        buffer=True,
+    ),
     *_expert_mlp(f"{_MOE_BLOCK}.experts.{{expert}}", "w1", "w3", "w2", _MINIMAX),
 )
 

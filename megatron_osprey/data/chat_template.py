@@ -87,7 +87,9 @@ def _template_kwargs(config: ChatTemplateConfig) -> dict[str, Any]:
     return {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
 
 
-def render_generation_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None) -> str:
+def render_generation_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+) -> str:
     """Render ``messages`` followed by the assistant generation prompt, as the target sees it."""
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
@@ -112,14 +114,21 @@ def detect_layout(tokenizer: Any, config: ChatTemplateConfig = ChatTemplateConfi
     kwargs = _template_kwargs(config)
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     user = [{"role": "user", "content": _PROBE_USER}]
     one_turn = user + [{"role": "assistant", "content": _PROBE_ASSISTANT}]
-    two_turns = one_turn + [{"role": "user", "content": _PROBE_USER_2}, {"role": "assistant", "content": _PROBE_ASSISTANT_2}]
+    two_turns = one_turn + [
+        {"role": "user", "content": _PROBE_USER_2},
+        {"role": "assistant", "content": _PROBE_ASSISTANT_2},
+    ]
     prompt_only, with_prompt = render(user), render(user, add_generation_prompt=True)
     if not with_prompt.startswith(prompt_only) or with_prompt == prompt_only:
-        raise ChatTemplateError("The chat template adds no generation prompt after a user message; cannot locate assistant turns.")
+        raise ChatTemplateError(
+            "The chat template adds no generation prompt after a user message; cannot locate assistant turns."
+        )
     generation_prompt = with_prompt[len(prompt_only) :]
     # The bare header is what every assistant turn starts with; the rest of the generation
     # prompt (Qwen3's empty think block when thinking is off) is prompt-only text.
@@ -142,7 +151,9 @@ def detect_layout(tokenizer: Any, config: ChatTemplateConfig = ChatTemplateConfi
                 f"Could not detect the end-of-turn token (template puts {after[:20]!r} after an assistant message); "
                 "set ChatTemplateConfig.end_of_turn."
             )
-    return TemplateLayout(assistant_header=header, generation_extra=generation_prompt[len(header) :], end_of_turn=end_of_turn)
+    return TemplateLayout(
+        assistant_header=header, generation_extra=generation_prompt[len(header) :], end_of_turn=end_of_turn
+    )
 
 
 def _final_answer(content: str) -> str:
@@ -196,7 +207,8 @@ class ChatTokenizer:
             eot_at = text.find(layout.end_of_turn, answer_at + len(answer)) if answer_at >= 0 else -1
             if eot_at < 0:
                 raise ChatTemplateError(
-                    f"Could not find the content and end-of-turn token {layout.end_of_turn!r} of {where} in the rendered text."
+                    f"Could not find the content and end-of-turn token {layout.end_of_turn!r} of {where} in the "
+                    "rendered text."
                 )
             end = eot_at + len(layout.end_of_turn)
             spans.append((start, end))

@@ -59,7 +59,9 @@ def validate_row(row: Any, where: str) -> Conversation:
             raise ConversationFormatError(f"{at} must be an object with role and content.")
         unknown = set(message) - MESSAGE_KEYS
         if unknown:
-            raise ConversationFormatError(f"{at} has unknown keys {sorted(unknown)}; only role and content are allowed.")
+            raise ConversationFormatError(
+                f"{at} has unknown keys {sorted(unknown)}; only role and content are allowed."
+            )
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise ConversationFormatError(f"{at} has role {role!r}; expected one of {list(ROLES)}.")
@@ -97,13 +99,16 @@ def read_conversations(path: str | Path, unique_ids: bool = True) -> Iterator[Co
             except UnicodeDecodeError as exc:
                 raise ConversationFormatError(
                     f"{path}:{lineno} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                    f"convert the file to UTF-8.") from None
+                    f"convert the file to UTF-8."
+                ) from None
             if not line.strip():
                 continue
             conversation = parse_line(line, f"{path}:{lineno}")
             if unique_ids:
                 if conversation.id in seen:
-                    raise ConversationFormatError(f"{path}:{lineno}: duplicate id {conversation.id!r}; ids must be unique.")
+                    raise ConversationFormatError(
+                        f"{path}:{lineno}: duplicate id {conversation.id!r}; ids must be unique."
+                    )
                 seen.add(conversation.id)
             yield conversation
 

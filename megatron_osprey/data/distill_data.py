@@ -78,7 +78,9 @@ class StoreSamples:
 
 def loss_token_survivors(source, seq_length: int) -> tuple[int, int]:
     """(samples, loss tokens) that still train once every sample is cut to seq_length, as collate cuts it."""
-    masks = source.loss_masks() if hasattr(source, "loss_masks") else (source[i]["loss_mask"] for i in range(len(source)))
+    masks = (
+        source.loss_masks() if hasattr(source, "loss_masks") else (source[i]["loss_mask"] for i in range(len(source)))
+    )
     samples = tokens = 0
     for mask in masks:
         kept = int(mask[:seq_length].sum())
@@ -95,7 +97,9 @@ def _pad(tensor: torch.Tensor, length: int, value=0) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
-def pad_samples(samples: list[dict], seq_length: int, pad_id: int, multiple: int | None = None) -> dict[str, torch.Tensor]:
+def pad_samples(
+    samples: list[dict], seq_length: int, pad_id: int, multiple: int | None = None
+) -> dict[str, torch.Tensor]:
     """Right-pad (or cut) every sample to seq_length; padding never counts in the loss.
 
     With `multiple`, the batch is padded only to its longest sample rounded up to that multiple (at most

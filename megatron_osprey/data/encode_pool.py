@@ -35,9 +35,7 @@ def _worker_main(settings: EncoderSettings, tasks: mp.Queue, results: mp.Queue) 
     # Ctrl-C is handled once, by the parent, which then terminates the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        encoder = BatchEncoder(
-            settings.spec, settings.json_key, settings.add_special_tokens, settings.max_problems
-        )
+        encoder = BatchEncoder(settings.spec, settings.json_key, settings.add_special_tokens, settings.max_problems)
     except BaseException:
         results.put((-1, None, traceback.format_exc()))
         return
@@ -94,8 +92,7 @@ class EncodePool:
                 dead = [p for p in self._procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(
-                        f"an encoding worker exited with code {dead[0].exitcode} "
-                        "(killed, e.g. out of memory?)."
+                        f"an encoding worker exited with code {dead[0].exitcode} (killed, e.g. out of memory?)."
                     )
 
     def imap(self, batches: Iterable[RecordBatch]) -> Iterator[EncodedBatch]:

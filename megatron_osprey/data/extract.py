@@ -68,7 +68,9 @@ class ExtractConfig:
         if not self.store.store_dir:
             raise ValueError("--output must name the hidden-state store directory.")
         if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"--shard {self.shard_index}/{self.num_shards}: the index must be in [0, {self.num_shards}).")
+            raise ValueError(
+                f"--shard {self.shard_index}/{self.num_shards}: the index must be in [0, {self.num_shards})."
+            )
         if self.micro_batch_size < 1 or self.max_length < 1:
             raise ValueError("--micro-batch-size and --max-length must be >= 1.")
 
@@ -122,8 +124,15 @@ def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[s
 
     foreign = store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir())
     unrecorded = f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)" if foreign else None
-    claim_output(store, store / SETTINGS_NAME, settings, overwrite=config.overwrite, holds="hidden states",
-                 unrecorded=unrecorded, delete=delete)
+    claim_output(
+        store,
+        store / SETTINGS_NAME,
+        settings,
+        overwrite=config.overwrite,
+        holds="hidden states",
+        unrecorded=unrecorded,
+        delete=delete,
+    )
 
 
 def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:
@@ -144,7 +153,8 @@ def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:
         raise ValueError(
             f"--output {store_dir}: another extract is writing it as writer {tag!r} (lock {path} is held); this run "
             f"does not wait for it. Let that run finish (rerunning then resumes), or give this one another --shard "
-            f"or --output.") from None
+            f"or --output."
+        ) from None
     finally:
         os.close(fd)
 
@@ -168,7 +178,9 @@ def tokenize_slice(config: ExtractConfig, indices: range) -> list[TokenizedConve
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
-    chat = ChatTokenizer(tokenizer, ChatTemplateConfig(max_length=config.max_length, enable_thinking=config.enable_thinking))
+    chat = ChatTokenizer(
+        tokenizer, ChatTemplateConfig(max_length=config.max_length, enable_thinking=config.enable_thinking)
+    )
     wanted = set(indices)
     out = []
     for i, conversation in enumerate(read_conversations(config.data_path)):
@@ -208,13 +220,16 @@ def _rank_samples(config: ExtractConfig, dp_rank: int, dp_size: int, say) -> lis
     total = _count_conversations(config.data_path)
     task = contiguous_slice(total, config.shard_index, config.num_shards)
     mine = contiguous_slice(len(task), dp_rank, dp_size)
-    say(f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
-        f"{len(task)}, {dp_size} data-parallel replica(s)")
+    say(
+        f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
+        f"{len(task)}, {dp_size} data-parallel replica(s)"
+    )
     return tokenize_slice(config, range(task.start + mine.start, task.start + mine.stop))
 
 
-def _preflight_disk(config: ExtractConfig, samples: Sequence[TokenizedConversation], hidden_size: int,
-                    num_aux_layers: int, say) -> int:
+def _preflight_disk(
+    config: ExtractConfig, samples: Sequence[TokenizedConversation], hidden_size: int, num_aux_layers: int, say
+) -> int:
     """Refuse a store the disk cannot hold, before any weight is read: this task's replicas together."""
     from megatron.core import parallel_state as mpu
 
@@ -224,17 +239,24 @@ def _preflight_disk(config: ExtractConfig, samples: Sequence[TokenizedConversati
     task_tokens = _all_reduce_int(writer_tokens, sum_op)
     task_samples = _all_reduce_int(len(samples) if writer_tokens else 0, sum_op)
     needed = estimate_store_bytes(
-        task_tokens, hidden_size, config.store.encoding, num_aux_layers=num_aux_layers,
-        outliers_per_token=config.store.outliers_per_token, num_samples=task_samples,
+        task_tokens,
+        hidden_size,
+        config.store.encoding,
+        num_aux_layers=num_aux_layers,
+        outliers_per_token=config.store.outliers_per_token,
+        num_samples=task_samples,
     )
-    say(f"extract: {task_samples} samples, {task_tokens} tokens -> store estimate {needed / 2**30:.3f} GiB "
-        f"({needed / max(task_tokens, 1):.0f} B/token, {config.store.encoding}) in {config.store.store_dir}")
+    say(
+        f"extract: {task_samples} samples, {task_tokens} tokens -> store estimate {needed / 2**30:.3f} GiB "
+        f"({needed / max(task_tokens, 1):.0f} B/token, {config.store.encoding}) in {config.store.store_dir}"
+    )
     check_free_disk(config.store.store_dir, needed)
     return needed
 
 
-def _batches_to_run(samples: Sequence[TokenizedConversation], done_ids: set[str], is_writer: bool,
-                    micro_batch_size: int) -> tuple[list[list[int]], int]:
+def _batches_to_run(
+    samples: Sequence[TokenizedConversation], done_ids: set[str], is_writer: bool, micro_batch_size: int
+) -> tuple[list[list[int]], int]:
     """The micro-batches with unfinished samples, and the step count every data-parallel replica runs."""
     from megatron.core import parallel_state as mpu
 
@@ -251,15 +273,19 @@ def _batches_to_run(samples: Sequence[TokenizedConversation], done_ids: set[str]
     return run, _all_reduce_int(len(run), dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
 
 
-def _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids, final_id, start, say,
-                       on_batch) -> tuple[int, int]:
+def _capture_and_write(
+    samples, run, steps, capture, writer, done_ids, aux_ids, final_id, start, say, on_batch
+) -> tuple[int, int]:
     """Run the target over the batches (an empty batch where this replica has fewer) and store the states."""
     written = written_tokens = 0
     pad_id = 0
     for step in range(steps):
         batch = [samples[i] for i in run[step]] if step < len(run) else []
-        ids = (_pad_batch(batch, capture.sequence_multiple, pad_id) if batch
-               else torch.zeros(1, capture.sequence_multiple, dtype=torch.long))
+        ids = (
+            _pad_batch(batch, capture.sequence_multiple, pad_id)
+            if batch
+            else torch.zeros(1, capture.sequence_multiple, dtype=torch.long)
+        )
         outputs = capture(ids)
         if writer is not None and batch:
             for row, sample in enumerate(batch):
@@ -267,8 +293,13 @@ def _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids, 
                     continue
                 n = len(sample)
                 aux = torch.cat([outputs[i][row, :n] for i in aux_ids], dim=-1)
-                writer.add(sample.id, torch.from_numpy(np.asarray(sample.input_ids)),
-                           torch.from_numpy(np.asarray(sample.loss_mask)), aux, outputs[final_id][row, :n])
+                writer.add(
+                    sample.id,
+                    torch.from_numpy(np.asarray(sample.input_ids)),
+                    torch.from_numpy(np.asarray(sample.loss_mask)),
+                    aux,
+                    outputs[final_id][row, :n],
+                )
                 written += 1
                 written_tokens += n
         if on_batch is not None:
@@ -277,7 +308,10 @@ def _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids, 
             elapsed = time.perf_counter() - start
             rate = written_tokens / elapsed if elapsed else 0.0
             eta = elapsed / (step + 1) * (steps - step - 1)
-            say(f"extract: step {step + 1}/{steps}, {written} samples, {rate:.0f} tokens/s on this writer, ETA {eta:.0f}s")
+            say(
+                f"extract: step {step + 1}/{steps}, {written} samples, {rate:.0f} tokens/s on this writer, "
+                f"ETA {eta:.0f}s"
+            )
     return written, written_tokens
 
 
@@ -307,21 +341,27 @@ def extract_hidden_states(
     if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():  # this replica's writer
         from megatron_osprey.data.hidden_state_store import writer_tag
 
-        check_writer_lock_free(config.store.store_dir, writer_tag(config.shard_index * dp_size + dp_rank,
-                                                                  config.num_shards * dp_size))
+        check_writer_lock_free(
+            config.store.store_dir, writer_tag(config.shard_index * dp_size + dp_rank, config.num_shards * dp_size)
+        )
 
     needed = _preflight_disk(config, samples, arch.hidden_size, len(aux_ids), say)
 
     dtype = resolve_dtype(config.params_dtype, state.device)
-    stage = load_target(config.target_dir, state.config, state.device, params_dtype=dtype,
-                        transformer_impl=config.transformer_impl)
+    stage = load_target(
+        config.target_dir, state.config, state.device, params_dtype=dtype, transformer_impl=config.transformer_impl
+    )
     capture = PrefillCapture(stage, list(aux_ids) + [final_id])
     target_id, config_hash = target_identity(arch, config.target_dir)
     writer = None
     if capture.is_writer:
         writer = open_writer(
-            config.store, target_id=target_id, config_hash=config_hash, aux_layer_ids=aux_ids,
-            hidden_size=arch.hidden_size, rank=config.shard_index * dp_size + dp_rank,
+            config.store,
+            target_id=target_id,
+            config_hash=config_hash,
+            aux_layer_ids=aux_ids,
+            hidden_size=arch.hidden_size,
+            rank=config.shard_index * dp_size + dp_rank,
             world_size=config.num_shards * dp_size,
         )
     try:
@@ -329,8 +369,9 @@ def extract_hidden_states(
         run, steps = _batches_to_run(samples, done_ids, capture.is_writer, config.micro_batch_size)
         skipped = sum(1 for s in samples if s.id in done_ids)
         say(f"extract: {len(run)} micro-batches to run ({skipped} samples already complete), {steps} steps")
-        written, written_tokens = _capture_and_write(samples, run, steps, capture, writer, done_ids, aux_ids,
-                                                     final_id, start, say, on_batch)
+        written, written_tokens = _capture_and_write(
+            samples, run, steps, capture, writer, done_ids, aux_ids, final_id, start, say, on_batch
+        )
     except BaseException:
         if writer is not None:
             writer.abandon()

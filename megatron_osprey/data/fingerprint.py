@@ -24,8 +24,13 @@ def model_fingerprint(directory: str | Path) -> dict:
     """
     directory = Path(directory)
     small = {}
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         if (directory / name).is_file():
             small[name] = file_sha256(directory / name)
     weights = {p.name: p.stat().st_size for p in sorted(directory.glob("*.safetensors"))}
@@ -41,8 +46,11 @@ def settings_differences(record: Path, settings: dict) -> list[str]:
     except ValueError:
         return [f"{record} is not valid JSON"]
     keys = sorted(set(recorded) | set(settings))
-    return [f"{k}: {_short(recorded.get(k))} -> {_short(settings.get(k))}" for k in keys
-            if recorded.get(k) != settings.get(k)]
+    return [
+        f"{k}: {_short(recorded.get(k))} -> {_short(settings.get(k))}"
+        for k in keys
+        if recorded.get(k) != settings.get(k)
+    ]
 
 
 def write_settings(record: Path, settings: dict) -> None:
@@ -50,8 +58,16 @@ def write_settings(record: Path, settings: dict) -> None:
     write_text_atomic(record, json.dumps(settings, indent=1, sort_keys=True) + "\n")
 
 
-def claim_output(output: Path, record: Path, settings: dict, *, overwrite: bool, holds: str,
-                 unrecorded: str | None, delete: Callable[[str], None]) -> None:
+def claim_output(
+    output: Path,
+    record: Path,
+    settings: dict,
+    *,
+    overwrite: bool,
+    holds: str,
+    unrecorded: str | None,
+    delete: Callable[[str], None],
+) -> None:
     """Refuse an output made from other inputs or settings (with overwrite: delete it); then record ours.
 
     `holds` says what the output holds, for the refusal; `unrecorded` is why an output with content but no
@@ -64,7 +80,8 @@ def claim_output(output: Path, record: Path, settings: dict, *, overwrite: bool,
     if diffs and not overwrite:
         raise ValueError(
             f"--output {output} holds {holds} from other inputs or settings ({'; '.join(diffs)}); resuming "
-            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output.")
+            f"would mix them. Pass --overwrite to delete them and start fresh, or choose another --output."
+        )
     if diffs:
         delete("; ".join(diffs))
     record.parent.mkdir(parents=True, exist_ok=True)

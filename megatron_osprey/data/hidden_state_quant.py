@@ -44,8 +44,12 @@ class Int8Encoded:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Int8Encoded":
         """Move every part to ``device`` (e.g. to dequantize on the GPU)."""
-        return Int8Encoded(*(t.to(device, non_blocking=non_blocking)
-                             for t in (self.q, self.scale, self.outlier_index, self.outlier_value)))
+        return Int8Encoded(
+            *(
+                t.to(device, non_blocking=non_blocking)
+                for t in (self.q, self.scale, self.outlier_index, self.outlier_value)
+            )
+        )
 
 
 def check_encoding(encoding: str) -> None:
@@ -107,9 +111,7 @@ def _zstd():
     try:
         import zstandard
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "encoding='int8' needs the zstandard package: pip install zstandard==0.25.0"
-        ) from exc
+        raise ImportError("encoding='int8' needs the zstandard package: pip install zstandard==0.25.0") from exc
     return zstandard
 
 
@@ -129,8 +131,9 @@ def decompress_int8(frame: bytes | memoryview, shape: tuple[int, int]) -> torch.
     return torch.frombuffer(bytearray(raw), dtype=torch.int8).reshape(shape)
 
 
-def roundtrip(x: torch.Tensor, groups: int, encoding: str, outliers_per_token: int = 8,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def roundtrip(
+    x: torch.Tensor, groups: int, encoding: str, outliers_per_token: int = 8, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Return ``x`` as the store would give it back under ``encoding`` (zstd is lossless, so skipped)."""
     check_encoding(encoding)
     if encoding == "bf16":
@@ -177,8 +180,10 @@ def loss_delta_under_encoding(
         raise ValueError("loss_delta_under_encoding needs at least one sample.")
     mean_exact = sum(exact) / len(exact)
     if mean_exact == 0:
-        raise ValueError(f"the exact loss is 0 on all {len(exact)} samples (no counted token: prompts only, or cut "
-                         "before the first assistant token), so there is no loss change to measure.")
+        raise ValueError(
+            f"the exact loss is 0 on all {len(exact)} samples (no counted token: prompts only, or cut "
+            "before the first assistant token), so there is no loss change to measure."
+        )
     mean_encoded = sum(encoded) / len(encoded)
     worst = max(_relative(a, b) for a, b in zip(exact, encoded))
     return LossDelta(

@@ -29,8 +29,15 @@ def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch
     return torch.randperm(num_samples, generator=generator)
 
 
-def rank_indices(num_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int = 0, shuffle: bool = False) -> Iterator[int]:
+def rank_indices(
+    num_samples: int,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int = 0,
+    shuffle: bool = False,
+) -> Iterator[int]:
     """This rank's sample indices from global position consumed_samples on, over epochs, without end."""
     position = consumed_samples
     orders: dict[int, torch.Tensor] = {}
@@ -44,9 +51,18 @@ def rank_indices(num_samples: int, consumed_samples: int, micro_batch_size: int,
         position += micro_batch_size * dp_size
 
 
-def micro_batches(source: SampleSource, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                  collate: Callable[[list[dict]], dict[str, torch.Tensor]], *, seed: int = 0, shuffle: bool = False,
-                  device: torch.device | str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+def micro_batches(
+    source: SampleSource,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]],
+    *,
+    seed: int = 0,
+    shuffle: bool = False,
+    device: torch.device | str = "cpu",
+) -> Iterator[dict[str, torch.Tensor]]:
     """Collated micro-batches of this rank, on device, from consumed_samples on."""
     indices = rank_indices(len(source), consumed_samples, micro_batch_size, dp_rank, dp_size, seed, shuffle)
     reader = getattr(source, "iter_samples", None)

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
-
 from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 
 from megatron_osprey.base.atomic_io import write_json_atomic
@@ -128,8 +127,7 @@ def _validate(config: PreprocessConfig) -> None:
     final = dataset_prefix(config.output_prefix, config.json_key)
     if _exists_any(final) and not config.overwrite:
         raise FileExistsError(
-            f"--output-prefix {config.output_prefix}: {final}.bin/.idx already exists; "
-            "pass --overwrite to replace it."
+            f"--output-prefix {config.output_prefix}: {final}.bin/.idx already exists; pass --overwrite to replace it."
         )
 
 
@@ -140,8 +138,14 @@ class _Progress:
         from tqdm import tqdm
 
         self._bar = tqdm(
-            total=total, unit="doc", unit_scale=True, file=sys.stderr, disable=not enabled,
-            mininterval=0.5, dynamic_ncols=True, desc="preprocess",
+            total=total,
+            unit="doc",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=not enabled,
+            mininterval=0.5,
+            dynamic_ncols=True,
+            desc="preprocess",
         )
         self._start = time.perf_counter()
         self._tokens = 0
@@ -151,9 +155,7 @@ class _Progress:
         self._tokens += len(batch.tokens)
         self._bytes += batch.input_bytes
         dt = max(time.perf_counter() - self._start, 1e-9)
-        self._bar.set_postfix_str(
-            f"{self._tokens / dt:,.0f} tok/s, {self._bytes / dt / 1e6:.2f} MB/s", refresh=False
-        )
+        self._bar.set_postfix_str(f"{self._tokens / dt:,.0f} tok/s, {self._bytes / dt / 1e6:.2f} MB/s", refresh=False)
         self._bar.update(batch.records)
 
     def close(self) -> None:
@@ -339,7 +341,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
     spec = load_tokenizer_spec(config.tokenizer, config.eod_token)
     logger.info(
         "EOD token %r (id %d) appended to every document; vocabulary %d -> %s tokens",
-        spec.eod_token, spec.eod_id, spec.vocab_size, spec.token_dtype.name,
+        spec.eod_token,
+        spec.eod_id,
+        spec.vocab_size,
+        spec.token_dtype.name,
     )
     source = open_text_source(config.input, config.json_key, config.split)
     parent = os.path.dirname(os.path.abspath(config.output_prefix))
@@ -352,8 +357,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
         total = source.count_records() if source.unit == "row" else None
         progress = _Progress(config.progress, total)
         try:
-            with EncodePool(EncoderSettings(spec, config.json_key, config.add_special_tokens,
-                                            config.max_reported_problems), config.workers) as pool:
+            with EncodePool(
+                EncoderSettings(spec, config.json_key, config.add_special_tokens, config.max_reported_problems),
+                config.workers,
+            ) as pool:
                 _encode_single(run, pool, progress)
         finally:
             progress.close()
@@ -375,8 +382,10 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
         progress = _Progress(config.progress, sum(bounds[k + 1] - bounds[k] for k in todo))
         try:
             if todo:
-                with EncodePool(EncoderSettings(spec, config.json_key, config.add_special_tokens,
-                                                config.max_reported_problems), config.workers) as pool:
+                with EncodePool(
+                    EncoderSettings(spec, config.json_key, config.add_special_tokens, config.max_reported_problems),
+                    config.workers,
+                ) as pool:
                     _encode_partitions(run, pool, progress, bounds, todo, fingerprint)
         finally:
             progress.close()

@@ -24,22 +24,36 @@ from megatron_osprey.data.preprocess import PreprocessConfig, preprocess  # noqa
 def parse_args(argv=None) -> PreprocessConfig:
     """Parse the command line into a PreprocessConfig."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True,
-                   help="JSONL (plain, .gz or .zst), Parquet, a datasets save_to_disk directory, "
-                        "or a Hugging Face Hub dataset name")
+    p.add_argument(
+        "--input",
+        required=True,
+        help="JSONL (plain, .gz or .zst), Parquet, a datasets save_to_disk directory, "
+        "or a Hugging Face Hub dataset name",
+    )
     p.add_argument("--json-key", default="text", help="JSON key / column holding the document text")
     p.add_argument("--split", default="train", help="split to read from a datasets input")
-    p.add_argument("--tokenizer", required=True,
-                   help="Hugging Face fast-tokenizer directory (with tokenizer.json) or tokenizer.json")
-    p.add_argument("--eod-token", default=None,
-                   help="end-of-document token (default: the tokenizer's eos_token)")
-    p.add_argument("--no-special-tokens", dest="add_special_tokens", action="store_false",
-                   help="do not add the tokenizer's own special tokens (e.g. BOS) to each document")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="Hugging Face fast-tokenizer directory (with tokenizer.json) or tokenizer.json",
+    )
+    p.add_argument("--eod-token", default=None, help="end-of-document token (default: the tokenizer's eos_token)")
+    p.add_argument(
+        "--no-special-tokens",
+        dest="add_special_tokens",
+        action="store_false",
+        help="do not add the tokenizer's own special tokens (e.g. BOS) to each document",
+    )
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_<json-key>_document.bin/.idx")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="encoding processes, one core each (default: CPUs - 1)")
-    p.add_argument("--partitions", type=int, default=1,
-                   help="split the input into N resumable partitions, merged at the end")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="encoding processes, one core each (default: CPUs - 1)",
+    )
+    p.add_argument(
+        "--partitions", type=int, default=1, help="split the input into N resumable partitions, merged at the end"
+    )
     p.add_argument("--keep-partitions", action="store_true", help="keep partition files after merging")
     p.add_argument("--strict", action="store_true", help="fail on the first malformed or empty record")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -49,10 +63,19 @@ def parse_args(argv=None) -> PreprocessConfig:
     if a.batch_mb <= 0:
         p.error("--batch-mb must be positive")
     return PreprocessConfig(
-        input=a.input, tokenizer=a.tokenizer, output_prefix=a.output_prefix, json_key=a.json_key,
-        workers=a.workers, partitions=a.partitions, strict=a.strict, overwrite=a.overwrite,
-        split=a.split, eod_token=a.eod_token, add_special_tokens=a.add_special_tokens,
-        keep_partitions=a.keep_partitions, batch_bytes=int(a.batch_mb * (1 << 20)),
+        input=a.input,
+        tokenizer=a.tokenizer,
+        output_prefix=a.output_prefix,
+        json_key=a.json_key,
+        workers=a.workers,
+        partitions=a.partitions,
+        strict=a.strict,
+        overwrite=a.overwrite,
+        split=a.split,
+        eod_token=a.eod_token,
+        add_special_tokens=a.add_special_tokens,
+        keep_partitions=a.keep_partitions,
+        batch_bytes=int(a.batch_mb * (1 << 20)),
         progress=a.progress,
     )
 

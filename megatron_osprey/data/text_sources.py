@@ -99,9 +99,7 @@ class JsonlSource(TextSource):
         try:
             import zstandard
         except ImportError as err:
-            raise ImportError(
-                f"--input {self.name} is zstd-compressed; install zstandard==0.25.0 to read it."
-            ) from err
+            raise ImportError(f"--input {self.name} is zstd-compressed; install zstandard==0.25.0 to read it.") from err
         raw = open(self.name, "rb", buffering=_READ_BLOCK)
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
         return io.BufferedReader(reader, buffer_size=_READ_BLOCK)
@@ -191,9 +189,7 @@ def _pick_split(dataset: Any, split: str, name: str) -> Any:
 
     if isinstance(dataset, DatasetDict):
         if split not in dataset:
-            raise KeyError(
-                f"--split {split!r} is not in --input {name} (splits: {', '.join(dataset)})."
-            )
+            raise KeyError(f"--split {split!r} is not in --input {name} (splits: {', '.join(dataset)}).")
         return dataset[split]
     return dataset
 
@@ -211,8 +207,7 @@ def open_text_source(input_path: str, json_key: str, split: str = "train") -> Te
             dataset = load_from_disk(input_path)
         except FileNotFoundError as err:
             raise FileNotFoundError(
-                f"--input {input_path} is a directory but not a dataset saved with "
-                f"datasets' save_to_disk ({err})."
+                f"--input {input_path} is a directory but not a dataset saved with datasets' save_to_disk ({err})."
             ) from err
         return DatasetSource(input_path, json_key, _pick_split(dataset, split, input_path))
     if os.path.isfile(input_path):

@@ -10,15 +10,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="The whole Osprey pipeline on SmolLM2-135M-Instruct, on CPU.")
     parser.add_argument("--output", type=Path, default=Path("demo_out"))
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true",
-                      help="two training domains, 3 seeds per arm, cross-tokenizer arm, 32 prompts x 128 tokens per "
-                           "eval domain (AL replayed; seed 0 also decoded live)")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="two training domains, 3 seeds per arm, cross-tokenizer arm, 32 prompts x 128 tokens per "
+        "eval domain (AL replayed; seed 0 also decoded live)",
+    )
     size.add_argument("--smoke", action="store_true", help="every stage at the smallest size (minutes)")
-    parser.add_argument("--cross-tokenizer", action="store_true",
-                        help="add the cross-tokenizer arm (a small LM with the Llama-3 tokenizer, adapted to the "
-                             "target's vocabulary) to a quick or smoke run; --full always has it")
-    parser.add_argument("--fresh", action="store_true",
-                        help="replace a previous demo run in --output instead of resuming it")
+    parser.add_argument(
+        "--cross-tokenizer",
+        action="store_true",
+        help="add the cross-tokenizer arm (a small LM with the Llama-3 tokenizer, adapted to the "
+        "target's vocabulary) to a quick or smoke run; --full always has it",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
+    )
     args = parser.parse_args(argv)
     from megatron_osprey.demo.pipeline import DemoConfig, run_demo
 
@@ -32,8 +39,10 @@ def main(argv=None) -> int:
         return 1
     print((args.output / "report.md").read_text())
     gain = (report.get("osprey_gain_over_eagle3") or {}).get("mean")
-    print(f"demo: wrote {args.output}/report.md, report.json and heatmap.png "
-          f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%)")
+    print(
+        f"demo: wrote {args.output}/report.md, report.json and heatmap.png "
+        f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%)"
+    )
     return 0
 
 

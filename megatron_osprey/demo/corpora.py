@@ -217,9 +217,7 @@ def split_conversations(
 
 def _math_documents(seed: int) -> Iterator[str]:
     for messages in _math_stream(seed):
-        yield "\n\n".join(
-            f"{'Question' if m['role'] == 'user' else 'Answer'}: {m['content']}" for m in messages
-        )
+        yield "\n\n".join(f"{'Question' if m['role'] == 'user' else 'Answer'}: {m['content']}" for m in messages)
 
 
 def _documents(domain: str, seed: int, cache_dir: Path | None) -> Iterator[str]:
@@ -244,7 +242,10 @@ def _documents(domain: str, seed: int, cache_dir: Path | None) -> Iterator[str]:
 
 
 def pretraining_text(
-    domains: Iterable[str], max_chars_per_domain: int, seed: int = 0, cache_dir: Path | None = None,
+    domains: Iterable[str],
+    max_chars_per_domain: int,
+    seed: int = 0,
+    cache_dir: Path | None = None,
     exclude: set[str] | None = None,
 ) -> list[str]:
     """Plain-text documents of each domain up to max_chars_per_domain characters, mixed in seeded order.

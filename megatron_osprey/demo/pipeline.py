@@ -82,17 +82,37 @@ class DemoConfig:
     @classmethod
     def smoke(cls) -> "DemoConfig":
         """Every stage in a few minutes (the end-to-end test): one training domain, two eval domains."""
-        return cls(train_domains=("chat",), eval_domains=("chat", "math"), n_train=8, n_eval=2,
-                   general_chars=20_000, seq_length=128, backbone_iters=3, distill_epochs=3.0, distill_batch=4,
-                   regenerate_tokens=16, eval_tokens=16)
+        return cls(
+            train_domains=("chat",),
+            eval_domains=("chat", "math"),
+            n_train=8,
+            n_eval=2,
+            general_chars=20_000,
+            seq_length=128,
+            backbone_iters=3,
+            distill_epochs=3.0,
+            distill_batch=4,
+            regenerate_tokens=16,
+            eval_tokens=16,
+        )
 
     @classmethod
     def full(cls) -> "DemoConfig":
         """`make demo-full`: two training domains (chat, code), three seeds of every arm, the cross-tokenizer
         arm, 32 prompts x 128 new tokens per eval domain; AL replayed 32 requests at a time, and seed 0
         decoded live (lossless-checked) on 4 prompts per domain."""
-        return cls(train_domains=("chat", "code"), n_train=96, n_eval=32, backbone_iters=120, eval_tokens=128,
-                   eval_batch=32, eval_replay=True, live_check_prompts=4, seeds=(0, 1, 2), cross_tokenizer=SmallLM())
+        return cls(
+            train_domains=("chat", "code"),
+            n_train=96,
+            n_eval=32,
+            backbone_iters=120,
+            eval_tokens=128,
+            eval_batch=32,
+            eval_replay=True,
+            live_check_prompts=4,
+            seeds=(0, 1, 2),
+            cross_tokenizer=SmallLM(),
+        )
 
     def with_cross_tokenizer(self) -> "DemoConfig":
         """This size plus the cross-tokenizer arm; its small LM trains 5 steps per backbone step (300 at full)."""
@@ -146,8 +166,15 @@ class StepRunner:
 
         prefix = [sys.executable]
         if torchrun:
-            prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", "--master_addr=127.0.0.1",
-                       "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]
+            prefix += [
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={torchrun}",
+                "--master_addr=127.0.0.1",
+                "--master_port=0",
+                "--rdzv_backend=c10d",
+                "--rdzv_endpoint=127.0.0.1:0",
+            ]
         command = prefix + [str(a) for a in argv]
         earlier = self.finished(name, command[1:])
         if earlier is not None:
@@ -156,12 +183,24 @@ class StepRunner:
             return
         log_path = self.logs / f"{name}.log"
         began = time.time()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-                   TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+            TOKENIZERS_PARALLELISM="false",
+            WANDB_MODE="offline",
+        )
         with open(log_path, "w") as log:
             log.write("$ " + " ".join(command) + "\n")
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True)
+            process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             for line in process.stdout:
                 log.write(line)
                 if line.startswith(self.SHOWN):
@@ -204,8 +243,10 @@ def prepare_output(output: Path, cfg: DemoConfig, fresh: bool = False) -> None:
         if fresh:
             shutil.rmtree(output)
         elif marker.read_text().strip() != digest:
-            raise RuntimeError(f"--output {output} holds a demo run of another configuration; pass --fresh to "
-                               "replace it, or choose another directory.")
+            raise RuntimeError(
+                f"--output {output} holds a demo run of another configuration; pass --fresh to "
+                "replace it, or choose another directory."
+            )
     output.mkdir(parents=True, exist_ok=True)
     marker.write_text(digest + "\n")
 
@@ -229,18 +270,55 @@ def build_data(cfg: DemoConfig, data_dir: Path) -> dict:
         splits[domain] = {"train": data_dir / f"{domain}_train.jsonl", "eval": data_dir / "eval" / f"{domain}.jsonl"}
     general = corpora.pretraining_text(list(corpora.DOMAINS), cfg.general_chars, seed=cfg.seed, exclude=held_out)
     corpora.write_jsonl(data_dir / "general.jsonl", [{"text": t} for t in general])
-    return {"splits": splits, "general": data_dir / "general.jsonl", "general_docs": len(general),
-            "held_out": held_out}
+    return {"splits": splits, "general": data_dir / "general.jsonl", "general_docs": len(general), "held_out": held_out}
 
 
-def pretrain_argv(cfg: DemoConfig, source_flag: str, source: Path, data_prefix: Path, save: Path, iters: int,
-                  lr: float) -> list:
-    argv = ["-m", "megatron_osprey.pretrain", source_flag, source, "--data-path", data_prefix, "--split", "100,0,0",
-            "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", str(cfg.seq_length),
-            "--train-iters", str(iters), "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters",
-            str(max(1, iters // 20)), "--lr-decay-style", "cosine", "--weight-decay", "0.01", "--clip-grad", "1.0",
-            "--transformer-impl", "local", "--save", save, "--save-interval", str(iters), "--log-interval",
-            str(max(1, iters // 6)), "--eval-iters", "0", "--no-progress-bar", "--seed", str(cfg.seed)]
+def pretrain_argv(
+    cfg: DemoConfig, source_flag: str, source: Path, data_prefix: Path, save: Path, iters: int, lr: float
+) -> list:
+    argv = [
+        "-m",
+        "megatron_osprey.pretrain",
+        source_flag,
+        source,
+        "--data-path",
+        data_prefix,
+        "--split",
+        "100,0,0",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        str(cfg.seq_length),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr / 10),
+        "--lr-warmup-iters",
+        str(max(1, iters // 20)),
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--transformer-impl",
+        "local",
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--log-interval",
+        str(max(1, iters // 6)),
+        "--eval-iters",
+        "0",
+        "--no-progress-bar",
+        "--seed",
+        str(cfg.seed),
+    ]
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
@@ -252,24 +330,70 @@ def _count_rows(path: Path) -> int:
 def preprocess_general(steps: StepRunner, output: Path, data: dict, tokenizer_dir: Path, name: str) -> Path:
     """The general mix, tokenized with `name`'s tokenizer into Megatron's indexed format; returns its prefix."""
     prefix = output / "data" / f"general_{name}"
-    steps.run(f"preprocess_general_{name}", ["tools/preprocess_data.py", "--input", data["general"], "--json-key",
-                                             "text", "--tokenizer", tokenizer_dir, "--output-prefix", prefix,
-                                             "--workers", "1", "--overwrite"])
+    steps.run(
+        f"preprocess_general_{name}",
+        [
+            "tools/preprocess_data.py",
+            "--input",
+            data["general"],
+            "--json-key",
+            "text",
+            "--tokenizer",
+            tokenizer_dir,
+            "--output-prefix",
+            prefix,
+            "--workers",
+            "1",
+            "--overwrite",
+        ],
+    )
     return prefix
 
 
-def backbone_steps(steps: StepRunner, cfg: DemoConfig, output: Path, source: Path, prefix: Path, target: Path,
-                   name: str) -> Path:
+def backbone_steps(
+    steps: StepRunner, cfg: DemoConfig, output: Path, source: Path, prefix: Path, target: Path, name: str
+) -> Path:
     """Stage 1 (prune to 2 layers), Stage 2 (continue pretraining on the general mix at `prefix`), Stage 3
     (adapt)."""
-    steps.run(f"prune_{name}", ["tools/prune_backbone.py", "--source", source, "--num-layers", "2",
-                                "--output", output / f"pruned_{name}", "--overwrite"])
-    steps.run(f"pretrain_backbone_{name}", pretrain_argv(cfg, "--backbone", output / f"pruned_{name}",
-                                                         Path(f"{prefix}_text_document"), output / f"backbone_{name}",
-                                                         cfg.backbone_iters, cfg.backbone_lr))
+    steps.run(
+        f"prune_{name}",
+        [
+            "tools/prune_backbone.py",
+            "--source",
+            source,
+            "--num-layers",
+            "2",
+            "--output",
+            output / f"pruned_{name}",
+            "--overwrite",
+        ],
+    )
+    steps.run(
+        f"pretrain_backbone_{name}",
+        pretrain_argv(
+            cfg,
+            "--backbone",
+            output / f"pruned_{name}",
+            Path(f"{prefix}_text_document"),
+            output / f"backbone_{name}",
+            cfg.backbone_iters,
+            cfg.backbone_lr,
+        ),
+    )
     init = output / f"drafter_init_{name}"
-    steps.run(f"adapt_{name}", ["tools/adapt_drafter.py", "--backbone", output / f"backbone_{name}", "--target",
-                                target, "--output", init, "--overwrite"])
+    steps.run(
+        f"adapt_{name}",
+        [
+            "tools/adapt_drafter.py",
+            "--backbone",
+            output / f"backbone_{name}",
+            "--target",
+            target,
+            "--output",
+            init,
+            "--overwrite",
+        ],
+    )
     return init
 
 
@@ -287,42 +411,123 @@ def train_small_lm(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict)
     if not (init / "config.json").is_file():
         tokenizer = load_tokenizer(small.tokenizer)
         torch.manual_seed(cfg.seed)
-        Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=small.hidden, intermediate_size=small.ffn,
-            num_hidden_layers=small.layers, num_attention_heads=small.heads, num_key_value_heads=small.kv_heads,
-            head_dim=small.hidden // small.heads, max_position_embeddings=2048, tie_word_embeddings=True,
-            eos_token_id=tokenizer.eos_token_id,
-        )).save_pretrained(init)
+        Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=small.hidden,
+                intermediate_size=small.ffn,
+                num_hidden_layers=small.layers,
+                num_attention_heads=small.heads,
+                num_key_value_heads=small.kv_heads,
+                head_dim=small.hidden // small.heads,
+                max_position_embeddings=2048,
+                tie_word_embeddings=True,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        ).save_pretrained(init)
         tokenizer.save_pretrained(init)
     prefix = preprocess_general(steps, output, data, get_tokenizer_dir(small.tokenizer), "small_lm")
-    steps.run("train_small_lm", pretrain_argv(cfg, "--hf-model", init, Path(f"{prefix}_text_document"),
-                                              output / "small_lm", small.iters, 3e-3))
+    steps.run(
+        "train_small_lm",
+        pretrain_argv(cfg, "--hf-model", init, Path(f"{prefix}_text_document"), output / "small_lm", small.iters, 3e-3),
+    )
     return output / "small_lm" / "hf", prefix
 
 
-def distill_argv(cfg: DemoConfig, method: str, init: Path | None, target: Path, domain: str, data: Path,
-                 store: Path, save: Path, seed: int, draft_vocab: int) -> list:
+def distill_argv(
+    cfg: DemoConfig,
+    method: str,
+    init: Path | None,
+    target: Path,
+    domain: str,
+    data: Path,
+    store: Path,
+    save: Path,
+    seed: int,
+    draft_vocab: int,
+) -> list:
     samples = _count_rows(data)
     iters = max(1, math.ceil(cfg.distill_epochs * samples / cfg.distill_batch))
-    flags = (["--drafter-init", init] if method != "eagle3"
-             else ["--baseline", "eagle3", "--draft-vocab-size", str(draft_vocab)])
-    argv = ["-m", "megatron_osprey.distill", *flags, "--target", target, "--mode", "offline", "--hidden-states",
-            store, "--data-path", data, "--domain", domain, "--train-iters", str(iters), "--micro-batch-size",
-            str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch), "--seq-length",
-            str(cfg.seq_length), "--lr", str(cfg.distill_lr), "--min-lr", str(cfg.distill_lr / 10),
-            "--ttt-steps", str(cfg.ttt_steps), "--transformer-impl", "local", "--save", save,
-            "--save-interval", str(iters), "--log-interval", str(max(1, iters // 4)), "--no-progress-bar",
-            "--seed", str(seed)]
+    flags = (
+        ["--drafter-init", init]
+        if method != "eagle3"
+        else ["--baseline", "eagle3", "--draft-vocab-size", str(draft_vocab)]
+    )
+    argv = [
+        "-m",
+        "megatron_osprey.distill",
+        *flags,
+        "--target",
+        target,
+        "--mode",
+        "offline",
+        "--hidden-states",
+        store,
+        "--data-path",
+        data,
+        "--domain",
+        domain,
+        "--train-iters",
+        str(iters),
+        "--micro-batch-size",
+        str(cfg.distill_batch),
+        "--global-batch-size",
+        str(cfg.distill_batch),
+        "--seq-length",
+        str(cfg.seq_length),
+        "--lr",
+        str(cfg.distill_lr),
+        "--min-lr",
+        str(cfg.distill_lr / 10),
+        "--ttt-steps",
+        str(cfg.ttt_steps),
+        "--transformer-impl",
+        "local",
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--log-interval",
+        str(max(1, iters // 4)),
+        "--no-progress-bar",
+        "--seed",
+        str(seed),
+    ]
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
-def eval_argv(cfg: DemoConfig, target: Path, eval_dir: Path, drafters: list[dict], data: dict, replay: bool = False,
-              limit: int | None = None) -> list:
+def eval_argv(
+    cfg: DemoConfig,
+    target: Path,
+    eval_dir: Path,
+    drafters: list[dict],
+    data: dict,
+    replay: bool = False,
+    limit: int | None = None,
+) -> list:
     """An eval step's command: every drafter on every eval domain, greedy chains, decoded live and
     lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
-    argv = ["-m", "megatron_osprey.eval", "--target", target, "--output", eval_dir, "--steps", "5", "--topk", "1",
-            "--draft-tokens", "6", "--max-new-tokens", str(cfg.eval_tokens), "--replay" if replay else "--verify-lossless",
-            "--no-progress", "--batch-size", str(cfg.eval_batch), "--overwrite"]  # reruns only when its command changed
+    argv = [
+        "-m",
+        "megatron_osprey.eval",
+        "--target",
+        target,
+        "--output",
+        eval_dir,
+        "--steps",
+        "5",
+        "--topk",
+        "1",
+        "--draft-tokens",
+        "6",
+        "--max-new-tokens",
+        str(cfg.eval_tokens),
+        "--replay" if replay else "--verify-lossless",
+        "--no-progress",
+        "--batch-size",
+        str(cfg.eval_batch),
+        "--overwrite",
+    ]  # reruns only when its command changed
     if limit is not None:
         argv += ["--limit", str(limit)]
     for d in drafters:
@@ -353,8 +558,11 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     began = time.time()
     data = build_data(cfg, output / "data")
     steps.timed("data", time.time() - began)
-    print(f"    {len(cfg.train_domains)} x {cfg.n_train} training conversations, {len(cfg.eval_domains)} x "
-          f"{cfg.n_eval} eval prompts, {data['general_docs']} general documents", flush=True)
+    print(
+        f"    {len(cfg.train_domains)} x {cfg.n_train} training conversations, {len(cfg.eval_domains)} x "
+        f"{cfg.n_eval} eval prompts, {data['general_docs']} general documents",
+        flush=True,
+    )
 
     steps.header("Stage 1-3: prune, continue pretraining and adapt the backbone(s)")
     general = preprocess_general(steps, output, data, target, "target")
@@ -367,16 +575,53 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     regenerated, stores = {}, {}
     for domain in cfg.train_domains:
         path = output / "data" / f"{domain}_regenerated.jsonl"
-        steps.run(f"regenerate_{domain}", ["tools/regenerate.py", "--input", data["splits"][domain]["train"],
-                                           "--output", path, "--backend", "hf", "--model", target,
-                                           "--temperature", "0", "--max-tokens", str(cfg.regenerate_tokens),
-                                           "--concurrency", "16", "--batch-size", "16", "--no-progress",
-                                           "--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"])
+        steps.run(
+            f"regenerate_{domain}",
+            [
+                "tools/regenerate.py",
+                "--input",
+                data["splits"][domain]["train"],
+                "--output",
+                path,
+                "--backend",
+                "hf",
+                "--model",
+                target,
+                "--temperature",
+                "0",
+                "--max-tokens",
+                str(cfg.regenerate_tokens),
+                "--concurrency",
+                "16",
+                "--batch-size",
+                "16",
+                "--no-progress",
+                "--dtype",
+                "bfloat16" if cfg.bf16 else "float32",
+                "--overwrite",
+            ],
+        )
         regenerated[domain] = path
         stores[domain] = output / "stores" / domain
-        steps.run(f"extract_{domain}", ["tools/extract_hidden_states.py", "--target", target, "--data", path,
-                                        "--output", stores[domain], "--max-length", str(cfg.seq_length),
-                                        "--micro-batch-size", "8", "--params-dtype", "float32", "--overwrite"])
+        steps.run(
+            f"extract_{domain}",
+            [
+                "tools/extract_hidden_states.py",
+                "--target",
+                target,
+                "--data",
+                path,
+                "--output",
+                stores[domain],
+                "--max-length",
+                str(cfg.seq_length),
+                "--micro-batch-size",
+                "8",
+                "--params-dtype",
+                "float32",
+                "--overwrite",
+            ],
+        )
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     from transformers import AutoConfig
@@ -388,8 +633,12 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
             for method, init in [*((m, inits[m]) for m, _ in arms), ("eagle3", None)]:
                 name = f"{method}_{domain}" + (f"_s{seed}" if len(cfg.seeds) > 1 else "")
                 save = output / "drafters" / name
-                steps.run(f"distill_{name}", distill_argv(cfg, method, init, target, domain, regenerated[domain],
-                                                          stores[domain], save, seed, draft_vocab))
+                steps.run(
+                    f"distill_{name}",
+                    distill_argv(
+                        cfg, method, init, target, domain, regenerated[domain], stores[domain], save, seed, draft_vocab
+                    ),
+                )
                 drafters.append({"name": name, "method": method, "domain": domain, "seed": seed, "path": save})
 
     steps.header("evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.eval)")
@@ -400,17 +649,36 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
         from megatron_osprey.eval.run import merge_results
 
         for seed in cfg.seeds:
-            steps.run(f"eval_s{seed}", eval_argv(cfg, target, eval_dir / f"seed{seed}",
-                                                 [d for d in drafters if d["seed"] == seed], data, cfg.eval_replay))
-        merge_results([json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in cfg.seeds],
-                      eval_dir)
+            steps.run(
+                f"eval_s{seed}",
+                eval_argv(
+                    cfg,
+                    target,
+                    eval_dir / f"seed{seed}",
+                    [d for d in drafters if d["seed"] == seed],
+                    data,
+                    cfg.eval_replay,
+                ),
+            )
+        merge_results(
+            [json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in cfg.seeds], eval_dir
+        )
     if cfg.eval_replay:
-        steps.run("eval_live_check", eval_argv(cfg, target, eval_dir / "live_check",
-                                               [d for d in drafters if d["seed"] == cfg.seeds[0]], data,
-                                               limit=cfg.live_check_prompts))
+        steps.run(
+            "eval_live_check",
+            eval_argv(
+                cfg,
+                target,
+                eval_dir / "live_check",
+                [d for d in drafters if d["seed"] == cfg.seeds[0]],
+                data,
+                limit=cfg.live_check_prompts,
+            ),
+        )
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report
 
-    return write_report(output, eval_dir, cfg, drafters, steps.timings, time.time() - steps.start, target,
-                        earlier=steps.earlier)
+    return write_report(
+        output, eval_dir, cfg, drafters, steps.timings, time.time() - steps.start, target, earlier=steps.earlier
+    )

@@ -55,8 +55,11 @@ def _aggregate(cells: dict) -> dict:
     values = list(cells.values())
     ids = [v for (train, split), v in cells.items() if train == split]
     oods = [v for (train, split), v in cells.items() if train != split]
-    return {"mean": float(np.mean(values)) if values else None, "id": float(np.mean(ids)) if ids else None,
-            "ood": float(np.mean(oods)) if oods else None}
+    return {
+        "mean": float(np.mean(values)) if values else None,
+        "id": float(np.mean(ids)) if ids else None,
+        "ood": float(np.mean(oods)) if oods else None,
+    }
 
 
 def summarize_cells(per_method: dict) -> dict:
@@ -91,8 +94,14 @@ def bootstrap(per_method: dict, rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -
             seeds = sorted(per_method[m])
             chosen = rng.choice(seeds, len(seeds))
             keys = sorted({k for s in seeds for k in per_method[m][s]})
-            cells = {k: float(np.mean([np.mean(np.asarray(per_method[m][s][k])[picks[k[1]]])
-                                       for s in chosen if k in per_method[m][s]])) for k in keys}
+            cells = {
+                k: float(
+                    np.mean(
+                        [np.mean(np.asarray(per_method[m][s][k])[picks[k[1]]]) for s in chosen if k in per_method[m][s]]
+                    )
+                )
+                for k in keys
+            }
             stats[m] = _aggregate(cells)
             for k in ("mean", "id", "ood"):
                 if stats[m][k] is not None:
@@ -107,16 +116,23 @@ def bootstrap(per_method: dict, rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -
     def interval(values):
         return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))] if values else None
 
-    return {"al": {m: {k: interval(v) for k, v in d.items()} for m, d in draws.items()},
-            "gain_over_eagle3": {m: {k: interval(v) for k, v in d.items()} for m, d in gains.items()},
-            "rounds": rounds}
+    return {
+        "al": {m: {k: interval(v) for k, v in d.items()} for m, d in draws.items()},
+        "gain_over_eagle3": {m: {k: interval(v) for k, v in d.items()} for m, d in gains.items()},
+        "rounds": rounds,
+    }
 
 
 def speed(results: dict) -> dict:
     """Pooled tokens/s of speculative decoding per method, and of target-only decoding, on this CPU."""
     if results["config"].get("replay"):  # replayed: no verify forwards ran, so there is no decoding speed
-        return {"batch_size": results["config"].get("batch_size", 1), "replayed": True,
-                "speculative_tokens_per_s": {}, "target_only_tokens_per_s": None, "speedup": {}}
+        return {
+            "batch_size": results["config"].get("batch_size", 1),
+            "replayed": True,
+            "speculative_tokens_per_s": {},
+            "target_only_tokens_per_s": None,
+            "speedup": {},
+        }
     out = {}
     target_tokens = target_seconds = 0.0
     for cell in results["cells"]:
@@ -131,9 +147,12 @@ def speed(results: dict) -> dict:
     baseline = target_tokens / target_seconds if target_seconds else None
     # one cell's requests are decoded together, so a cell with fewer requests than --batch-size sets the batch
     batch = min(results["config"].get("batch_size", 1), max((len(c["requests"]) for c in results["cells"]), default=1))
-    return {"batch_size": batch,
-            "speculative_tokens_per_s": speeds, "target_only_tokens_per_s": baseline,
-            "speedup": {m: (v / baseline if baseline else None) for m, v in speeds.items()}}
+    return {
+        "batch_size": batch,
+        "speculative_tokens_per_s": speeds,
+        "target_only_tokens_per_s": baseline,
+        "speedup": {m: (v / baseline if baseline else None) for m, v in speeds.items()},
+    }
 
 
 def draft_vocab_coverage(results: dict, drafters: list[dict]) -> dict:
@@ -153,8 +172,9 @@ def draft_vocab_coverage(results: dict, drafters: list[dict]) -> dict:
         vocab = set((np.arange(loaded.config.draft_vocab_size) + loaded.d2t.cpu().numpy()).tolist())
         coverage[d["name"]] = {
             "draft_vocab_size": loaded.config.draft_vocab_size,
-            "coverage": {split: (sum(t in vocab for t in toks) / len(toks) if toks else None)
-                         for split, toks in outputs.items()},
+            "coverage": {
+                split: (sum(t in vocab for t in toks) / len(toks) if toks else None) for split, toks in outputs.items()
+            },
         }
     return coverage
 
@@ -172,9 +192,13 @@ def decoded_examples(results: dict, data_dir: Path, target: Path, per_domain: in
         rows = [json.loads(line) for line in (data_dir / "eval" / f"{cell['split']}.jsonl").read_text().splitlines()]
         prompts = {row["id"]: row["conversations"][0]["content"] for row in rows}
         examples[cell["split"]] = [
-            {"id": r["id"], "prompt": prompts.get(r["id"], ""), "reply": tokenizer.decode(r["output_ids"],
-                                                                                         skip_special_tokens=True)}
-            for r in cell["requests"][:per_domain]]
+            {
+                "id": r["id"],
+                "prompt": prompts.get(r["id"], ""),
+                "reply": tokenizer.decode(r["output_ids"], skip_special_tokens=True),
+            }
+            for r in cell["requests"][:per_domain]
+        ]
     return examples
 
 
@@ -188,28 +212,50 @@ def live_check(replayed: dict, path: Path) -> dict | None:
     live = json.loads(path.read_text())
     replay = {(c["drafter"], c["split"], r["id"]): r for c in replayed["cells"] for r in c["requests"]}
     requests = [(c["drafter"], c["split"], r) for c in live["cells"] for r in c["requests"]]
-    same = sum(1 for d, s, r in requests if (d, s, r["id"]) in replay
-               and replay[(d, s, r["id"])]["accept_lengths"] == r["accept_lengths"]
-               and replay[(d, s, r["id"])]["output_ids"] == r["output_ids"])
-    return {"requests": len(requests), "lossless_mismatches": len(live["lossless"]["mismatches"]),
-            "same_as_replay": same, "speed": speed(live)}
+    same = sum(
+        1
+        for d, s, r in requests
+        if (d, s, r["id"]) in replay
+        and replay[(d, s, r["id"])]["accept_lengths"] == r["accept_lengths"]
+        and replay[(d, s, r["id"])]["output_ids"] == r["output_ids"]
+    )
+    return {
+        "requests": len(requests),
+        "lossless_mismatches": len(live["lossless"]["mismatches"]),
+        "same_as_replay": same,
+        "speed": speed(live),
+    }
 
 
 def _speed_lines(sp: dict) -> list[str]:
     """The report's speed section (none when AL was replayed: no verify forwards ran)."""
     if sp.get("replayed"):
-        return ["", "## Speed", "", "Not measured: AL was measured by replaying the target's greedy output "
-                "(`--replay`), which runs no verify forwards; `make demo` measures decoding speed."]
+        return [
+            "",
+            "## Speed",
+            "",
+            "Not measured: AL was measured by replaying the target's greedy output "
+            "(`--replay`), which runs no verify forwards; `make demo` measures decoding speed.",
+        ]
     batch = sp.get("batch_size", 1)
     engine = "reference engine, batch 1" if batch == 1 else f"batched engine, {batch} requests per forward"
-    lines = ["", f"## Speed on this CPU (float32 target, {engine})", "",
-             f"Target-only greedy decoding: {sp['target_only_tokens_per_s'] or 0:.1f} tokens/s.", "",
-             "| method | speculative tokens/s | vs target-only |", "| --- | --- | --- |"]
+    lines = [
+        "",
+        f"## Speed on this CPU (float32 target, {engine})",
+        "",
+        f"Target-only greedy decoding: {sp['target_only_tokens_per_s'] or 0:.1f} tokens/s.",
+        "",
+        "| method | speculative tokens/s | vs target-only |",
+        "| --- | --- | --- |",
+    ]
     for m, v in sp["speculative_tokens_per_s"].items():
         lines.append(f"| {m} | {v:.1f} | {sp['speedup'][m] or 0:.2f}x |")
-    return lines + ["", "A 135M target on 2 CPU cores is not the GPU serving regime: the CPU is compute-bound, so a "
-                    "verify of 6 tokens costs several 1-token steps (batch 1: the drafter's own forwards are a large "
-                    "share too); these figures are reported, not targeted."]
+    return lines + [
+        "",
+        "A 135M target on 2 CPU cores is not the GPU serving regime: the CPU is compute-bound, so a "
+        "verify of 6 tokens costs several 1-token steps (batch 1: the drafter's own forwards are a large "
+        "share too); these figures are reported, not targeted.",
+    ]
 
 
 def _time_line(report: dict) -> str:
@@ -220,28 +266,44 @@ def _time_line(report: dict) -> str:
     earlier = report.get("earlier_step_seconds") or {}
     if earlier:
         steps = sum(report["step_seconds"].values()) + sum(earlier.values())
-        line += (f". Resumed: {len(earlier)} steps finished in earlier runs and were skipped ({listed(earlier)}); "
-                 f"all steps together took {steps / 60:.1f} min")
+        line += (
+            f". Resumed: {len(earlier)} steps finished in earlier runs and were skipped ({listed(earlier)}); "
+            f"all steps together took {steps / 60:.1f} min"
+        )
     return line
 
 
-def write_report(output: Path, eval_dir: Path, cfg, drafters: list[dict], timings: dict, seconds: float,
-                 target: Path, earlier: dict | None = None) -> dict:
+def write_report(
+    output: Path,
+    eval_dir: Path,
+    cfg,
+    drafters: list[dict],
+    timings: dict,
+    seconds: float,
+    target: Path,
+    earlier: dict | None = None,
+) -> dict:
     """report.json, report.md and heatmap.png under `output` from the eval results. `timings` are this run's
     step seconds, `earlier` those of the steps an earlier run finished (a resumed run skips them)."""
     results = json.loads((eval_dir / "results.json").read_text())
     results["demo_drafters"] = [{**d, "path": str(d["path"])} for d in drafters]
     per_method = collect(results)
     summary = summarize_cells(per_method)
-    gains = {m: {k: _gain(summary[m][k], summary["eagle3"][k]) for k in ("mean", "id", "ood")}
-             for m in summary if m != "eagle3" and "eagle3" in summary}
+    gains = {
+        m: {k: _gain(summary[m][k], summary["eagle3"][k]) for k in ("mean", "id", "ood")}
+        for m in summary
+        if m != "eagle3" and "eagle3" in summary
+    }
     intervals = bootstrap(per_method)
     osprey, main_gain = summary.get("osprey", {}), gains.get("osprey", {})
     goals = {
-        "mean_gain_at_least_10pct": main_gain.get("mean") is not None and main_gain["mean"] >= GOALS["mean_gain_at_least"],
-        "ood_gain_at_least_id_gain": (main_gain.get("ood") is not None and main_gain.get("id") is not None
-                                      and main_gain["ood"] >= main_gain["id"]),
-        "osprey_mean_al_at_least_2": osprey.get("mean") is not None and osprey["mean"] >= GOALS["osprey_mean_al_at_least"],
+        "mean_gain_at_least_10pct": main_gain.get("mean") is not None
+        and main_gain["mean"] >= GOALS["mean_gain_at_least"],
+        "ood_gain_at_least_id_gain": (
+            main_gain.get("ood") is not None and main_gain.get("id") is not None and main_gain["ood"] >= main_gain["id"]
+        ),
+        "osprey_mean_al_at_least_2": osprey.get("mean") is not None
+        and osprey["mean"] >= GOALS["osprey_mean_al_at_least"],
     }
     report = {
         "target": str(target),
@@ -250,10 +312,16 @@ def write_report(output: Path, eval_dir: Path, cfg, drafters: list[dict], timing
         "osprey_gain_over_eagle3": main_gain,
         "confidence_95": intervals,
         "goals": goals,
-        "matrix": {name: {"drafters": m["drafters"], "train_domains": m["train_domains"], "eval_domains": m["splits"],
-                          "acceptance_length": m["acceptance_length"],
-                          "pooled_acceptance_length": m["pooled_acceptance_length"]}
-                   for name, m in results["matrices"].items()},
+        "matrix": {
+            name: {
+                "drafters": m["drafters"],
+                "train_domains": m["train_domains"],
+                "eval_domains": m["splits"],
+                "acceptance_length": m["acceptance_length"],
+                "pooled_acceptance_length": m["pooled_acceptance_length"],
+            }
+            for name, m in results["matrices"].items()
+        },
         "speed": speed(results),
         "draft_vocab_coverage": draft_vocab_coverage(results, drafters),
         "examples": decoded_examples(results, output / "data", target),
@@ -292,71 +360,109 @@ def render_markdown(report: dict, cfg) -> str:
     ev = report["eval"]
     seeds = len(cfg.seeds)
     lines = [
-        "# Osprey on a real target: SmolLM2-135M-Instruct (CPU)", "",
+        "# Osprey on a real target: SmolLM2-135M-Instruct (CPU)",
+        "",
         f"Target `{Path(report['target']).name}` (30 layers, hidden 576, vocab 49,152). Acceptance length (AL = "
         f"completion tokens / verify steps, averaged over requests) at steps {ev['steps']}, topk {ev['topk']}, draft "
         f"tokens {ev['draft_tokens']}, greedy, {ev['max_new_tokens']} new tokens; {cfg.n_eval} held-out prompts per "
         f"eval domain (first user message), every drafter on every prompt; {seeds} seed(s) per arm. "
         f"Brackets: 95% bootstrap interval over prompts" + (" and seeds." if seeds > 1 else "."),
-        "", "| method | mean AL | in-domain AL | out-of-domain AL |", "| --- | --- | --- | --- |"]
+        "",
+        "| method | mean AL | in-domain AL | out-of-domain AL |",
+        "| --- | --- | --- | --- |",
+    ]
     al_ci = report["confidence_95"]["al"]
     for name, m in report["methods"].items():
         ci = al_ci.get(name, {})
-        lines.append(f"| {METHOD_LABELS.get(name, name)} | {_fmt(m['mean'])}{_ci(ci.get('mean'))} | "
-                     f"{_fmt(m['id'])}{_ci(ci.get('id'))} | {_fmt(m['ood'])}{_ci(ci.get('ood'))} |")
+        lines.append(
+            f"| {METHOD_LABELS.get(name, name)} | {_fmt(m['mean'])}{_ci(ci.get('mean'))} | "
+            f"{_fmt(m['id'])}{_ci(ci.get('id'))} | {_fmt(m['ood'])}{_ci(ci.get('ood'))} |"
+        )
     for name, g in report["gains_over_eagle3"].items():
         ci = report["confidence_95"]["gain_over_eagle3"].get(name, {})
-        lines.append(f"| {name} gain over EAGLE-3 | {_fmt(g['mean'], True)}{_ci(ci.get('mean'), True)} | "
-                     f"{_fmt(g['id'], True)}{_ci(ci.get('id'), True)} | {_fmt(g['ood'], True)}{_ci(ci.get('ood'), True)} |")
+        lines.append(
+            f"| {name} gain over EAGLE-3 | {_fmt(g['mean'], True)}{_ci(ci.get('mean'), True)} | "
+            f"{_fmt(g['id'], True)}{_ci(ci.get('id'), True)} | {_fmt(g['ood'], True)}{_ci(ci.get('ood'), True)} |"
+        )
     lines += ["", f"For comparison, {PAPER_NOTE}.", ""]
     goals = report["goals"]
-    lines += ["Goals: " + "; ".join(f"{k.replace('_', ' ')}: {'met' if v else 'MISSED'}" for k, v in goals.items()) + ".",
-              "", "**Read with care.** The Osprey arm's backbone is the target's own first two layers (the "
-              "same-family case, like Qwen3-4B -> Qwen3-8B), so it starts from the target's weights: closer to "
-              "self-drafting than the paper's setup. The cross-tokenizer arm (`--cross-tokenizer`; always in "
-              "`make demo-full`) is the target-agnostic case."]
+    lines += [
+        "Goals: " + "; ".join(f"{k.replace('_', ' ')}: {'met' if v else 'MISSED'}" for k, v in goals.items()) + ".",
+        "",
+        "**Read with care.** The Osprey arm's backbone is the target's own first two layers (the "
+        "same-family case, like Qwen3-4B -> Qwen3-8B), so it starts from the target's weights: closer to "
+        "self-drafting than the paper's setup. The cross-tokenizer arm (`--cross-tokenizer`; always in "
+        "`make demo-full`) is the target-agnostic case.",
+    ]
     for name, m in report["matrix"].items():
-        lines += ["", f"## {METHOD_LABELS.get(name, name)}: train domain x eval domain", "",
-                  "| drafter (trained on) | " + " | ".join(m["eval_domains"]) + " |",
-                  "|" + " --- |" * (len(m["eval_domains"]) + 1)]
+        lines += [
+            "",
+            f"## {METHOD_LABELS.get(name, name)}: train domain x eval domain",
+            "",
+            "| drafter (trained on) | " + " | ".join(m["eval_domains"]) + " |",
+            "|" + " --- |" * (len(m["eval_domains"]) + 1),
+        ]
         for drafter, domain, row in zip(m["drafters"], m["train_domains"], m["acceptance_length"]):
-            lines.append(f"| {drafter} ({domain}) | " + " | ".join(
-                f"**{_fmt(v)}**" if split == domain else _fmt(v) for split, v in zip(m["eval_domains"], row)) + " |")
+            lines.append(
+                f"| {drafter} ({domain}) | "
+                + " | ".join(
+                    f"**{_fmt(v)}**" if split == domain else _fmt(v) for split, v in zip(m["eval_domains"], row)
+                )
+                + " |"
+            )
     cov = report["draft_vocab_coverage"]
     if cov:
         splits = list(next(iter(cov.values()))["coverage"])
-        lines += ["", "## EAGLE-3 draft vocabulary: share of the target's eval output tokens it can propose", "",
-                  f"Top {next(iter(cov.values()))['draft_vocab_size']:,} target tokens of each training domain "
-                  f"({100 * cfg.draft_vocab_fraction:.0f}% of 49,152, EAGLE-3's 32k/128k ratio); Osprey keeps the "
-                  "full vocabulary.", "", "| drafter | " + " | ".join(splits) + " |", "|" + " --- |" * (len(splits) + 1)]
+        lines += [
+            "",
+            "## EAGLE-3 draft vocabulary: share of the target's eval output tokens it can propose",
+            "",
+            f"Top {next(iter(cov.values()))['draft_vocab_size']:,} target tokens of each training domain "
+            f"({100 * cfg.draft_vocab_fraction:.0f}% of 49,152, EAGLE-3's 32k/128k ratio); Osprey keeps the "
+            "full vocabulary.",
+            "",
+            "| drafter | " + " | ".join(splits) + " |",
+            "|" + " --- |" * (len(splits) + 1),
+        ]
         for name, c in cov.items():
             lines.append(f"| {name} | " + " | ".join(_fmt(c["coverage"][s]) for s in splits) + " |")
     check = report.get("live_check")
     lines += _speed_lines(check["speed"] if check else report["speed"])
     if check:
-        lines += ["", f"Live check of the replayed AL: seed {cfg.seeds[0]}'s drafters decoded live on the first "
-                  f"{cfg.live_check_prompts} prompts of each eval domain ({check['requests']} requests): "
-                  f"{check['same_as_replay']} got the same tokens and accept lengths as replayed, "
-                  f"{check['lossless_mismatches']} differed from target-only greedy decoding."]
+        lines += [
+            "",
+            f"Live check of the replayed AL: seed {cfg.seeds[0]}'s drafters decoded live on the first "
+            f"{cfg.live_check_prompts} prompts of each eval domain ({check['requests']} requests): "
+            f"{check['same_as_replay']} got the same tokens and accept lengths as replayed, "
+            f"{check['lossless_mismatches']} differed from target-only greedy decoding.",
+        ]
     if report["alignment"]:
         lines += ["", "## Vocabulary alignment (Stage 3)", ""]
         for name, a in report["alignment"].items():
             lines.append(f"- `{name}`: {a['counts']}" + (f" (policy {a['policy']})" if a.get("policy") else ""))
     if check:
-        lossless = (f"Lossless check (live decoding, above): {check['lossless_mismatches']} of {check['requests']} "
-                    f"requests differed from target-only greedy decoding; the replayed AL commits that output by "
-                    f"construction.")
+        lossless = (
+            f"Lossless check (live decoding, above): {check['lossless_mismatches']} of {check['requests']} "
+            f"requests differed from target-only greedy decoding; the replayed AL commits that output by "
+            f"construction."
+        )
     else:
-        lossless = (f"Lossless check: {report['lossless']['mismatches']} mismatching requests "
-                    f"({'checked' if report['lossless']['checked'] else 'not checked'} against target-only greedy "
-                    f"decoding).")
+        lossless = (
+            f"Lossless check: {report['lossless']['mismatches']} mismatching requests "
+            f"({'checked' if report['lossless']['checked'] else 'not checked'} against target-only greedy "
+            f"decoding)."
+        )
     lines += ["", lossless, "", "## The target's own replies (greedy), first prompts of each eval domain", ""]
     for split, items in report["examples"].items():
         for item in items:
             reply = item["reply"].strip().replace("\n", " ")
             lines.append(f"- **{split}** — *{item['prompt'][:160]}* → {reply[:400]}")
-    lines += ["", "![AL matrix](heatmap.png)", "",
-              _time_line(report),
-              "", "Reproduce: `make demo` (or `make demo-full` for two training domains, 3 seeds and the "
-              "cross-tokenizer arm)."]
+    lines += [
+        "",
+        "![AL matrix](heatmap.png)",
+        "",
+        _time_line(report),
+        "",
+        "Reproduce: `make demo` (or `make demo-full` for two training domains, 3 seeds and the cross-tokenizer arm).",
+    ]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""`python -m megatron_osprey.eval`: evaluation, kept for the commands that call it (megatron_osprey/stages/evaluate.py)."""
+"""`python -m megatron_osprey.eval`: evaluation shim (megatron_osprey/stages/evaluate.py)."""
 
 import sys
 

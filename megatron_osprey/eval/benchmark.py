@@ -9,6 +9,14 @@ import torch
 
 from megatron_osprey.eval.prompts import EvalPrompt
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.speculative import (
+    DraftSession,
+    ReferenceDraftSession,
+    SpecConfig,
+    TargetModel,
+    speculative_generate,
+    target_generate,
+)
 from megatron_osprey.speculative.batched import (
     BatchedHFTarget,
     BatchedReferenceDraftSession,
@@ -17,14 +25,6 @@ from megatron_osprey.speculative.batched import (
     cache_capacity,
     replay_speculative_generate,
     target_features,
-)
-from megatron_osprey.speculative import (
-    DraftSession,
-    ReferenceDraftSession,
-    SpecConfig,
-    TargetModel,
-    speculative_generate,
-    target_generate,
 )
 
 
@@ -49,8 +49,11 @@ class RequestResult:
         return self.completion_tokens / max(self.verify_count, 1)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "acceptance_length": self.acceptance_length,
-                "tokens_per_s": self.completion_tokens / self.seconds if self.seconds > 0 else None}
+        return {
+            **asdict(self),
+            "acceptance_length": self.acceptance_length,
+            "tokens_per_s": self.completion_tokens / self.seconds if self.seconds > 0 else None,
+        }
 
 
 def make_session(drafter: ReferenceDrafter) -> DraftSession:
@@ -71,8 +74,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalPrompt], spec: SpecConfig,
-                 verify_lossless: bool = False, progress=None, references: dict | None = None) -> list[RequestResult]:
+def run_requests(
+    target: TargetModel,
+    session: DraftSession,
+    prompts: list[EvalPrompt],
+    spec: SpecConfig,
+    verify_lossless: bool = False,
+    progress=None,
+    references: dict | None = None,
+) -> list[RequestResult]:
     """Decode every prompt speculatively (batch 1); optionally compare with target-only greedy decoding.
 
     `references` caches target-only decodes by prompt id across calls (the target's greedy output of a
@@ -86,14 +96,22 @@ def run_requests(target: TargetModel, session: DraftSession, prompts: list[EvalP
         out = speculative_generate(target, session, prompt.input_ids, spec)
         _sync()
         seconds = time.perf_counter() - start
-        result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
-                               seconds, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
+        result = RequestResult(
+            prompt.id,
+            int(prompt.input_ids.numel()),
+            out.completion_tokens,
+            out.verify_count,
+            seconds,
+            list(out.accept_lengths),
+            output_ids=[int(t) for t in out.tokens],
+        )
         if verify_lossless:
             if prompt.id not in references:
                 _sync()
                 start = time.perf_counter()
-                expected = target_generate(target, prompt.input_ids, spec.max_new_tokens,
-                                           eos_token_ids=spec.eos_token_ids)
+                expected = target_generate(
+                    target, prompt.input_ids, spec.max_new_tokens, eos_token_ids=spec.eos_token_ids
+                )
                 _sync()
                 references[prompt.id] = (expected, time.perf_counter() - start)
             expected, result.target_seconds = references[prompt.id]
@@ -112,7 +130,7 @@ def _decode_in_groups(prompts: list[EvalPrompt], batch_size: int, decode) -> lis
     order = sorted(range(len(prompts)), key=lambda i: (prompts[i].input_ids.numel(), i))
     out: dict[int, tuple] = {}
     for start in range(0, len(order), batch_size):
-        indices = order[start: start + batch_size]
+        indices = order[start : start + batch_size]
         group = [prompts[i] for i in indices]
         _sync()
         began = time.perf_counter()
@@ -124,29 +142,47 @@ def _decode_in_groups(prompts: list[EvalPrompt], batch_size: int, decode) -> lis
 
 
 def _request_result(prompt: EvalPrompt, out, seconds: float, progress) -> RequestResult:
-    result = RequestResult(prompt.id, int(prompt.input_ids.numel()), out.completion_tokens, out.verify_count,
-                           seconds, list(out.accept_lengths), output_ids=[int(t) for t in out.tokens])
+    result = RequestResult(
+        prompt.id,
+        int(prompt.input_ids.numel()),
+        out.completion_tokens,
+        out.verify_count,
+        seconds,
+        list(out.accept_lengths),
+        output_ids=[int(t) for t in out.tokens],
+    )
     if progress is not None:
         progress.update(1)
         progress.set_postfix(al=f"{result.acceptance_length:.2f}")
     return result
 
 
-def _target_references(model, aux: list[int], prompts: list[EvalPrompt], spec: SpecConfig, batch_size: int,
-                       references: dict) -> None:
+def _target_references(
+    model, aux: list[int], prompts: list[EvalPrompt], spec: SpecConfig, batch_size: int, references: dict
+) -> None:
     """Target-only greedy outputs (and their amortized seconds) for the prompts not in `references` yet."""
+
     def decode(group):
         ids = [p.input_ids for p in group]
         target = BatchedHFTarget(model, aux, cache_capacity(ids, spec, 1))
         return batched_target_generate(target, ids, spec.max_new_tokens, spec.eos_token_ids)
 
     missing = [p for p in prompts if p.id not in references]
-    references.update({p.id: (tokens, seconds) for p, tokens, seconds in _decode_in_groups(missing, batch_size, decode)})
+    references.update(
+        {p.id: (tokens, seconds) for p, tokens, seconds in _decode_in_groups(missing, batch_size, decode)}
+    )
 
 
-def run_requests_batched(model, drafter: ReferenceDrafter, prompts: list[EvalPrompt], spec: SpecConfig,
-                         batch_size: int, verify_lossless: bool = False, progress=None,
-                         references: dict | None = None) -> list[RequestResult]:
+def run_requests_batched(
+    model,
+    drafter: ReferenceDrafter,
+    prompts: list[EvalPrompt],
+    spec: SpecConfig,
+    batch_size: int,
+    verify_lossless: bool = False,
+    progress=None,
+    references: dict | None = None,
+) -> list[RequestResult]:
     """run_requests with the batched greedy-chain engine: groups of `batch_size` prompts of similar length.
 
     Each request gets the same tokens and acceptance as with run_requests (up to floating-point
@@ -175,9 +211,16 @@ def run_requests_batched(model, drafter: ReferenceDrafter, prompts: list[EvalPro
     return results
 
 
-def run_requests_replayed(model, drafter: ReferenceDrafter, prompts: list[EvalPrompt], spec: SpecConfig,
-                          batch_size: int, progress=None, references: dict | None = None,
-                          features: dict | None = None) -> list[RequestResult]:
+def run_requests_replayed(
+    model,
+    drafter: ReferenceDrafter,
+    prompts: list[EvalPrompt],
+    spec: SpecConfig,
+    batch_size: int,
+    progress=None,
+    references: dict | None = None,
+    features: dict | None = None,
+) -> list[RequestResult]:
     """Acceptance by replaying the target's greedy output (replay_speculative_generate), `batch_size` rows at once.
 
     `references` (prompt id -> (target-only tokens, seconds)) and `features` ((prompt id, aux layers) ->
@@ -192,8 +235,7 @@ def run_requests_replayed(model, drafter: ReferenceDrafter, prompts: list[EvalPr
     _target_references(model, aux, prompts, spec, batch_size, references)
 
     def target_pass(group):
-        sequences = [torch.cat((p.input_ids, torch.tensor(references[p.id][0][:-1], dtype=torch.long)))
-                     for p in group]
+        sequences = [torch.cat((p.input_ids, torch.tensor(references[p.id][0][:-1], dtype=torch.long))) for p in group]
         target = BatchedHFTarget(model, aux, max(s.numel() for s in sequences))
         return [f.cpu() for f in target_features(target, sequences)]
 
@@ -201,11 +243,16 @@ def run_requests_replayed(model, drafter: ReferenceDrafter, prompts: list[EvalPr
     features.update({(p.id, key): f for p, f, _ in _decode_in_groups(missing, batch_size, target_pass)})
 
     def decode(group):
-        session = BatchedReferenceDraftSession(drafter, cache_capacity([p.input_ids for p in group], spec,
-                                                                       2 * spec.steps + 1))
-        return replay_speculative_generate(session, [p.input_ids for p in group],
-                                           [references[p.id][0] for p in group],
-                                           [features[(p.id, key)] for p in group], spec)
+        session = BatchedReferenceDraftSession(
+            drafter, cache_capacity([p.input_ids for p in group], spec, 2 * spec.steps + 1)
+        )
+        return replay_speculative_generate(
+            session,
+            [p.input_ids for p in group],
+            [references[p.id][0] for p in group],
+            [features[(p.id, key)] for p in group],
+            spec,
+        )
 
     results = []
     for prompt, out, seconds in _decode_in_groups(prompts, batch_size, decode):

@@ -62,8 +62,9 @@ def load_megatron_drafter(root: Path) -> LoadedDrafter:
     run_config = megatron_run_config(root)
     arch = DrafterArch.from_dict(run_config["drafter"])
     with parallel_context(ParallelConfig()) as state:
-        model = build_drafter_model(arch, state.config, params_dtype=arch.body.torch_dtype_obj(),
-                                    perform_initialization=False)
+        model = build_drafter_model(
+            arch, state.config, params_dtype=arch.body.torch_dtype_obj(), perform_initialization=False
+        )
         load_model_weights(root, model)
         state_dict = reference_state(model)
     drafter = ReferenceDrafter(arch.reference_config())

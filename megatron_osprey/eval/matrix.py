@@ -68,9 +68,14 @@ def build_matrices(cells: list[Cell], splits: list[str]) -> dict:
             speed.append(row_speed)
         values = [v for row in al for v in row if v is not None]
         method.update(
-            acceptance_length=al, pooled_acceptance_length=pooled, tokens_per_s=speed,
-            mean=_mean(values), id_mean=_mean(ident), ood_mean=_mean(other),
-            id_cells=len(ident), ood_cells=len(other),
+            acceptance_length=al,
+            pooled_acceptance_length=pooled,
+            tokens_per_s=speed,
+            mean=_mean(values),
+            id_mean=_mean(ident),
+            ood_mean=_mean(other),
+            id_cells=len(ident),
+            ood_cells=len(other),
         )
     return out
 
@@ -90,17 +95,27 @@ def matrix_markdown(matrices: dict, header: str = "") -> str:
         lines += [header, ""]
     lines += [
         "AL = per-request mean of completion_tokens / verify_count (SGLang's definition); ID = diagonal "
-        "(drafter trained on the eval domain), OOD = off-diagonal, mean = all cells.", "",
-        "| method | mean AL | ID AL | OOD AL | cells (ID/OOD) |", "| --- | ---: | ---: | ---: | ---: |",
+        "(drafter trained on the eval domain), OOD = off-diagonal, mean = all cells.",
+        "",
+        "| method | mean AL | ID AL | OOD AL | cells (ID/OOD) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for name, m in matrices.items():
-        lines.append(f"| {name} | {_fmt(m['mean'])} | {_fmt(m['id_mean'])} | {_fmt(m['ood_mean'])} | "
-                     f"{m['id_cells']}/{m['ood_cells']} |")
+        lines.append(
+            f"| {name} | {_fmt(m['mean'])} | {_fmt(m['id_mean'])} | {_fmt(m['ood_mean'])} | "
+            f"{m['id_cells']}/{m['ood_cells']} |"
+        )
     for name, m in matrices.items():
-        lines += ["", f"## {name}", "", "| train \\ eval | " + " | ".join(m["splits"]) + " |",
-                  "| --- |" + " ---: |" * len(m["splits"])]
-        for drafter, domain, row, pooled in zip(m["drafters"], m["train_domains"], m["acceptance_length"],
-                                                m["pooled_acceptance_length"]):
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            "| train \\ eval | " + " | ".join(m["splits"]) + " |",
+            "| --- |" + " ---: |" * len(m["splits"]),
+        ]
+        for drafter, domain, row, pooled in zip(
+            m["drafters"], m["train_domains"], m["acceptance_length"], m["pooled_acceptance_length"]
+        ):
             cells = []
             for split, value, pool in zip(m["splits"], row, pooled):
                 text = f"{_fmt(value)} ({_fmt(pool)})"
@@ -120,13 +135,21 @@ def plot_matrices(matrices: dict, path: str | Path) -> None:
 
     path = Path(path)
     names = list(matrices)
-    grids = [np.array([[np.nan if v is None else v for v in row] for row in matrices[n]["acceptance_length"]],
-                      dtype=float) for n in names]
+    grids = [
+        np.array([[np.nan if v is None else v for v in row] for row in matrices[n]["acceptance_length"]], dtype=float)
+        for n in names
+    ]
     finite = np.concatenate([g[np.isfinite(g)] for g in grids]) if grids else np.array([])
     vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 2.0)
-    fig, axes = plt.subplots(1, len(names), figsize=(1.2 + 1.1 * max(len(matrices[n]["splits"]) for n in names)
-                                                     * len(names) + 1.5, 1.0 + 0.9 * max(len(g) for g in grids)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(names),
+        figsize=(
+            1.2 + 1.1 * max(len(matrices[n]["splits"]) for n in names) * len(names) + 1.5,
+            1.0 + 0.9 * max(len(g) for g in grids),
+        ),
+        squeeze=False,
+    )
     for ax, name, grid in zip(axes[0], names, grids):
         m = matrices[name]
         image = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=vmax if vmax > vmin else vmin + 1e-6)
@@ -134,15 +157,24 @@ def plot_matrices(matrices: dict, path: str | Path) -> None:
         ax.set_yticks(range(len(m["drafters"])), [_row_label(d, t) for d, t in zip(m["drafters"], m["train_domains"])])
         ax.set_xlabel("eval domain")
         ax.set_ylabel("train domain")
-        ax.set_title(f"{name}: mean {_fmt(m['mean'], 2)}, ID {_fmt(m['id_mean'], 2)}, OOD {_fmt(m['ood_mean'], 2)}",
-                     fontsize=9)
+        ax.set_title(
+            f"{name}: mean {_fmt(m['mean'], 2)}, ID {_fmt(m['id_mean'], 2)}, OOD {_fmt(m['ood_mean'], 2)}", fontsize=9
+        )
         for i in range(grid.shape[0]):
             for j in range(grid.shape[1]):
                 if np.isfinite(grid[i, j]):
                     bold = m["train_domains"][i] == m["splits"][j]
                     light = (grid[i, j] - vmin) / max(vmax - vmin, 1e-6) > 0.6  # dark text on the bright end
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="black" if light else "white",
-                            fontweight="bold" if bold else "normal", fontsize=8)
+                    ax.text(
+                        j,
+                        i,
+                        f"{grid[i, j]:.2f}",
+                        ha="center",
+                        va="center",
+                        color="black" if light else "white",
+                        fontweight="bold" if bold else "normal",
+                        fontsize=8,
+                    )
     fig.subplots_adjust(wspace=0.55)  # room for the next panel's row labels
     fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="acceptance length")
     with atomic_path(path) as tmp:

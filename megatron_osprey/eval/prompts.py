@@ -41,8 +41,9 @@ def prompt_messages(messages, mode: str = "first_user") -> list[dict]:
     return out
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None, enable_thinking: bool | None = None,
-                 mode: str = "first_user") -> list[EvalPrompt]:
+def load_prompts(
+    path: str | Path, tokenizer, limit: int | None = None, enable_thinking: bool | None = None, mode: str = "first_user"
+) -> list[EvalPrompt]:
     """All prompts of a conversations JSONL in file order (the first `limit` only when asked)."""
     prompts = []
     for conversation in read_conversations(path):

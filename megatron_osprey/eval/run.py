@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,9 +78,16 @@ def sweep_settings(config: EvalConfig) -> list[dict]:
             steps = config.steps
             if config.topk == 1 and draft_tokens is not None:
                 steps = int(draft_tokens) - 1
-            settings.append(dict(steps=steps, topk=config.topk, draft_tokens=draft_tokens,
-                                 temperature=float(temperature), max_new_tokens=config.max_new_tokens,
-                                 seed=config.seed))
+            settings.append(
+                dict(
+                    steps=steps,
+                    topk=config.topk,
+                    draft_tokens=draft_tokens,
+                    temperature=float(temperature),
+                    max_new_tokens=config.max_new_tokens,
+                    seed=config.seed,
+                )
+            )
     return settings
 
 
@@ -91,19 +97,25 @@ def check_engine(config: EvalConfig, settings: list[dict]) -> None:
         raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
     if config.replay:
         if config.verify_lossless:
-            raise ValueError("--replay commits the target-only output by construction, so --verify-lossless would "
-                             "check nothing; check live decoding without --replay.")
+            raise ValueError(
+                "--replay commits the target-only output by construction, so --verify-lossless would "
+                "check nothing; check live decoding without --replay."
+            )
         if config.target_backend != "hf" or any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
             raise ValueError("--replay covers greedy chains (--topk 1, --temperature 0) on the HF target only.")
         return
     if config.batch_size == 1:
         return
     if config.target_backend != "hf":
-        raise ValueError(f"--batch-size {config.batch_size} needs --target-backend hf (the batched engine drives a HF "
-                         f"model's KV cache); use --batch-size 1 with --target-backend {config.target_backend}.")
+        raise ValueError(
+            f"--batch-size {config.batch_size} needs --target-backend hf (the batched engine drives a HF "
+            f"model's KV cache); use --batch-size 1 with --target-backend {config.target_backend}."
+        )
     if any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
-        raise ValueError(f"--batch-size {config.batch_size} decodes greedy chains only (--topk 1, --temperature 0); "
-                         f"trees and sampling run with --batch-size 1.")
+        raise ValueError(
+            f"--batch-size {config.batch_size} decodes greedy chains only (--topk 1, --temperature 0); "
+            f"trees and sampling run with --batch-size 1."
+        )
 
 
 def split_names(paths: list[Path]) -> list[str]:
@@ -163,8 +175,9 @@ def _target_facts(config: EvalConfig, model) -> tuple[object, object]:
     return AutoConfig.from_pretrained(str(config.target)), generation
 
 
-def fit_prompts(prompts: list, path: Path, config: EvalConfig, max_positions: int | None,
-                draft_tokens: int) -> tuple[list, int]:
+def fit_prompts(
+    prompts: list, path: Path, config: EvalConfig, max_positions: int | None, draft_tokens: int
+) -> tuple[list, int]:
     """Refuse (or, with --truncate-prompts, left-truncate) prompts whose decode would pass the target's positions.
 
     A prompt plus --max-new-tokens plus one verify step's draft tokens must fit in
@@ -185,8 +198,9 @@ def fit_prompts(prompts: list, path: Path, config: EvalConfig, max_positions: in
                 f"--data {path}: prompt {prompt.id!r} has {n} tokens; with --max-new-tokens {config.max_new_tokens} "
                 f"and {draft_tokens} draft tokens it needs {n + config.max_new_tokens + draft_tokens} positions, more "
                 f"than --target {config.target}'s max_position_embeddings {max_positions}. Pass --truncate-prompts "
-                f"to keep its last {max(room, 0)} tokens, or lower --max-new-tokens.")
-        out.append(type(prompt)(prompt.id, prompt.input_ids[n - room:]))
+                f"to keep its last {max(room, 0)} tokens, or lower --max-new-tokens."
+            )
+        out.append(type(prompt)(prompt.id, prompt.input_ids[n - room :]))
         cut += 1
     return out, cut
 
@@ -195,16 +209,22 @@ def check_drafter_fits_target(path: Path, drafter_config, target: Path, target_c
     """The drafter reads the target's hidden states: sizes and tapped layers must match, naming both models."""
     vocab = target_config.vocab_size
     if drafter_config.vocab_size != vocab:
-        raise ValueError(f"--drafter {path}: its vocabulary ({drafter_config.vocab_size}) is not the target's "
-                         f"({vocab}); was it adapted to --target {target}?")
+        raise ValueError(
+            f"--drafter {path}: its vocabulary ({drafter_config.vocab_size}) is not the target's "
+            f"({vocab}); was it adapted to --target {target}?"
+        )
     hidden = getattr(target_config, "hidden_size", None)
     if hidden is not None and drafter_config.target_hidden_size != hidden:
-        raise ValueError(f"--drafter {path} was trained on hidden states of size {drafter_config.target_hidden_size}, "
-                         f"but --target {target} has hidden_size {hidden}; it belongs to another target.")
+        raise ValueError(
+            f"--drafter {path} was trained on hidden states of size {drafter_config.target_hidden_size}, "
+            f"but --target {target} has hidden_size {hidden}; it belongs to another target."
+        )
     layers = getattr(target_config, "num_hidden_layers", None)
     if layers is not None and max(drafter_config.aux_layer_ids) >= layers:
-        raise ValueError(f"--drafter {path} taps target layers {list(drafter_config.aux_layer_ids)}, but --target "
-                         f"{target} has {layers} layers; it belongs to another target.")
+        raise ValueError(
+            f"--drafter {path} taps target layers {list(drafter_config.aux_layer_ids)}, but --target "
+            f"{target} has {layers} layers; it belongs to another target."
+        )
 
 
 @contextlib.contextmanager
@@ -213,9 +233,9 @@ def _target_factory(config: EvalConfig, model):
     if model is not None:
         yield lambda aux: HFTargetModel(model, aux)
         return
+    from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
     from megatron_osprey.models.targets.megatron_stage import load_target
     from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
 
     with parallel_context(ParallelConfig()) as state:
         stage = load_target(config.target, state.config, state.device, with_lm_head=True, transformer_impl="local")
@@ -236,8 +256,10 @@ def run_eval(config: EvalConfig) -> dict:
         raise ValueError(f"--drafter names must be distinct, got {names}.")
     results_path = Path(config.output) / "results.json"
     if results_path.exists() and not config.overwrite:
-        raise FileExistsError(f"--output {config.output}: {results_path} already exists; pass --overwrite to "
-                              f"replace it, or choose another --output.")
+        raise FileExistsError(
+            f"--output {config.output}: {results_path} already exists; pass --overwrite to "
+            f"replace it, or choose another --output."
+        )
     model, tokenizer, device = _load_target(config)
     target_config, generation_config = _target_facts(config, model)
     eos = _eos_ids(config.target, generation_config, tokenizer)
@@ -246,15 +268,20 @@ def run_eval(config: EvalConfig) -> dict:
     for name, path in zip(splits, config.data):
         loaded_prompts = load_prompts(path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
         prompts[name], truncated[name] = fit_prompts(
-            loaded_prompts, path, config, getattr(target_config, "max_position_embeddings", None),
-            max(spec.draft_tokens for spec in specs))
+            loaded_prompts,
+            path,
+            config,
+            getattr(target_config, "max_position_embeddings", None),
+            max(spec.draft_tokens for spec in specs),
+        )
     drafters = []
     for item in config.drafters:
         loaded = load_drafter(item.path)
         cfg = loaded.drafter.config
         check_drafter_fits_target(item.path, cfg, config.target, target_config)
-        drafters.append((item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config),
-                         item.method or cfg.variant))
+        drafters.append(
+            (item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config), item.method or cfg.variant)
+        )
 
     from tqdm import tqdm
 
@@ -264,8 +291,10 @@ def run_eval(config: EvalConfig) -> dict:
     references = {split: {} for split in splits}  # target-only decodes, shared by the drafters
     features = {split: {} for split in splits}  # --replay: the target's features over prompt + output
     progress_done = 0  # requests finished (tqdm's own count stays 0 when the bar is off)
-    with tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress, \
-            _target_factory(config, model) as make_target:
+    with (
+        tqdm(total=total, desc="eval", unit="req", disable=not config.progress) as progress,
+        _target_factory(config, model) as make_target,
+    ):
         for item, loaded, domain, method in drafters:
             drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
             target = make_target(list(drafter.config.aux_layer_ids))
@@ -274,42 +303,87 @@ def run_eval(config: EvalConfig) -> dict:
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
                     if config.replay:
-                        results = benchmark.run_requests_replayed(model, drafter, prompts[split], spec,
-                                                                  config.batch_size, progress, references[split],
-                                                                  features[split])
+                        results = benchmark.run_requests_replayed(
+                            model,
+                            drafter,
+                            prompts[split],
+                            spec,
+                            config.batch_size,
+                            progress,
+                            references[split],
+                            features[split],
+                        )
                     elif config.batch_size > 1:
-                        results = benchmark.run_requests_batched(model, drafter, prompts[split], spec,
-                                                                 config.batch_size, config.verify_lossless, progress,
-                                                                 references[split])
+                        results = benchmark.run_requests_batched(
+                            model,
+                            drafter,
+                            prompts[split],
+                            spec,
+                            config.batch_size,
+                            config.verify_lossless,
+                            progress,
+                            references[split],
+                        )
                     else:
-                        results = benchmark.run_requests(target, session, prompts[split], spec,
-                                                         config.verify_lossless, progress, references[split])
+                        results = benchmark.run_requests(
+                            target, session, prompts[split], spec, config.verify_lossless, progress, references[split]
+                        )
                     requests = [r.to_dict() for r in results]
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).
                     progress_done += len(requests)
-                    tqdm.write(f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
-                               f"{len(requests)} requests, {summary['seconds']:.0f} s "
-                               f"({progress_done}/{total} requests done)")
+                    tqdm.write(
+                        f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
+                        f"{len(requests)} requests, {summary['seconds']:.0f} s "
+                        f"({progress_done}/{total} requests done)"
+                    )
                     cells[index].append(Cell(item.name, method, domain, split, summary))
-                    cell_records.append({"drafter": item.name, "method": method, "train_domain": domain,
-                                         "split": split, **_setting(spec), "summary": summary, "requests": requests})
-                    mismatches += [{"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at,
-                                    **_setting(spec)} for r in results if r.mismatch_at is not None]
+                    cell_records.append(
+                        {
+                            "drafter": item.name,
+                            "method": method,
+                            "train_domain": domain,
+                            "split": split,
+                            **_setting(spec),
+                            "summary": summary,
+                            "requests": requests,
+                        }
+                    )
+                    mismatches += [
+                        {"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at, **_setting(spec)}
+                        for r in results
+                        if r.mismatch_at is not None
+                    ]
             loaded.drafter.to("cpu")
     sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
     first = specs[0]
     results = {
         "format": RESULTS_TAG,
-        "config": {**{k: v for k, v in asdict(config).items() if k not in ("drafters", "data", "extra")},
-                   "target": str(config.target), "output": str(config.output), "eos_token_ids": list(eos),
-                   **_setting(first), "sweep_temperature": _as_list(config.temperature),
-                   "sweep_draft_tokens": _as_list(config.draft_tokens), **config.extra},
-        "drafters": [{"name": item.name, "path": str(item.path), "method": method, "train_domain": domain,
-                      "variant": loaded.drafter.config.variant, "source": loaded.source}
-                     for item, loaded, domain, method in drafters],
-        "splits": [{"name": s, "path": str(p), "requests": len(prompts[s]), "truncated_prompts": truncated[s]}
-                   for s, p in zip(splits, config.data)],
+        "config": {
+            **{k: v for k, v in asdict(config).items() if k not in ("drafters", "data", "extra")},
+            "target": str(config.target),
+            "output": str(config.output),
+            "eos_token_ids": list(eos),
+            **_setting(first),
+            "sweep_temperature": _as_list(config.temperature),
+            "sweep_draft_tokens": _as_list(config.draft_tokens),
+            **config.extra,
+        },
+        "drafters": [
+            {
+                "name": item.name,
+                "path": str(item.path),
+                "method": method,
+                "train_domain": domain,
+                "variant": loaded.drafter.config.variant,
+                "source": loaded.source,
+            }
+            for item, loaded, domain, method in drafters
+        ],
+        "splits": [
+            {"name": s, "path": str(p), "requests": len(prompts[s]), "truncated_prompts": truncated[s]}
+            for s, p in zip(splits, config.data)
+        ],
         "cells": cell_records,
         "matrices": sweep[0]["matrices"],  # the first combination (the only one without a sweep)
         "sweep": sweep,
@@ -337,10 +411,17 @@ def merge_results(parts: list[dict], output: Path) -> dict:
     records = [c for part in parts for c in part["cells"]]
     cells = [Cell(c["drafter"], c["method"], c["train_domain"], c["split"], c["summary"]) for c in records]
     matrices = build_matrices(cells, splits)
-    merged = {**first, "drafters": [d for part in parts for d in part["drafters"]], "cells": records,
-              "matrices": matrices, "sweep": [{**first["sweep"][0], "matrices": matrices}],
-              "lossless": {"checked": all(p["lossless"]["checked"] for p in parts),
-                           "mismatches": [m for p in parts for m in p["lossless"]["mismatches"]]}}
+    merged = {
+        **first,
+        "drafters": [d for part in parts for d in part["drafters"]],
+        "cells": records,
+        "matrices": matrices,
+        "sweep": [{**first["sweep"][0], "matrices": matrices}],
+        "lossless": {
+            "checked": all(p["lossless"]["checked"] for p in parts),
+            "mismatches": [m for p in parts for m in p["lossless"]["mismatches"]],
+        },
+    }
     write_results(merged, Path(output))
     return merged
 
@@ -351,24 +432,50 @@ def _sweep_key(results: dict) -> dict:
 
 def _setting(spec: SpecConfig) -> dict:
     """The sweep coordinates of one run; the seed matters (and is reported) whenever sampling."""
-    return {"steps": spec.steps, "topk": spec.topk, "draft_tokens": spec.draft_tokens,
-            "temperature": spec.temperature, "seed": spec.seed,
-            "sampling": "greedy" if spec.temperature == 0 else "lossless rejection sampling"}
+    return {
+        "steps": spec.steps,
+        "topk": spec.topk,
+        "draft_tokens": spec.draft_tokens,
+        "temperature": spec.temperature,
+        "seed": spec.seed,
+        "sampling": "greedy" if spec.temperature == 0 else "lossless rejection sampling",
+    }
 
 
 def sweep_markdown(sweep: list[dict], column: str | None = None) -> str:
     """One row per (setting, method): mean, in-domain and out-of-domain AL (`column`: one more sweep key)."""
     extra = [column] if column else []
-    head = ["temperature", "draft tokens", "steps", "topk", *[c.replace("_", " ") for c in extra], "seed", "decoding",
-            "method", "mean AL", "ID AL", "OOD AL"]
+    head = [
+        "temperature",
+        "draft tokens",
+        "steps",
+        "topk",
+        *[c.replace("_", " ") for c in extra],
+        "seed",
+        "decoding",
+        "method",
+        "mean AL",
+        "ID AL",
+        "OOD AL",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for row in sweep:
         for method, m in row["matrices"].items():
             seed = row["seed"] if row["temperature"] != 0 else "-"
-            cells = [f"{row['temperature']:g}", row["draft_tokens"], row["steps"], row["topk"],
-                     *[row[c] for c in extra], seed, row["sampling"], method, fmt(m["mean"]), fmt(m["id_mean"]),
-                     fmt(m["ood_mean"])]
+            cells = [
+                f"{row['temperature']:g}",
+                row["draft_tokens"],
+                row["steps"],
+                row["topk"],
+                *[row[c] for c in extra],
+                seed,
+                row["sampling"],
+                method,
+                fmt(m["mean"]),
+                fmt(m["id_mean"]),
+                fmt(m["ood_mean"]),
+            ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -377,9 +484,12 @@ def write_results(results: dict, output: Path) -> None:
     """results.json, matrix.md and matrix.png under `output` (each written atomically)."""
     output.mkdir(parents=True, exist_ok=True)
     cfg = results["config"]
-    header = (f"Target `{cfg['target']}`; steps {cfg['steps']}, topk {cfg['topk']}, draft tokens "
-              f"{cfg['draft_tokens']}, temperature {cfg['temperature']}, max new tokens {cfg['max_new_tokens']}; "
-              + ", ".join(f"{s['name']}: {s['requests']} prompts" for s in results["splits"]) + ".")
+    header = (
+        f"Target `{cfg['target']}`; steps {cfg['steps']}, topk {cfg['topk']}, draft tokens "
+        f"{cfg['draft_tokens']}, temperature {cfg['temperature']}, max new tokens {cfg['max_new_tokens']}; "
+        + ", ".join(f"{s['name']}: {s['requests']} prompts" for s in results["splits"])
+        + "."
+    )
     write_text_atomic(output / "results.json", json.dumps(results, indent=2) + "\n")
     text = matrix_markdown(results["matrices"], header)
     if len(results.get("sweep") or []) > 1:

@@ -33,8 +33,12 @@ def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: floa
         raise ValueError("the server's meta_info has no spec_verify_ct: was it started with --speculative-algorithm?")
     completion, verifies = int(meta["completion_tokens"]), int(meta["spec_verify_ct"])
     return {
-        "id": prompt_id, "prompt_tokens": prompt_tokens, "completion_tokens": completion, "verify_count": verifies,
-        "seconds": seconds, "acceptance_length": completion / max(verifies, 1),
+        "id": prompt_id,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "verify_count": verifies,
+        "seconds": seconds,
+        "acceptance_length": completion / max(verifies, 1),
         "tokens_per_s": completion / seconds if seconds > 0 else None,
         "finish_reason": meta.get("finish_reason"),
     }
@@ -42,18 +46,24 @@ def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: floa
 
 def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
     """POST one request to /generate; returns (meta_info, wall seconds)."""
-    body = json.dumps({"input_ids": input_ids, "sampling_params": {
-        "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}}).encode()
-    request = urllib.request.Request(config.url.rstrip("/") + "/generate", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "input_ids": input_ids,
+            "sampling_params": {"temperature": config.temperature, "max_new_tokens": config.max_new_tokens},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        config.url.rstrip("/") + "/generate", data=body, headers={"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
         payload = json.loads(response.read())
     return payload["meta_info"], time.perf_counter() - start
 
 
-def bench_prompts(config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate,
-                  batch_size: int = 1) -> list[dict]:
+def bench_prompts(
+    config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate, batch_size: int = 1
+) -> list[dict]:
     """Send every prompt, `batch_size` in flight at once, and record each request (in prompt order)."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}.")
@@ -86,5 +96,7 @@ def wait_for_server(url: str, timeout_s: float) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"--url {url}: the SGLang server did not answer /health within {timeout_s:.0f}s.") from None
+                raise TimeoutError(
+                    f"--url {url}: the SGLang server did not answer /health within {timeout_s:.0f}s."
+                ) from None
             time.sleep(5)

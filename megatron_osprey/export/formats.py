@@ -65,8 +65,14 @@ def _verifier(run_config: dict) -> dict:
     return info
 
 
-def export_drafter(drafter: ReferenceDrafter, fmt: str, output: Path, run_config: dict | None = None,
-                   overwrite: bool = False, tokenizer_dir: Path | None = None) -> Path:
+def export_drafter(
+    drafter: ReferenceDrafter,
+    fmt: str,
+    output: Path,
+    run_config: dict | None = None,
+    overwrite: bool = False,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Write `drafter` to `output` in layout `fmt`; config.json is written last."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}.")
@@ -85,8 +91,10 @@ def export_drafter(drafter: ReferenceDrafter, fmt: str, output: Path, run_config
         _write_json(output / CONFIG_NAME, layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance))
     else:
         _save_tensors(output / WEIGHTS_NAME, layouts.speculators_state(state, cfg))
-        _write_json(output / CONFIG_NAME, layouts.speculators_config(
-            cfg, dtype, _max_positions(run_config), _verifier(run_config), extra=provenance))
+        _write_json(
+            output / CONFIG_NAME,
+            layouts.speculators_config(cfg, dtype, _max_positions(run_config), _verifier(run_config), extra=provenance),
+        )
     if tokenizer_dir is not None:
         copy_tokenizer_files(tokenizer_dir, output, keep_existing=True)
     return output

@@ -105,7 +105,7 @@ def reference_state_from_sglang(tensors: dict[str, torch.Tensor], cfg: DrafterCo
     out = {}
     for name, tensor in tensors.items():
         if name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
+            name = "layers.0." + name[len("midlayer.") :]
         layer = _split_layer_name(name)
         if layer is not None and cfg.variant == "osprey":
             name = f"layers.{layer[0]}.{_swap_norm(layer[1])}"
@@ -120,7 +120,9 @@ def sglang_architecture(cfg: DrafterConfig) -> str:
     return PLUGIN_ARCHITECTURES[1] if cfg.qk_layernorm else PLUGIN_ARCHITECTURES[0]
 
 
-def sglang_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None) -> dict:
+def sglang_config(
+    cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None
+) -> dict:
     """config.json for SGLang's EAGLE-3 draft loader (and the plugin)."""
     qwen = cfg.qk_layernorm
     config = {
@@ -155,11 +157,20 @@ def speculators_refusal(cfg: DrafterConfig) -> str | None:
             "use --format sglang (with the megatron_osprey SGLang plugin) or --format hf."
         )
     if cfg.num_layers != 1:
-        return f"--format speculators: Eagle3Speculator has exactly one layer, this EAGLE-3 drafter has {cfg.num_layers}; use --format sglang."
+        return (
+            f"--format speculators: Eagle3Speculator has exactly one layer, this EAGLE-3 drafter has "
+            f"{cfg.num_layers}; use --format sglang."
+        )
     if cfg.qk_layernorm:
-        return "--format speculators: Eagle3Speculator is a Llama layer without q/k norms; this drafter has them (Qwen3 body)."
+        return (
+            "--format speculators: Eagle3Speculator is a Llama layer without q/k norms; this drafter has them "
+            "(Qwen3 body)."
+        )
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-        return "--format speculators: Eagle3Speculator derives head_dim = hidden_size / heads, which this drafter does not satisfy."
+        return (
+            "--format speculators: Eagle3Speculator derives head_dim = hidden_size / heads, which this drafter "
+            "does not satisfy."
+        )
     return None
 
 
@@ -173,8 +184,14 @@ def speculators_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dic
     return out
 
 
-def speculators_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int,
-                       verifier: dict | None = None, speculative_tokens: int = 5, extra: dict | None = None) -> dict:
+def speculators_config(
+    cfg: DrafterConfig,
+    dtype: torch.dtype,
+    max_position_embeddings: int,
+    verifier: dict | None = None,
+    speculative_tokens: int = 5,
+    extra: dict | None = None,
+) -> dict:
     """config.json of a speculators Eagle3 checkpoint."""
     reason = speculators_refusal(cfg)
     if reason:
@@ -192,10 +209,14 @@ def speculators_config(cfg: DrafterConfig, dtype: torch.dtype, max_position_embe
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{
-                "proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                "verifier_accept_k": 1, "accept_tolerance": 0.0,
-            }],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "verifier": verifier or {"name_or_path": None, "architectures": []},
         },
         "torch_dtype": _dtype_name(dtype),
@@ -214,7 +235,8 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         return DrafterConfig(**{k: v for k, v in ours.items() if k in names})
     body = config.get("transformer_layer_config", config)
     aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
-        "eagle_aux_hidden_state_layer_ids", [])
+        "eagle_aux_hidden_state_layer_ids", []
+    )
     return DrafterConfig(
         hidden_size=body["hidden_size"],
         target_hidden_size=config.get("target_hidden_size") or body["hidden_size"],

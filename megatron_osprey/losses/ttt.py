@@ -32,7 +32,6 @@ import dataclasses
 import torch
 from torch import Tensor
 
-
 MASK_ALIGNMENTS = ("predicted", "reference")
 NORMALIZATIONS = ("tokens", "reference")
 
@@ -162,8 +161,9 @@ class TTTStepTerms:
     accept_sum: Tensor
 
 
-def step_masks(loss_mask: Tensor, target_in_draft: Tensor, steps: int, mask_alignment: str = "predicted"
-               ) -> list[Tensor]:
+def step_masks(
+    loss_mask: Tensor, target_in_draft: Tensor, steps: int, mask_alignment: str = "predicted"
+) -> list[Tensor]:
     """step_mask() of every TTT step: the rows whose logits the loss reads."""
     return [step_mask(loss_mask, target_in_draft, k, mask_alignment) for k in range(steps)]
 
@@ -195,15 +195,20 @@ def ttt_step_terms(
             target_k = target_k[mask]
             mask = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         else:
-            logits, target_k, mask = logits.reshape(-1, logits.shape[-1]), target_k.reshape(
-                -1, target_logits.shape[-1]), mask.reshape(-1)
+            logits, target_k, mask = (
+                logits.reshape(-1, logits.shape[-1]),
+                target_k.reshape(-1, target_logits.shape[-1]),
+                mask.reshape(-1),
+            )
         result = vocab_parallel_soft_cross_entropy(logits, target_k, draft_vocab_size, group)
-        terms.append(TTTStepTerms(
-            loss_sum=(result.loss * mask).sum(),
-            count=mask.sum().detach(),
-            agree_sum=(result.agree & mask).sum().detach(),
-            accept_sum=(result.accept * mask).sum().detach(),
-        ))
+        terms.append(
+            TTTStepTerms(
+                loss_sum=(result.loss * mask).sum(),
+                count=mask.sum().detach(),
+                agree_sum=(result.agree & mask).sum().detach(),
+                accept_sum=(result.accept * mask).sum().detach(),
+            )
+        )
     return terms
 
 
@@ -232,8 +237,9 @@ def ttt_loss(
     group=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The TTT loss of one batch (ttt_objective's ratio), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k)."""
-    terms = ttt_step_terms(drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group,
-                           config.mask_alignment)
+    terms = ttt_step_terms(
+        drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group, config.mask_alignment
+    )
     numerator, denominator = ttt_objective(terms, config, loss_mask.numel())
     total = numerator / denominator.clamp(min=1).to(torch.float32)
     metrics: dict[str, Tensor] = {}

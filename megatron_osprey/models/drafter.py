@@ -88,17 +88,27 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 class TTTCoreAttention(MegatronModule):
     """Core attention for the drafter: causal over step-0 keys plus the same-position keys of steps 1..k."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         tp = config.tensor_model_parallel_size
         self.layer_number = max(1, layer_number)
         self.heads_per_partition = config.num_attention_heads // tp
         self.head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         """query [s, b, heads, d], key/value [s, b, groups, d] -> [s, b, heads * d]."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("the drafter's TTT attention takes neither an attention bias nor packed sequences.")
@@ -110,8 +120,9 @@ class TTTCoreAttention(MegatronModule):
         keys = [step[self.layer_number][0] for step in inputs.past] + [key]
         values = [step[self.layer_number][1] for step in inputs.past] + [value]
         to_bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
-        out = ttt_attention(to_bhsd(query), [to_bhsd(k) for k in keys], [to_bhsd(v) for v in values],
-                            self.softmax_scale)
+        out = ttt_attention(
+            to_bhsd(query), [to_bhsd(k) for k in keys], [to_bhsd(v) for v in values], self.softmax_scale
+        )
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_partition * self.head_dim)
 
@@ -140,7 +151,9 @@ class SideInputSelfAttention(SelfAttention):
             tp_group=self.pg_collection.tp,
         )
         self.hidden_norm = build_module(
-            submodules.hidden_norm, config=self.config, hidden_size=self.config.hidden_size,
+            submodules.hidden_norm,
+            config=self.config,
+            hidden_size=self.config.hidden_size,
             eps=self.config.layernorm_epsilon,
         )
 
@@ -178,13 +191,22 @@ def drafter_layer_specs(arch: DrafterArch, transformer_impl: str) -> list:
     submodules = base.submodules
     attention = submodules.self_attention
     common = dict(
-        linear_qkv=linear_qkv, core_attention=TTTCoreAttention, linear_proj=linear_proj,
-        q_layernorm=_qk_norm(attention.submodules.q_layernorm), k_layernorm=_qk_norm(attention.submodules.k_layernorm),
+        linear_qkv=linear_qkv,
+        core_attention=TTTCoreAttention,
+        linear_proj=linear_proj,
+        q_layernorm=_qk_norm(attention.submodules.q_layernorm),
+        k_layernorm=_qk_norm(attention.submodules.k_layernorm),
     )
-    fused_spec = ModuleSpec(module=SideInputSelfAttention, params={"attn_mask_type": AttnMaskType.arbitrary},
-                            submodules=SideInputSelfAttentionSubmodules(**common, hidden_norm=norm))
-    plain_spec = ModuleSpec(module=attention.module, params={"attn_mask_type": AttnMaskType.arbitrary},
-                            submodules=dataclasses.replace(attention.submodules, **common))
+    fused_spec = ModuleSpec(
+        module=SideInputSelfAttention,
+        params={"attn_mask_type": AttnMaskType.arbitrary},
+        submodules=SideInputSelfAttentionSubmodules(**common, hidden_norm=norm),
+    )
+    plain_spec = ModuleSpec(
+        module=attention.module,
+        params={"attn_mask_type": AttnMaskType.arbitrary},
+        submodules=dataclasses.replace(attention.submodules, **common),
+    )
     mlp = dataclasses.replace(
         submodules.mlp, submodules=dataclasses.replace(submodules.mlp.submodules, linear_fc1=fc1, linear_fc2=fc2)
     )
@@ -192,7 +214,10 @@ def drafter_layer_specs(arch: DrafterArch, transformer_impl: str) -> list:
     for index in range(arch.body.num_layers):
         fused = arch.layer_is_fused(index)
         layer_sub = dataclasses.replace(
-            submodules, input_layernorm=norm, pre_mlp_layernorm=norm, mlp=mlp,
+            submodules,
+            input_layernorm=norm,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
             self_attention=fused_spec if fused else plain_spec,
         )
         specs.append(ModuleSpec(module=base.module, submodules=layer_sub))
@@ -212,29 +237,42 @@ class OspreyDrafterModel(MegatronModule):
         self.transformer_impl = transformer_impl
         tp = config.tensor_model_parallel_size
         self.embedding = LanguageModelEmbedding(
-            config=config, vocab_size=padded_size(arch.vocab_size, tp),
-            max_sequence_length=arch.body.max_position_embeddings, position_embedding_type="none",
+            config=config,
+            vocab_size=padded_size(arch.vocab_size, tp),
+            max_sequence_length=arch.body.max_position_embeddings,
+            position_embedding_type="none",
         )
         if arch.variant == "eagle3":  # EAGLE-3 reads the target's frozen embedding
             self.embedding.word_embeddings.weight.requires_grad_(False)
-        self.fusion_fc = torch.nn.Linear(3 * arch.target_hidden_size, arch.hidden_size, bias=False,
-                                         dtype=config.params_dtype)
+        self.fusion_fc = torch.nn.Linear(
+            3 * arch.target_hidden_size, arch.hidden_size, bias=False, dtype=config.params_dtype
+        )
         self.rotary_pos_emb = RotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=int(arch.body.rope_theta),
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=int(arch.body.rope_theta),
             use_cpu_initialization=config.use_cpu_initialization,
         )
         self.rotary_pos_emb.inv_freq = arch.body.rotary_inv_freq().to(self.rotary_pos_emb.inv_freq.device)
         specs = drafter_layer_specs(arch, transformer_impl)
         self.decoder = TransformerBlock(
-            config=config, spec=TransformerBlockSubmodules(layer_specs=specs), post_layer_norm=False,
-            pre_process=True, post_process=False,
+            config=config,
+            spec=TransformerBlockSubmodules(layer_specs=specs),
+            post_layer_norm=False,
+            pre_process=True,
+            post_process=False,
         )
         norm = specs[0].submodules.input_layernorm
-        self.final_layernorm = build_module(norm, config=config, hidden_size=arch.hidden_size,
-                                            eps=config.layernorm_epsilon)
+        self.final_layernorm = build_module(
+            norm, config=config, hidden_size=arch.hidden_size, eps=config.layernorm_epsilon
+        )
         self.output_layer = tensor_parallel.ColumnParallelLinear(
-            arch.hidden_size, padded_size(arch.draft_vocab_size, tp), config=config,
-            init_method=config.init_method, bias=False, gather_output=False,
+            arch.hidden_size,
+            padded_size(arch.draft_vocab_size, tp),
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
         )
         self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
@@ -251,8 +289,16 @@ class OspreyDrafterModel(MegatronModule):
             g = tensor_parallel.scatter_to_sequence_parallel_region(g)
         return g
 
-    def forward(self, input_ids: Tensor, aux_hidden: Tensor | None = None, g: Tensor | None = None, step: int = 0,
-                ttt_past: tuple = (), ttt_new: dict | None = None, rows: Tensor | None = None):
+    def forward(
+        self,
+        input_ids: Tensor,
+        aux_hidden: Tensor | None = None,
+        g: Tensor | None = None,
+        step: int = 0,
+        ttt_past: tuple = (),
+        ttt_new: dict | None = None,
+        rows: Tensor | None = None,
+    ):
         """(logits [b, s, Vd/TP], pre-norm hidden [s(/TP), b, H]) for one pass at position offset `step`.
 
         ttt_past: the {layer_number: (key, value)} of earlier TTT steps (step 0 first);
@@ -330,7 +376,10 @@ def build_drafter_model(
         raise ValueError("the drafter does not support activation recompute; leave --recompute-granularity unset.")
     impl = resolve_transformer_impl(transformer_impl)
     config = transformer_config(
-        arch.body, parallel, params_dtype=params_dtype, perform_initialization=perform_initialization,
+        arch.body,
+        parallel,
+        params_dtype=params_dtype,
+        perform_initialization=perform_initialization,
         **config_overrides,
     )
     return OspreyDrafterModel(config, arch, impl)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_osprey.base.arch import ModelArch
+
 # One list of variants for both drafters; the reference drafter needs only torch, not Megatron-Core.
 from megatron_osprey.models.reference_drafter import EAGLE3_EXTRA_LAYERS, VARIANTS, DrafterConfig
 

@@ -47,18 +47,22 @@ def drafter_rules(arch: DrafterArch, layer_fused: list[bool]) -> list[WeightRule
             (f"{_L}.mlp.linear_fc2.weight", (f"{_R}.mlp.down_proj.weight",), Split.ROW),
         ]
         if fused:
-            layer_rules.append((f"{_L}.self_attention.hidden_norm.weight", (f"{_R}.{side_norm}.weight",), Split.REPLICATED))
+            layer_rules.append(
+                (f"{_L}.self_attention.hidden_norm.weight", (f"{_R}.{side_norm}.weight",), Split.REPLICATED)
+            )
         if qk:
             layer_rules += [
                 (f"{_L}.self_attention.q_layernorm.weight", (f"{_R}.self_attn.q_norm.weight",), Split.REPLICATED),
                 (f"{_L}.self_attention.k_layernorm.weight", (f"{_R}.self_attn.k_norm.weight",), Split.REPLICATED),
             ]
         for megatron, hf, split in layer_rules:
-            rules.append(WeightRule(
-                megatron.replace("{layer}", str(index)),
-                tuple(name.replace("{layer}", str(index)) for name in hf),
-                split,
-            ))
+            rules.append(
+                WeightRule(
+                    megatron.replace("{layer}", str(index)),
+                    tuple(name.replace("{layer}", str(index)) for name in hf),
+                    split,
+                )
+            )
     return rules
 
 
@@ -126,7 +130,9 @@ def reference_state(model, tp_group=None) -> dict[str, torch.Tensor]:
             raise KeyError(f"no reference-drafter rule for Megatron parameter {name!r}.")
         rule = found[0]
         shards = [param.detach()] if rule.split is Split.REPLICATED else _gather_tp(param.detach(), tp_group)
-        out.update({k: v.clone() for k, v in merge_shards(rule, shards, list(rule.hf), _vocab_arch(arch, name)).items()})
+        out.update(
+            {k: v.clone() for k, v in merge_shards(rule, shards, list(rule.hf), _vocab_arch(arch, name)).items()}
+        )
     out["d2t"] = model.d2t.detach().clone()
     out["t2d"] = model.t2d.detach().clone()
     return out

@@ -51,7 +51,9 @@ def layer_spec(arch: ModelArch, transformer_impl: str):
     else:
         # Grouped GEMM needs TE or the grouped_gemm CUDA kernels: SequentialMLP on the CPU.
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm,
+            num_experts=experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_layernorm,
             normalization="RMSNorm",
         )
     if arch.qk_norm_over_projection:
@@ -138,9 +140,7 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=(
-            parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
-        ),
+        expert_tensor_parallel_size=(parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -211,4 +211,3 @@ def build_gpt_model(
     model.osprey_arch = arch
     model.transformer_impl = impl
     return model
-

@@ -43,13 +43,17 @@ def prune_by_importance(config, arch: ModelArch, parallel) -> tuple[torch.nn.Mod
         )
     if config.calibration_data is None or not Path(config.calibration_data).is_file():
         raise FileNotFoundError(
-            f"--strategy importance needs --calibration-data JSONL with a 'text' field "
-            f"(got {config.calibration_data})."
+            f"--strategy importance needs --calibration-data JSONL with a 'text' field (got {config.calibration_data})."
         )
     import modelopt.torch.prune as mtp
 
-    model = build_gpt_model(arch, parallel.config, transformer_impl=config.transformer_impl,
-                            params_dtype=arch.torch_dtype_obj(), perform_initialization=False)
+    model = build_gpt_model(
+        arch,
+        parallel.config,
+        transformer_impl=config.transformer_impl,
+        params_dtype=arch.torch_dtype_obj(),
+        perform_initialization=False,
+    )
     load_hf_weights(model, config.source, arch, parallel.tp_rank, parallel.config.tensor_model_parallel_size)
     model.cuda().eval()
     batches = list(_calibration_batches(Path(config.calibration_data), Path(config.source)))

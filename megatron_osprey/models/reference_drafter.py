@@ -88,7 +88,8 @@ class DrafterConfig:
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
-                f"DrafterConfig.draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size ({self.vocab_size})."
+                f"DrafterConfig.draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size "
+                f"({self.vocab_size})."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -154,7 +155,11 @@ class DrafterAttention(nn.Module):
 
     def __init__(self, cfg: DrafterConfig, in_features: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
@@ -314,7 +319,9 @@ class ReferenceDrafter(nn.Module):
         """Set d2t/t2d from the target ids of the draft vocabulary (draft id i -> target_ids sorted[i])."""
         ids = torch.sort(torch.as_tensor(target_ids, dtype=torch.int64)).values
         if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}.")
+            raise ValueError(
+                f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}."
+            )
         if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in 0..{self.config.vocab_size - 1}.")
         self.d2t.copy_(ids - torch.arange(ids.numel()))
@@ -335,7 +342,8 @@ class ReferenceDrafter(nn.Module):
     # ----- init -----
     @torch.no_grad()
     def init_osprey_side_path(self) -> None:
-        """Osprey init of the new parameters: W_new = 0, hidden_norm = input_layernorm, fc = identity on the deepest tap."""
+        """Osprey init of the new parameters: W_new = 0, hidden_norm = input_layernorm, fc = identity on the deepest
+        tap."""
         h, ht = self.config.hidden_size, self.config.target_hidden_size
         for layer in self.layers:
             if layer.kind != "osprey":

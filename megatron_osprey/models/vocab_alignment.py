@@ -37,7 +37,7 @@ RULES = {
     "reference": {
         "copied": "the same bytes exist as one backbone token: that row",
         "single": "the decoded string (partial UTF-8 -> U+FFFD, special tokens literally) is one backbone token: "
-                  "that row",
+        "that row",
         "averaged": "the decoded string (special tokens literally) is several backbone tokens: their mean",
         "unmapped": "the decoded string tokenizes to nothing: a zero row",
         "unused": "beyond the tokenizer (config padding): a zero row",
@@ -56,7 +56,9 @@ KINDS = ("copied", "single", "averaged", "special", "fallback", "unmapped", "unu
 @lru_cache(maxsize=1)
 def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -201,7 +203,9 @@ class Alignment:
         return "zero" if self.policy == "reference" else "mean"
 
 
-def align_vocabularies(backbone: VocabView, target: VocabView, target_rows: int, policy: str = "reference") -> Alignment:
+def align_vocabularies(
+    backbone: VocabView, target: VocabView, target_rows: int, policy: str = "reference"
+) -> Alignment:
     """Map each of the `target_rows` target ids (the config's vocab, maybe padded) to backbone rows."""
     if policy not in POLICIES:
         raise ValueError(f"--alignment-policy must be one of {POLICIES}, got {policy!r}.")
@@ -247,7 +251,11 @@ def _align_reference(backbone: VocabView, target: VocabView, target_rows: int) -
         is_special = target_id in target.special_ids
         specials += is_special
         # A special token's own string, when the backbone has it, is a copy like any other.
-        match = backbone.vocab.get(token) if is_special and isinstance(token, str) else _copy_source(backbone, target, token)
+        match = (
+            backbone.vocab.get(token)
+            if is_special and isinstance(token, str)
+            else _copy_source(backbone, target, token)
+        )
         if match is not None:
             sources.append([match])
             kinds.append("copied")
@@ -259,8 +267,14 @@ def _align_reference(backbone: VocabView, target: VocabView, target_rows: int) -
         if is_special:
             names = [backbone_by_id.get(i, str(i)) for i in sources[-1]]
             special_map[target.special_ids[target_id]] = f"{kinds[-1]}: {names}"
-    return Alignment(sources=sources, kinds=kinds, special_map=special_map, policy="reference",
-                     partial_utf8=partial, special_tokens=specials)
+    return Alignment(
+        sources=sources,
+        kinds=kinds,
+        special_map=special_map,
+        policy="reference",
+        partial_utf8=partial,
+        special_tokens=specials,
+    )
 
 
 def _align_bytes_and_roles(backbone: VocabView, target: VocabView, target_rows: int) -> Alignment:
@@ -318,8 +332,14 @@ def _align_bytes_and_roles(backbone: VocabView, target: VocabView, target_rows: 
         else:
             sources.append([])
             kinds.append("fallback")
-    return Alignment(sources=sources, kinds=kinds, special_map=special_map, policy="bytes_and_roles",
-                     partial_utf8=partial, special_tokens=len(target.special_ids))
+    return Alignment(
+        sources=sources,
+        kinds=kinds,
+        special_map=special_map,
+        policy="bytes_and_roles",
+        partial_utf8=partial,
+        special_tokens=len(target.special_ids),
+    )
 
 
 def _name(view: VocabView, token_id: int) -> str:
@@ -353,12 +373,14 @@ def alignment_report(alignment: Alignment, backbone: VocabView, target: VocabVie
     samples: dict[str, list] = {k: [] for k in RULES[alignment.policy] if k != "unused"}
     for target_id, (kind, sources) in enumerate(zip(alignment.kinds, alignment.sources)):
         if kind in samples and len(samples[kind]) < examples:
-            samples[kind].append({
-                "target_id": target_id,
-                "target_token": show(by_id[target_id]),
-                "backbone_ids": sources,
-                "backbone_tokens": [show(back_by_id.get(i, "?")) for i in sources],
-            })
+            samples[kind].append(
+                {
+                    "target_id": target_id,
+                    "target_token": show(by_id[target_id]),
+                    "backbone_ids": sources,
+                    "backbone_tokens": [show(back_by_id.get(i, "?")) for i in sources],
+                }
+            )
     return {
         "policy": alignment.policy,
         "counts": alignment.counts(),

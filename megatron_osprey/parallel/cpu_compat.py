@@ -90,7 +90,9 @@ _FACTORY_FUNCTIONS = ("tensor", "zeros", "ones", "empty", "full", "arange", "ran
 MOE_CALL_SITES: dict[str, str] = {
     "megatron.core.transformer.moe.moe_utils": "if te_general_gemm is not None and router_dtype != torch.float64:",
     "megatron.core.transformer.moe.moe_utils ": "if torch.is_tensor(tensor) and tensor.is_cuda:",
-    "megatron.core.transformer.moe.token_dispatcher": "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()",
+    "megatron.core.transformer.moe.token_dispatcher": (
+        "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()"
+    ),
     "megatron.core.transformer.moe.token_dispatcher ": "with torch.cuda.stream(self.cuda_dtoh_stream):",
     "megatron.core.transformer.moe.token_dispatcher  ": "self.d2h_event = self.cuda_dtoh_stream.record_event()",
 }

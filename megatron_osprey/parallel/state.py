@@ -31,11 +31,7 @@ class ParallelConfig:
 
     def model_parallel_size(self) -> int:
         """Ranks that hold one copy of the (dense) model."""
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
-        )
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     def validate(self, world_size: int) -> None:
         """Raise one clear error when the layout does not fit `world_size` ranks."""
@@ -69,8 +65,7 @@ class ParallelConfig:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1.")
         if self.context_parallel_size > 1 and not torch.cuda.is_available():
             raise ValueError(
-                "--context-parallel-size > 1 needs Transformer Engine attention on CUDA; "
-                "it cannot run on the CPU."
+                "--context-parallel-size > 1 needs Transformer Engine attention on CUDA; it cannot run on the CPU."
             )
 
 
@@ -163,11 +158,7 @@ def initialize_parallel(config: ParallelConfig) -> ParallelState:
         distributed_timeout_minutes=int(max(1, config.distributed_timeout_minutes)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return ParallelState(
         config=config,
         rank=torch.distributed.get_rank(),

@@ -24,6 +24,7 @@ in another order than one row and one token).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
 import torch
 
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
@@ -55,8 +56,8 @@ def _slot_cache_layer_class():
             n = key_states.shape[-2]
             if self.used + n > self.capacity:
                 raise RuntimeError(f"batched KV cache is full ({self.capacity} slots); raise its capacity.")
-            self.keys[:, :, self.used: self.used + n] = key_states
-            self.values[:, :, self.used: self.used + n] = value_states
+            self.keys[:, :, self.used : self.used + n] = key_states
+            self.values[:, :, self.used : self.used + n] = value_states
             self.used += n
             return self.keys[:, :, : self.used], self.values[:, :, : self.used]
 
@@ -93,13 +94,24 @@ class BatchedHFTarget:
         b, t = ids.shape
         n = self.length
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-        allowed = torch.cat((self.valid[:, None, :n].expand(b, t, n),
-                             causal[None] & (new_valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=device))),
-                            dim=2)
+        allowed = torch.cat(
+            (
+                self.valid[:, None, :n].expand(b, t, n),
+                causal[None] & (new_valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=device)),
+            ),
+            dim=2,
+        )
         mask = torch.zeros(b, 1, t, n + t, dtype=dtype, device=device)
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-        out = self.model(ids.to(device), attention_mask=mask, position_ids=positions.to(device), cache=self.cache,
-                         use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
+        out = self.model(
+            ids.to(device),
+            attention_mask=mask,
+            position_ids=positions.to(device),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=logits_to_keep,
+        )
         aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
         return out.logits, aux
 
@@ -115,7 +127,7 @@ class BatchedHFTarget:
         ids = torch.zeros(b, t, dtype=torch.long)
         pad = t - lengths
         for row, prompt in enumerate(prompts):
-            ids[row, pad[row]:] = prompt
+            ids[row, pad[row] :] = prompt
         columns = torch.arange(t)[None]
         new_valid = columns >= pad[:, None]
         positions = (columns - pad[:, None]).clamp(min=0)
@@ -123,7 +135,7 @@ class BatchedHFTarget:
         logits, aux = self._forward(ids, positions, new_valid.to(self.model.device), logits_to_keep=1)
         self.valid[:, :t] = new_valid
         self.positions = lengths.clone()
-        return logits[:, -1], [aux[row, pad[row]:] for row in range(b)]
+        return logits[:, -1], [aux[row, pad[row] :] for row in range(b)]
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +151,7 @@ class BatchedHFTarget:
         """Row b keeps the first keep[b] tokens of the last verify in its cache."""
         start, t = self._block
         keep_t = torch.as_tensor(keep, dtype=torch.long)
-        self.valid[:, start: start + t] = torch.arange(t)[None] < keep_t[:, None].to(self.valid.device)
+        self.valid[:, start : start + t] = torch.arange(t)[None] < keep_t[:, None].to(self.valid.device)
         self.positions += keep_t
         self._block = None
 
@@ -230,8 +242,8 @@ class SlotKVCache:
         n = k.shape[2]
         if self.used[i] + n > self.capacity:
             raise RuntimeError(f"drafter KV cache is full ({self.capacity} slots); raise its capacity.")
-        self.keys[i][:, :, self.used[i]: self.used[i] + n] = k
-        self.values[i][:, :, self.used[i]: self.used[i] + n] = v
+        self.keys[i][:, :, self.used[i] : self.used[i] + n] = k
+        self.values[i][:, :, self.used[i] : self.used[i] + n] = v
         self.used[i] += n
 
     def select(self, index: torch.Tensor) -> None:
@@ -263,8 +275,15 @@ class BatchedReferenceDraftSession(BatchedDraftSession):
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
         own = causal[None] & (new_valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device))
         allowed = torch.cat((old[:, None, :].expand(b, t, n), own), dim=2)
-        logits, hidden = self.drafter(ids.to(self.device), aux_hidden=aux, g=g, position_ids=positions.to(self.device),
-                                      kv_cache=self.cache, allowed=allowed, logits_rows=last.to(self.device))
+        logits, hidden = self.drafter(
+            ids.to(self.device),
+            aux_hidden=aux,
+            g=g,
+            position_ids=positions.to(self.device),
+            kv_cache=self.cache,
+            allowed=allowed,
+            logits_rows=last.to(self.device),
+        )
         return self.drafter.target_logits(logits[:, 0]), hidden
 
     def _commit_block(self, tokens: list[list[int]], aux: list[torch.Tensor]) -> torch.Tensor:
@@ -279,7 +298,7 @@ class BatchedReferenceDraftSession(BatchedDraftSession):
         positions = self.committed[:, None] + torch.arange(t)[None]
         start = self.cache.length
         logits, hidden = self._run(ids, positions, new_valid, counts - 1, aux=feats)
-        self.valid[:, start: start + t] = new_valid
+        self.valid[:, start : start + t] = new_valid
         self.committed += counts
         self.root_hidden = hidden[torch.arange(b), (counts - 1).to(self.device)]
         return logits
@@ -303,8 +322,14 @@ class BatchedReferenceDraftSession(BatchedDraftSession):
         for depth in range(1, steps):
             positions = (self.committed - 1 + depth)[:, None]
             last = torch.zeros(b, dtype=torch.long)
-            logits, hidden = self._run(drafted[-1][:, None], positions, torch.ones(b, 1, dtype=torch.bool,
-                                       device=self.device), last, g=g[:, None], chain_from=chain_from)
+            logits, hidden = self._run(
+                drafted[-1][:, None],
+                positions,
+                torch.ones(b, 1, dtype=torch.bool, device=self.device),
+                last,
+                g=g[:, None],
+                chain_from=chain_from,
+            )
             g = hidden[:, 0]
             drafted.append(logits.argmax(-1).cpu())
         return torch.stack(drafted, dim=1)
@@ -328,8 +353,15 @@ def cache_capacity(prompts: list[torch.Tensor], cfg: SpecConfig, per_round: int)
     return max(p.numel() for p in prompts) + cfg.max_new_tokens * per_round + 1
 
 
-def _decode_chains(session: BatchedDraftSession, prompts: list[torch.Tensor], first: list[int],
-                   prompt_aux: list[torch.Tensor], cfg: SpecConfig, judge, drop=None) -> list[SpecResult]:
+def _decode_chains(
+    session: BatchedDraftSession,
+    prompts: list[torch.Tensor],
+    first: list[int],
+    prompt_aux: list[torch.Tensor],
+    cfg: SpecConfig,
+    judge,
+    drop=None,
+) -> list[SpecResult]:
     """The greedy chain loop shared by live and replayed decoding; results in prompt order.
 
     judge(live, drafts [B, steps], results) returns per live row the tokens the round commits (accepted
@@ -368,12 +400,14 @@ def _decode_chains(session: BatchedDraftSession, prompts: list[torch.Tensor], fi
 
 def _check_greedy_chain(cfg: SpecConfig, what: str) -> None:
     if cfg.topk != 1 or cfg.temperature != 0:
-        raise ValueError(f"{what} greedy chains only (topk 1, temperature 0); "
-                         f"got topk {cfg.topk}, temperature {cfg.temperature}.")
+        raise ValueError(
+            f"{what} greedy chains only (topk 1, temperature 0); got topk {cfg.topk}, temperature {cfg.temperature}."
+        )
 
 
-def batched_speculative_generate(target: BatchedHFTarget, session: BatchedDraftSession,
-                                 prompts: list[torch.Tensor], cfg: SpecConfig) -> list[SpecResult]:
+def batched_speculative_generate(
+    target: BatchedHFTarget, session: BatchedDraftSession, prompts: list[torch.Tensor], cfg: SpecConfig
+) -> list[SpecResult]:
     """Greedy chain speculative decoding of a batch; results in prompt order.
 
     The target and session must have been built with cache_capacity(prompts, cfg, per_round) slots
@@ -397,8 +431,9 @@ def batched_speculative_generate(target: BatchedHFTarget, session: BatchedDraftS
 
 
 @torch.no_grad()
-def batched_target_generate(target: BatchedHFTarget, prompts: list[torch.Tensor], max_new_tokens: int,
-                            eos_token_ids: tuple[int, ...] = ()) -> list[list[int]]:
+def batched_target_generate(
+    target: BatchedHFTarget, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_ids: tuple[int, ...] = ()
+) -> list[list[int]]:
     """Target-only greedy decoding of a batch (one token per row per forward); outputs in prompt order.
 
     The target must have been built with cache_capacity(prompts, cfg, 1) slots.
@@ -423,8 +458,13 @@ def batched_target_generate(target: BatchedHFTarget, prompts: list[torch.Tensor]
     return outputs
 
 
-def replay_speculative_generate(session: BatchedDraftSession, prompts: list[torch.Tensor], references: list[list[int]],
-                                features: list[torch.Tensor], cfg: SpecConfig) -> list[SpecResult]:
+def replay_speculative_generate(
+    session: BatchedDraftSession,
+    prompts: list[torch.Tensor],
+    references: list[list[int]],
+    features: list[torch.Tensor],
+    cfg: SpecConfig,
+) -> list[SpecResult]:
     """Greedy chain speculative decoding of a batch, replayed against the target's own greedy output.
 
     Greedy verification commits the target's greedy text whatever the drafter proposes, and a causal
@@ -441,26 +481,31 @@ def replay_speculative_generate(session: BatchedDraftSession, prompts: list[torc
     prompts = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     for prompt, ref, feats in zip(prompts, references, features):
         if not ref or feats.shape[0] != prompt.numel() + len(ref) - 1:
-            raise ValueError(f"replay needs each reference's features over prompt + reference[:-1]: "
-                             f"{prompt.numel()} + {len(ref)} - 1 rows, got {feats.shape[0]}.")
+            raise ValueError(
+                f"replay needs each reference's features over prompt + reference[:-1]: "
+                f"{prompt.numel()} + {len(ref)} - 1 rows, got {feats.shape[0]}."
+            )
         if ref[-1] not in cfg.eos_token_ids and len(ref) < cfg.max_new_tokens:
-            raise ValueError(f"replay: a reference ends after {len(ref)} tokens without an EOS id and short of "
-                             f"max_new_tokens {cfg.max_new_tokens}; decode it with the same settings.")
+            raise ValueError(
+                f"replay: a reference ends after {len(ref)} tokens without an EOS id and short of "
+                f"max_new_tokens {cfg.max_new_tokens}; decode it with the same settings."
+            )
     lengths = [p.numel() for p in prompts]
 
     def replay(live, drafts, results):
         drafts, judged = drafts.tolist(), []
         for b, i in enumerate(live):
             ref, k = references[i], len(results[i].tokens)
-            ahead = ref[k: k + cfg.steps]  # the target's greedy tokens after the committed ones
+            ahead = ref[k : k + cfg.steps]  # the target's greedy tokens after the committed ones
             a = 0
             while a < len(ahead) and drafts[b][a] == ahead[a]:
                 a += 1
-            judged.append((ref[k: k + a + 1], features[i][lengths[i] + k - 1: lengths[i] + k + a]))
+            judged.append((ref[k : k + a + 1], features[i][lengths[i] + k - 1 : lengths[i] + k + a]))
         return judged
 
-    return _decode_chains(session, prompts, [ref[0] for ref in references],
-                          [f[: n] for f, n in zip(features, lengths)], cfg, replay)
+    return _decode_chains(
+        session, prompts, [ref[0] for ref in references], [f[:n] for f, n in zip(features, lengths)], cfg, replay
+    )
 
 
 @torch.no_grad()

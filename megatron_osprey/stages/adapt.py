@@ -101,7 +101,9 @@ def load_token_counts(path: Path, vocab_size: int) -> torch.Tensor:
     items = enumerate(data) if isinstance(data, list) else ((int(k), v) for k, v in data.items())
     for token_id, count in items:
         if not 0 <= token_id < vocab_size:
-            raise ValueError(f"--token-counts {path}: id {token_id} is outside the target vocabulary (0..{vocab_size - 1}).")
+            raise ValueError(
+                f"--token-counts {path}: id {token_id} is outside the target vocabulary (0..{vocab_size - 1})."
+            )
         counts[token_id] = float(count)
     return counts
 
@@ -111,7 +113,9 @@ def draft_vocab_ids(config: AdaptConfig, vocab_size: int) -> torch.Tensor:
     if config.draft_vocab_size is None or config.draft_vocab_size == vocab_size:
         return torch.arange(vocab_size)
     if config.token_counts is None:
-        raise ValueError("--draft-vocab-size needs --token-counts FILE (target-token frequencies in the training data).")
+        raise ValueError(
+            "--draft-vocab-size needs --token-counts FILE (target-token frequencies in the training data)."
+        )
     if not 0 < config.draft_vocab_size <= vocab_size:
         raise ValueError(f"--draft-vocab-size {config.draft_vocab_size} must be in 1..{vocab_size}.")
     counts = load_token_counts(config.token_counts, vocab_size)
@@ -121,7 +125,9 @@ def draft_vocab_ids(config: AdaptConfig, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def adapted_reference_state(backbone_hf: Path, arch: DrafterArch, embed: torch.Tensor, head: torch.Tensor, draft_ids: torch.Tensor):
+def adapted_reference_state(
+    backbone_hf: Path, arch: DrafterArch, embed: torch.Tensor, head: torch.Tensor, draft_ids: torch.Tensor
+):
     """The reference drafter's initial state: backbone layers with [0 | W] QKV, aligned vocab, identity fc."""
     from megatron_osprey.models.reference_drafter import ReferenceDrafter
 
@@ -130,9 +136,8 @@ def adapted_reference_state(backbone_hf: Path, arch: DrafterArch, embed: torch.T
     with SafetensorsCheckpoint(backbone_hf) as ckpt:
         for name in ckpt.weight_map:
             if name.startswith("model.layers."):
-                state[name[len("model."):]] = ckpt.read(name)
+                state[name[len("model.") :]] = ckpt.read(name)
         state["norm.weight"] = ckpt.read("model.norm.weight")
-    h = arch.hidden_size
     for index in range(arch.body.num_layers):
         prefix = f"layers.{index}"
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -193,8 +198,12 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
     head = aligned_rows(backbone_head, alignment)
     draft_ids = draft_vocab_ids(config, target.vocab_size)
     arch = DrafterArch(
-        body=body, target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-        draft_vocab_size=int(draft_ids.numel()), aux_layer_ids=tuple(aux), variant=config.variant,
+        body=body,
+        target_hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=int(draft_ids.numel()),
+        aux_layer_ids=tuple(aux),
+        variant=config.variant,
     )
     drafter = adapted_reference_state(hf_dir, arch, embed, head, draft_ids)
     report["draft_vocab_size"] = arch.draft_vocab_size
@@ -217,7 +226,9 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
         write_text_atomic(output / "tokenizer_alignment.json", json.dumps(report, indent=2, ensure_ascii=False))
         save_run_config(output / "run_config.yaml", run_config)
     torch.distributed.barrier()
-    model = build_drafter_model(arch, parallel.config, params_dtype=body.torch_dtype_obj(), perform_initialization=False)
+    model = build_drafter_model(
+        arch, parallel.config, params_dtype=body.torch_dtype_obj(), perform_initialization=False
+    )
     load_reference_state(model, drafter.state_dict(), parallel.tp_rank, parallel.config.tensor_model_parallel_size)
     save_checkpoint(output / "megatron", 0, model.sharded_state_dict(), run_config)
     return report
@@ -234,13 +245,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backbone", required=True, type=Path)
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
-                        help="0-based target layers whose outputs feed fusion_fc (default [1, L//2-1, L-4])")
+    parser.add_argument(
+        "--aux-layer-ids",
+        type=int,
+        nargs=3,
+        default=None,
+        help="0-based target layers whose outputs feed fusion_fc (default [1, L//2-1, L-4])",
+    )
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary (top-K ids)")
     parser.add_argument("--token-counts", type=Path, default=None, help="JSON list/object of target-token counts")
-    parser.add_argument("--alignment-policy", choices=["reference", "bytes_and_roles"], default="reference",
-                        help="vocabulary alignment for rows without a byte-identical backbone token: Osprey's "
-                             "released rule (default) or this project's byte/role rule")
+    parser.add_argument(
+        "--alignment-policy",
+        choices=["reference", "bytes_and_roles"],
+        default="reference",
+        help="vocabulary alignment for rows without a byte-identical backbone token: Osprey's "
+        "released rule (default) or this project's byte/role rule",
+    )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
     return parser.parse_args(argv)
@@ -254,8 +274,16 @@ def main(argv=None) -> int:
         report = run(config_from_flags(AdaptConfig, args), config_from_flags(ParallelConfig, args))
         if is_rank0():
             counts = report["counts"]
-            print(json.dumps({"policy": report["policy"], "counts": counts,
-                              "draft_vocab_size": report["draft_vocab_size"], "aux_layer_ids": report["aux_layer_ids"]}))
+            print(
+                json.dumps(
+                    {
+                        "policy": report["policy"],
+                        "counts": counts,
+                        "draft_vocab_size": report["draft_vocab_size"],
+                        "aux_layer_ids": report["aux_layer_ids"],
+                    }
+                )
+            )
             rows = ", ".join(f"{count:,} {kind}" for kind, count in counts.items())
             print(f"adapted {args.backbone} -> {args.output} for {args.target} ({report['policy']} alignment): {rows}")
 

@@ -23,8 +23,9 @@ def config_from_flags(config_class, args):
     return config_class(**{name: value for name, value in vars(args).items() if name in names})
 
 
-def exit_code(call: Callable[[], int | None], *, also: tuple[type[BaseException], ...] = (),
-              describe: Callable[[str], str] = str) -> int:
+def exit_code(
+    call: Callable[[], int | None], *, also: tuple[type[BaseException], ...] = (), describe: Callable[[str], str] = str
+) -> int:
     """Run `call` and return its exit code (None: 0); on an input error (or one in `also`) print it as one
     line and return 2; on a non-finite loss, 1.
 

@@ -9,7 +9,8 @@
 Each split is named by its file stem; each drafter by NAME=, --names, or its directory. A drafter's
 training domain comes from --train-domain or its run_config.yaml (train_domain); its method
 (matrix group) from --method or its variant (osprey / eagle3). Writes DIR/results.json,
-DIR/matrix.md and DIR/matrix.png (an existing results.json needs --overwrite). Exit status: 0 ok, 1 --verify-lossless found a mismatch, 2 bad input.
+DIR/matrix.md and DIR/matrix.png (an existing results.json needs --overwrite). Exit status: 0 ok, 1 --verify-lossless
+found a mismatch, 2 bad input.
 
 Defaults are the paper's benchmark protocol: the first user message of each conversation, up to 4096 new
 tokens, steps 5 / topk 1 / 6 draft tokens, greedy. `--temperature` and `--draft-tokens` take lists and
@@ -32,24 +33,35 @@ from megatron_osprey.stages.cli import exit_code
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_osprey.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_osprey.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", required=True, type=Path, help="HF model directory of the target")
     parser.add_argument("--drafter", required=True, action="append", help="[NAME=]PATH, repeatable")
     parser.add_argument("--data", required=True, action="append", type=Path, help="conversations JSONL, repeatable")
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--names", nargs="+", default=None, help="drafter names, in --drafter order")
-    parser.add_argument("--train-domain", action="extend", nargs="+", default=[], help="[NAME=]DOMAIN, in --drafter order")
+    parser.add_argument(
+        "--train-domain", action="extend", nargs="+", default=[], help="[NAME=]DOMAIN, in --drafter order"
+    )
     parser.add_argument("--method", action="extend", nargs="+", default=[], help="[NAME=]METHOD, in --drafter order")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--topk", type=int, default=1)
-    parser.add_argument("--draft-tokens", type=int, nargs="+", default=None,
-                        help="one or more; default steps + 1 (6 at steps 5); with topk 1 each sets steps = value - 1")
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one or more; default steps + 1 (6 at steps 5); with topk 1 each sets steps = value - 1",
+    )
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (a sweep)")
     parser.add_argument("--max-new-tokens", type=int, default=4096, help="the paper's benchmark: 4096")
-    parser.add_argument("--prompt-messages", choices=("first_user", "before_assistant"), default="first_user",
-                        help="the first user message (the paper's benchmark) or every message before the first "
-                             "assistant turn")
+    parser.add_argument(
+        "--prompt-messages",
+        choices=("first_user", "before_assistant"),
+        default="first_user",
+        help="the first user message (the paper's benchmark) or every message before the first assistant turn",
+    )
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts of each split")
     parser.add_argument("--verify-lossless", action="store_true", help="also decode with the target alone and compare")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -57,19 +69,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enable-thinking", choices=("true", "false"), default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--target-backend", choices=("hf", "megatron"), default="hf",
-                        help="run the target as a HF model (default) or as a Megatron-Core model (exact recompute per verify)")
-    parser.add_argument("--truncate-prompts", action="store_true",
-                        help="keep the last tokens of a prompt too long for the target's max_position_embeddings "
-                             "(default: refuse it)")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="requests decoded together (default 1: the reference engine, one request at a time); "
-                             "above 1, greedy chains (--topk 1, --temperature 0) on the HF target share each forward")
-    parser.add_argument("--replay", action="store_true",
-                        help="measure AL by replaying the target's greedy output: each round accepts the drafter's "
-                             "chain as far as it equals the target-only output, so the target runs one forward per "
-                             "prompt for every drafter (greedy chains; the same AL as live decoding up to "
-                             "floating-point order; no decoding speed)")
+    parser.add_argument(
+        "--target-backend",
+        choices=("hf", "megatron"),
+        default="hf",
+        help="run the target as a HF model (default) or as a Megatron-Core model (exact recompute per verify)",
+    )
+    parser.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="keep the last tokens of a prompt too long for the target's max_position_embeddings (default: refuse it)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="requests decoded together (default 1: the reference engine, one request at a time); "
+        "above 1, greedy chains (--topk 1, --temperature 0) on the HF target share each forward",
+    )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="measure AL by replaying the target's greedy output: each round accepts the drafter's "
+        "chain as far as it equals the target-only output, so the target runs one forward per "
+        "prompt for every drafter (greedy chains; the same AL as live decoding up to "
+        "floating-point order; no decoding speed)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT/results.json")
     return parser.parse_args(argv)
 
@@ -113,15 +138,27 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}.")
     return EvalConfig(
-        target=args.target, data=list(args.data), output=args.output,
+        target=args.target,
+        data=list(args.data),
+        output=args.output,
         drafters=[DrafterSpec(n, p, domains.get(n), methods.get(n)) for n, p in zip(names, paths)],
-        steps=args.steps, topk=args.topk,
+        steps=args.steps,
+        topk=args.topk,
         draft_tokens=args.draft_tokens[0] if args.draft_tokens and len(args.draft_tokens) == 1 else args.draft_tokens,
         temperature=args.temperature[0] if len(args.temperature) == 1 else args.temperature,
-        max_new_tokens=args.max_new_tokens, prompt_messages=args.prompt_messages, limit=args.limit, verify_lossless=args.verify_lossless,
-        dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress,
-        target_backend=args.target_backend, truncate_prompts=args.truncate_prompts, overwrite=args.overwrite,
-        batch_size=args.batch_size, replay=args.replay,
+        max_new_tokens=args.max_new_tokens,
+        prompt_messages=args.prompt_messages,
+        limit=args.limit,
+        verify_lossless=args.verify_lossless,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        progress=not args.no_progress,
+        target_backend=args.target_backend,
+        truncate_prompts=args.truncate_prompts,
+        overwrite=args.overwrite,
+        batch_size=args.batch_size,
+        replay=args.replay,
         enable_thinking=None if args.enable_thinking is None else args.enable_thinking == "true",
     )
 
@@ -141,15 +178,19 @@ def main(argv=None) -> int:
         results = run(build_config(args))
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         for row in results["sweep"]:
-            setting = (f"T={row['temperature']:g} draft tokens {row['draft_tokens']}"
-                       + (f" seed {row['seed']}" if row["temperature"] else ""))
+            setting = f"T={row['temperature']:g} draft tokens {row['draft_tokens']}" + (
+                f" seed {row['seed']}" if row["temperature"] else ""
+            )
             for name, m in row["matrices"].items():
                 print(f"{setting} {name}: mean AL {fmt(m['mean'])}, ID {fmt(m['id_mean'])}, OOD {fmt(m['ood_mean'])}")
         mismatches = results["lossless"]["mismatches"]
         if mismatches:
             for m in mismatches[:10]:
-                print(f"LOSSLESS MISMATCH: drafter {m['drafter']} split {m['split']} request {m['id']} "
-                      f"differs from target-only greedy at token {m['index']}", file=sys.stderr)
+                print(
+                    f"LOSSLESS MISMATCH: drafter {m['drafter']} split {m['split']} request {m['id']} "
+                    f"differs from target-only greedy at token {m['index']}",
+                    file=sys.stderr,
+                )
             print(f"error: {len(mismatches)} request(s) differ from target-only greedy decoding.", file=sys.stderr)
             return 1
         if args.verify_lossless:

@@ -1,8 +1,8 @@
 """Stage 1: prune a HF small LM (e.g. Qwen3-4B) to its embedding + first N blocks + final norm + LM head.
 
-    python tools/prune_backbone.py --source HF_DIR --num-layers 2 --output OUT
-    torchrun --nproc_per_node=2 tools/prune_backbone.py ... --tensor-model-parallel-size 2
-    (python -m megatron_osprey.stages.prune takes the same flags)
+python tools/prune_backbone.py --source HF_DIR --num-layers 2 --output OUT
+torchrun --nproc_per_node=2 tools/prune_backbone.py ... --tensor-model-parallel-size 2
+(python -m megatron_osprey.stages.prune takes the same flags)
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ def validate(config: PruneConfig) -> ModelArch:
         raise FileNotFoundError(f"--source {source}: no *.safetensors weights there.")
     arch = ModelArch.from_hf_config(source / "config.json")
     if not 1 <= config.num_layers <= arch.num_layers:
-        raise ValueError(
-            f"--num-layers {config.num_layers} is out of range: {source} has {arch.num_layers} layers."
-        )
+        raise ValueError(f"--num-layers {config.num_layers} is out of range: {source} has {arch.num_layers} layers.")
     check_vocab_fits(source, arch.vocab_size)
     if config.strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {STRATEGIES}, got {config.strategy!r}.")
@@ -83,16 +81,20 @@ def check_vocab_fits(source: Path, vocab_size: int) -> None:
         name = "model.embed_tokens.weight"
         rows = checkpoint.shape(name)[0] if checkpoint.has(name) else 0
     if rows > vocab_size:
-        raise ValueError(f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
-                         f"embedding's {rows} rows; fix vocab_size (pruning would cut the embedding).")
+        raise ValueError(
+            f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
+            f"embedding's {rows} rows; fix vocab_size (pruning would cut the embedding)."
+        )
     tokenizer_file = source / "tokenizer.json"
     if tokenizer_file.is_file():
         from tokenizers import Tokenizer
 
         tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
         if tokens > vocab_size:
-            raise ValueError(f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
-                             f"tokenizer's {tokens} tokens ({tokenizer_file}); the model cannot embed its ids.")
+            raise ValueError(
+                f"--source {source}: config.json's vocab_size {vocab_size} is smaller than the "
+                f"tokenizer's {tokens} tokens ({tokenizer_file}); the model cannot embed its ids."
+            )
 
 
 def prune_backbone(config: PruneConfig, parallel: ParallelState) -> PruneResult:
@@ -115,7 +117,9 @@ def prune_backbone(config: PruneConfig, parallel: ParallelState) -> PruneResult:
     return write_pruned(config, pruned, [model], kept, parallel)
 
 
-def write_pruned(config: PruneConfig, arch: ModelArch, models: list, kept: list[int], parallel: ParallelState) -> PruneResult:
+def write_pruned(
+    config: PruneConfig, arch: ModelArch, models: list, kept: list[int], parallel: ParallelState
+) -> PruneResult:
     """Write OUT/megatron (dist checkpoint), OUT/hf (+ tokenizer files) and OUT/run_config.yaml."""
     output = Path(config.output)
     if parallel.rank == 0:
@@ -152,12 +156,20 @@ def run(config: PruneConfig, parallel: ParallelConfig) -> PruneResult:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", required=True, type=Path, help="HF model directory (config.json + safetensors + tokenizer)")
+    parser.add_argument(
+        "--source", required=True, type=Path, help="HF model directory (config.json + safetensors + tokenizer)"
+    )
     parser.add_argument("--num-layers", required=True, type=int, help="blocks to keep (the paper: 2)")
     parser.add_argument("--output", required=True, type=Path, help="writes OUT/megatron, OUT/hf, OUT/run_config.yaml")
-    parser.add_argument("--strategy", default="first", choices=STRATEGIES,
-                        help="first N blocks (paper), or Minitron layer importance via nvidia-modelopt (GPU)")
-    parser.add_argument("--calibration-data", type=Path, default=None, help="JSONL with 'text' for --strategy importance")
+    parser.add_argument(
+        "--strategy",
+        default="first",
+        choices=STRATEGIES,
+        help="first N blocks (paper), or Minitron layer importance via nvidia-modelopt (GPU)",
+    )
+    parser.add_argument(
+        "--calibration-data", type=Path, default=None, help="JSONL with 'text' for --strategy importance"
+    )
     parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)

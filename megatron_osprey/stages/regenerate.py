@@ -57,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, default=None, help="local HF model directory (hf backend)")
     p.add_argument("--device", default="cpu", help="torch device (hf backend)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="hf backend, greedy: generate up to this many concurrent turns together (needs --concurrency >= it)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="hf backend, greedy: generate up to this many concurrent turns together (needs --concurrency >= it)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from --model (hf backend)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -68,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
     p.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete an --output made from other input, another model or other sampling (default: refuse)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an --output made from other input, another model or other sampling (default: refuse)",
+    )
     return p
 
 
@@ -103,8 +110,13 @@ def build_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.batch_size < 1:
         parser.error("--batch-size must be >= 1.")
     return HFBackend(
-        HFBackendConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                        trust_remote_code=args.trust_remote_code, batch_size=args.batch_size)
+        HFBackendConfig(
+            model_dir=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
+            batch_size=args.batch_size,
+        )
     )
 
 
@@ -129,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         input_path=args.input,
         output_path=args.output,
         sampling=SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, enable_thinking=args.enable_thinking
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            enable_thinking=args.enable_thinking,
         ),
         concurrency=args.concurrency,
         progress=not args.no_progress,
@@ -144,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if summary.failed:
-            print(f"regenerate: failures listed in {summary.failures_path}; rerun the same command to retry them.",
-                  flush=True)
+            print(
+                f"regenerate: failures listed in {summary.failures_path}; rerun the same command to retry them.",
+                flush=True,
+            )
             return 1
         return 0
 

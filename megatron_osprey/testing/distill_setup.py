@@ -17,11 +17,18 @@ def write_topic_conversations(path: Path, count: int, seed: int = 0) -> Path:
     with open(path, "w") as handle:
         for i in range(count):
             topic = rng.choice(TOPICS)
-            turns = [{"role": "user", "content": f"Tell me about {topic}, please ({i})."},
-                     {"role": "assistant", "content": f"Here is something about {topic}: it is {rng.choice(['nice', 'odd', 'big'])}."}]
+            turns = [
+                {"role": "user", "content": f"Tell me about {topic}, please ({i})."},
+                {
+                    "role": "assistant",
+                    "content": f"Here is something about {topic}: it is {rng.choice(['nice', 'odd', 'big'])}.",
+                },
+            ]
             if i % 3 == 0:
-                turns += [{"role": "user", "content": "And more?"},
-                          {"role": "assistant", "content": f"More about {topic} and {rng.choice(TOPICS)}."}]
+                turns += [
+                    {"role": "user", "content": "And more?"},
+                    {"role": "assistant", "content": f"More about {topic} and {rng.choice(TOPICS)}."},
+                ]
             handle.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
     return path
 
@@ -33,9 +40,17 @@ def write_chat_model(directory: Path, family: str, layers: int, hidden: int, see
     from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(family)
-    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     if qwen3:
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, tie_word_embeddings=True, **common))

@@ -14,9 +14,16 @@ def qwen3_config(tie: bool = True, layers: int = 4, vocab: int = VOCAB):
 
     # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads, as in Qwen3.
     return Qwen3Config(
-        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=128, vocab_size=vocab, max_position_embeddings=256,
-        tie_word_embeddings=tie, rope_theta=1000000.0,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rope_theta=1000000.0,
     )
 
 
@@ -24,11 +31,22 @@ def llama_config(tie: bool = False, layers: int = 4, vocab: int = VOCAB):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=tie,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
         rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     )
 
 
@@ -59,10 +77,20 @@ def qwen3_moe_config(layers: int = 4, vocab: int = VOCAB, norm_topk_prob: bool =
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, vocab_size=vocab,
-        max_position_embeddings=256, tie_word_embeddings=False, rope_theta=1000000.0,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
     )
 
 
@@ -71,12 +99,25 @@ def minimax_m2_config(layers: int = 4, vocab: int = VOCAB):
     from transformers import MiniMaxM2Config
 
     return MiniMaxM2Config(
-        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, rotary_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-        vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=False,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rotary_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
-        bos_token_id=None, eos_token_id=None,
-        use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_qk_norm=True,
+        qk_norm_type="per_layer",
+        scoring_func="sigmoid",
+        use_routing_bias=True,
         shared_intermediate_size=0,
     )
 
@@ -124,8 +165,10 @@ def write_conversations_jsonl(path: str | Path, count: int, seed: int = 0) -> Pa
         for i in range(count):
             question = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
             answer = " ".join(rng.choice(words) for _ in range(rng.randint(3, 20)))
-            row = {"id": f"conv-{i:04d}", "conversations": [
-                {"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+            row = {
+                "id": f"conv-{i:04d}",
+                "conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            }
             handle.write(json.dumps(row) + "\n")
     return Path(path)
 

@@ -57,23 +57,36 @@ def run_training(cfg, spec: TrainSpec, parallel: ParallelState) -> TrainResult:
     is_writer = parallel.rank == 0
     train_iters = cfg.training.num_train_iters()
     if is_writer:
-        print("resolved configuration:\n" + yaml.safe_dump(to_plain(spec.run_config["config"]), sort_keys=False),
-              flush=True)
+        print(
+            "resolved configuration:\n" + yaml.safe_dump(to_plain(spec.run_config["config"]), sort_keys=False),
+            flush=True,
+        )
     resume = checkpointing.resume_iteration(cfg.checkpoint)
     notes = []
     if cfg.checkpoint.load and resume is None:
         notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
-    model = build_model_chunks(spec.model_provider, cfg.parallel, bf16=spec.bf16,
-                               use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                               initialize=None if resume is not None else spec.initialize)
+    model = build_model_chunks(
+        spec.model_provider,
+        cfg.parallel,
+        bf16=spec.bf16,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        initialize=None if resume is not None else spec.initialize,
+    )
     optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optimizer, bf16=spec.bf16, train_iters=train_iters)
     metadata = sharding_metadata(cfg.optimizer) | {"use_distributed_optimizer": cfg.optimizer.use_distributed_optimizer}
     state = TrainState()
     if resume is not None:
         info = checkpointing.load_training_checkpoint(
-            cfg.checkpoint.load, model, optimizer, scheduler, metadata, iteration=resume,
-            load_optim=not cfg.checkpoint.no_load_optim, load_rng=not cfg.checkpoint.no_load_rng,
-            scheduler_flags=spec.scheduler_flags)
+            cfg.checkpoint.load,
+            model,
+            optimizer,
+            scheduler,
+            metadata,
+            iteration=resume,
+            load_optim=not cfg.checkpoint.no_load_optim,
+            load_rng=not cfg.checkpoint.no_load_rng,
+            scheduler_flags=spec.scheduler_flags,
+        )
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 
@@ -85,9 +98,16 @@ def run_training(cfg, spec: TrainSpec, parallel: ParallelState) -> TrainResult:
         world_size=parallel.world_size,
         peak_tflops=device_peak_tflops(cfg.logging.peak_tflops, fp8=spec.fp8),
     )
-    metrics = MetricsLogger(cfg.logging, throughput, is_writer=is_writer, total_iters=train_iters,
-                            start_iter=state.iteration, save_dir=cfg.checkpoint.save, run_config=spec.run_config,
-                            desc=spec.progress_label)
+    metrics = MetricsLogger(
+        cfg.logging,
+        throughput,
+        is_writer=is_writer,
+        total_iters=train_iters,
+        start_iter=state.iteration,
+        save_dir=cfg.checkpoint.save,
+        run_config=spec.run_config,
+        desc=spec.progress_label,
+    )
     for note in notes:
         metrics.note(note)
     run = make_train_run(cfg, model, optimizer, scheduler, metrics, spec.run_config, metadata, parallel)

@@ -34,8 +34,11 @@ def read_latest_iteration(root: str | Path) -> int | None:
 # What torch distributed checkpointing's .metadata pickles (measured on this repo's checkpoints):
 # its own metadata/planner dataclasses, torch.Size, dtypes and the layout helper. Anything else
 # in that file can run code on load, so it is refused before torch unpickles it.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                     "torch.distributed.checkpoint.filesystem")
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
 _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
@@ -73,14 +76,15 @@ def check_checkpoint_metadata(path: str | Path) -> None:
     except _ForbiddenGlobal as exc:
         raise ValueError(f"{meta}: refusing to load this checkpoint: {exc}. Load only checkpoints you trust.") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        raise ValueError(f"{meta} is truncated or corrupt ({type(exc).__name__}); use another iteration "
-                         f"(--ckpt-step) or a fresh copy of the checkpoint.") from None
+        raise ValueError(
+            f"{meta} is truncated or corrupt ({type(exc).__name__}); use another iteration "
+            f"(--ckpt-step) or a fresh copy of the checkpoint."
+        ) from None
 
 
 def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
     """dist_checkpointing.load after the metadata check, with one clear sentence for a damaged checkpoint."""
     from megatron.core import dist_checkpointing
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     check_checkpoint_metadata(path)
@@ -93,8 +97,10 @@ def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
         lines = str(cause).strip().splitlines()
         first = lines[0] if lines else ""
         exc = cause if isinstance(cause, BaseException) else exc
-        raise ValueError(f"{path}: the checkpoint cannot be read ({type(exc).__name__}: {first[:300]}); a file "
-                         f"in it is truncated or corrupt. Load another iteration (--ckpt-step) or a fresh copy.") from exc
+        raise ValueError(
+            f"{path}: the checkpoint cannot be read ({type(exc).__name__}: {first[:300]}); a file "
+            f"in it is truncated or corrupt. Load another iteration (--ckpt-step) or a fresh copy."
+        ) from exc
 
 
 def check_writable(directory: str | Path, flag: str) -> None:
@@ -108,8 +114,10 @@ def check_writable(directory: str | Path, flag: str) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=f".write_probe.{os.getpid()}."):
             pass
     except OSError as exc:
-        raise OSError(exc.errno, f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a "
-                                 f"directory this job can write.") from None
+        raise OSError(
+            exc.errno,
+            f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a directory this job can write.",
+        ) from None
 
 
 def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> BaseException:
@@ -121,13 +129,20 @@ def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> Base
     cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
     cause = getattr(cause, "exc", cause)
     free = shutil.disk_usage(root).free
-    full = (getattr(cause, "errno", None) == errno.ENOSPC or "unexpected pos" in str(cause)
-            or "No space left" in str(cause) or free < (16 << 20))
+    full = (
+        getattr(cause, "errno", None) == errno.ENOSPC
+        or "unexpected pos" in str(cause)
+        or "No space left" in str(cause)
+        or free < (16 << 20)
+    )
     if not full:
         return exc
-    return OSError(errno.ENOSPC, f"saving iteration {iteration} to {root} failed: the disk is full "
-                                 f"({free / 2**20:.1f} MiB free). The previous checkpoint and the latest pointer are "
-                                 f"untouched; free space, then resume with --load {root}.")
+    return OSError(
+        errno.ENOSPC,
+        f"saving iteration {iteration} to {root} failed: the disk is full "
+        f"({free / 2**20:.1f} MiB free). The previous checkpoint and the latest pointer are "
+        f"untouched; free space, then resume with --load {root}.",
+    )
 
 
 def save_checkpoint(
@@ -181,9 +196,7 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
     if iteration is None:
         iteration = read_latest_iteration(root)
         if iteration is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint under {root}: {LATEST_FILE} is missing."
-            )
+            raise FileNotFoundError(f"no complete checkpoint under {root}: {LATEST_FILE} is missing.")
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
@@ -247,10 +260,12 @@ def _rng_sharded_object(data: Any):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     layout = parallel_layout()
-    shape = (layout["pipeline_model_parallel_size"], layout["tensor_model_parallel_size"],
-             layout["data_parallel_size"])
-    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-              mpu.get_data_parallel_rank())
+    shape = (layout["pipeline_model_parallel_size"], layout["tensor_model_parallel_size"], layout["data_parallel_size"])
+    offset = (
+        mpu.get_pipeline_model_parallel_rank(),
+        mpu.get_tensor_model_parallel_rank(),
+        mpu.get_data_parallel_rank(),
+    )
     return ShardedObject("rng_state", data, shape, offset, replica_id=0)
 
 
@@ -261,8 +276,16 @@ def _model_sharded_state_dict(model_chunks: list, metadata: dict) -> dict:
     return {f"model{i}": unwrap_model(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model_chunks)}
 
 
-def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_samples: int, model_chunks: list,
-                             optimizer, scheduler, run_config: dict[str, Any], metadata: dict) -> Path:
+def save_training_checkpoint(
+    root: str | Path,
+    iteration: int,
+    consumed_train_samples: int,
+    model_chunks: list,
+    optimizer,
+    scheduler,
+    run_config: dict[str, Any],
+    metadata: dict,
+) -> Path:
     """Collectively save everything a bit-exact resume needs; the latest pointer moves last."""
     state = _model_sharded_state_dict(model_chunks, metadata)
     model_state = state["model"] if len(model_chunks) == 1 else state
@@ -272,8 +295,10 @@ def save_training_checkpoint(root: str | Path, iteration: int, consumed_train_sa
         iteration=iteration,
         consumed_train_samples=consumed_train_samples,
         layout=parallel_layout(),
-        optimizer_format={"distributed": metadata.get("use_distributed_optimizer", False),
-                          "sharding": metadata["distrib_optim_sharding_type"]},
+        optimizer_format={
+            "distributed": metadata.get("use_distributed_optimizer", False),
+            "sharding": metadata["distrib_optim_sharding_type"],
+        },
         checkpoint_version=CHECKPOINT_FORMAT_VERSION,
         rng_state=_rng_sharded_object(capture_rng_state()),
     )
@@ -293,8 +318,10 @@ SCHEDULER_FLAGS = {
 
 def scheduler_flags(decay_iters_flag: str | None, length_flag: str, warmup_flag: str = "--lr-warmup-iters") -> dict:
     """SCHEDULER_FLAGS naming what really sets the decay length: --lr-decay-iters, or the run's length."""
-    return SCHEDULER_FLAGS | {"lr_decay_steps": decay_iters_flag or f"{length_flag} (the decay length)",
-                              "lr_warmup_steps": warmup_flag}
+    return SCHEDULER_FLAGS | {
+        "lr_decay_steps": decay_iters_flag or f"{length_flag} (the decay length)",
+        "lr_warmup_steps": warmup_flag,
+    }
 
 
 def check_scheduler_unchanged(root: str | Path, saved: dict, scheduler, flags: dict[str, str]) -> None:
@@ -317,10 +344,18 @@ def check_scheduler_unchanged(root: str | Path, saved: dict, scheduler, flags: d
 
 
 @torch.no_grad()  # fp32 main params of the distributed optimizer are views of leaf parameters
-def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, scheduler, metadata: dict, *,
-                             iteration: int | None = None, load_optim: bool = True,
-                             load_rng: bool = True,
-                             scheduler_flags: dict[str, str] | None = None) -> dict[str, Any]:
+def load_training_checkpoint(
+    root: str | Path,
+    model_chunks: list,
+    optimizer,
+    scheduler,
+    metadata: dict,
+    *,
+    iteration: int | None = None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    scheduler_flags: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
     from megatron.core import dist_checkpointing
 
@@ -345,8 +380,12 @@ def load_training_checkpoint(root: str | Path, model_chunks: list, optimizer, sc
             f"--load {root}: its optimizer state was saved {'with' if saved.get('distributed') else 'without'} "
             f"--use-distributed-optimizer; match it, or pass --no-load-optim."
         )
-    if load_optim and distributed and saved.get("sharding") == "dp_reshardable" and not _same_model_split(
-            common.get("layout"), parallel_layout()):
+    if (
+        load_optim
+        and distributed
+        and saved.get("sharding") == "dp_reshardable"
+        and not _same_model_split(common.get("layout"), parallel_layout())
+    ):
         raise ValueError(
             f"--load {root}: its distributed-optimizer state (dp_reshardable) cannot move to a different "
             f"TP/PP layout; pass --no-load-optim (the model weights still reshard)."

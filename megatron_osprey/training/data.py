@@ -89,8 +89,10 @@ def indexed_sequence_count(prefix: str) -> int:
     with open(path, "rb") as stream:
         head = stream.read(34)
     if len(head) < 34 or head[:9] != _INDEX_HEADER:
-        raise ValueError(f"--data-path {prefix}: {path} is not a Megatron indexed-dataset index (bad or "
-                         f"truncated header); rerun tools/preprocess_data.py.")
+        raise ValueError(
+            f"--data-path {prefix}: {path} is not a Megatron indexed-dataset index (bad or "
+            f"truncated header); rerun tools/preprocess_data.py."
+        )
     return struct.unpack("<Q", head[18:26])[0]
 
 
@@ -109,7 +111,7 @@ def max_token_id(prefix: str) -> int | None:
         return None
     tokens = np.memmap(path, dtype=DType.dtype_from_code(code), mode="r")
     step = 1 << 26
-    return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+    return max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
 
 
 def check_vocabulary(prefixes: list[str], vocab_size: int) -> list[str]:
@@ -122,13 +124,16 @@ def check_vocabulary(prefixes: list[str], vocab_size: int) -> list[str]:
     for prefix in prefixes:
         top = max_token_id(prefix)
         if top is None:
-            notes.append(f"--data-path {prefix}: over {FULL_SCAN_BYTES >> 30} GiB, so token ids are checked "
-                         f"against the vocabulary ({vocab_size}) batch by batch")
+            notes.append(
+                f"--data-path {prefix}: over {FULL_SCAN_BYTES >> 30} GiB, so token ids are checked "
+                f"against the vocabulary ({vocab_size}) batch by batch"
+            )
         elif top >= vocab_size:
             raise ValueError(
                 f"--data-path {prefix}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the "
                 f"data was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's "
-                f"tokenizer.")
+                f"tokenizer."
+            )
     return notes
 
 
@@ -136,8 +141,10 @@ def check_has_documents(prefix: str) -> int:
     """PREFIX's document count; 0 is refused (Megatron would fail to mmap the empty .bin)."""
     count = indexed_sequence_count(prefix)
     if count == 0:
-        raise ValueError(f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
-                         f"skipped when it was preprocessed (see tools/preprocess_data.py's report).")
+        raise ValueError(
+            f"--data-path {prefix}: the dataset holds 0 documents; every input record was "
+            f"skipped when it was preprocessed (see tools/preprocess_data.py's report)."
+        )
     return count
 
 
@@ -167,8 +174,7 @@ def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_
     return [train_iters * global_batch_size, valid, 0]
 
 
-def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_length: int, seed: int,
-                       sizes: list[int]):
+def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_length: int, seed: int, sizes: list[int]):
     """Train / valid / test GPTDatasets (blended when weighted); collective: call on every rank."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -211,4 +217,3 @@ def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, source: str
             f"--data-path {source}: token id {top} is outside the model's vocabulary of {vocab_size} ids; the data "
             f"was tokenized with another tokenizer. Rerun tools/preprocess_data.py with the model's tokenizer."
         )
-

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from pathlib import Path
 from typing import Callable
-
-import math
 
 import torch
 from megatron.core.utils import unwrap_model
@@ -25,7 +24,6 @@ from megatron_osprey.training import checkpointing
 from megatron_osprey.training.assembly import TrainSpec, run_training
 from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
 from megatron_osprey.training.loop import TrainState
-
 
 PAD_MULTIPLE = 16
 
@@ -80,8 +78,14 @@ def init_eagle3(model, cfg: DistillConfig, arch: DrafterArch, draft_ids: torch.T
 
     embedding_rule = DENSE_RULES[0]
     with SafetensorsCheckpoint(cfg.target.target) as ckpt:
-        shard = read_shard(ckpt, embedding_rule, ["model.embed_tokens.weight"], arch.body,
-                           parallel.tp_rank, parallel.config.tensor_model_parallel_size)
+        shard = read_shard(
+            ckpt,
+            embedding_rule,
+            ["model.embed_tokens.weight"],
+            arch.body,
+            parallel.tp_rank,
+            parallel.config.tensor_model_parallel_size,
+        )
     weight = model.embedding.word_embeddings.weight
     weight.copy_(shard.to(weight.dtype))
     model.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
@@ -104,8 +108,9 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg: Distill
         # Each step's LM head runs on the rows its loss counts only (same loss, a fraction of the work).
         rows = step_masks(batch["loss_mask"], in_draft, cfg.ttt.ttt_steps, cfg.ttt.mask_alignment)
         logits, _ = drafter.ttt_forward(drafter_inputs(batch["input_ids"]), aux.to(dtype), cfg.ttt.ttt_steps, rows)
-        terms = ttt_step_terms(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group,
-                               cfg.ttt.mask_alignment)
+        terms = ttt_step_terms(
+            logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, tp_group, cfg.ttt.mask_alignment
+        )
         # The same numerator and denominator as ttt_loss(): Megatron sums both over
         # micro-batches and data-parallel ranks before dividing.
         # B*T of the reference normalisation is the configured sequence length, not the batch's padded one.
@@ -133,8 +138,12 @@ def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     if cfg.target.mode == "offline":
         # The store must come from this very target: same taps and width, and the same config and weights.
         _, fingerprint = target_identity(ModelArch.from_hf_config(cfg.target.target), cfg.target.target)
-        return StoreSamples(cfg.target.hidden_states, aux_layer_ids=list(arch.aux_layer_ids),
-                            hidden_size=arch.target_hidden_size, config_hash=fingerprint)
+        return StoreSamples(
+            cfg.target.hidden_states,
+            aux_layer_ids=list(arch.aux_layer_ids),
+            hidden_size=arch.target_hidden_size,
+            config_hash=fingerprint,
+        )
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
@@ -150,15 +159,21 @@ def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> st
         counts[:] = torch.tensor(loss_token_survivors(source, cfg.training.seq_length))
     torch.distributed.broadcast(counts, src=0)
     samples, tokens = counts.tolist()
-    data = (f"--hidden-states {cfg.target.hidden_states}" if cfg.target.mode == "offline"
-            else f"--data-path {' '.join(cfg.data.data_path)}")
+    data = (
+        f"--hidden-states {cfg.target.hidden_states}"
+        if cfg.target.mode == "offline"
+        else f"--data-path {' '.join(cfg.data.data_path)}"
+    )
     if tokens == 0:
         raise ValueError(
             f"{data}: none of its {len(source)} samples keeps an assistant token within --seq-length "
             f"{cfg.training.seq_length}, so there is nothing to train on (prompts only, or every prompt longer "
-            f"than --seq-length); add assistant turns (tools/regenerate.py) or raise --seq-length.")
-    return (f"{samples} of {len(source)} samples keep assistant tokens within --seq-length "
-            f"{cfg.training.seq_length}: {tokens} loss tokens")
+            f"than --seq-length); add assistant turns (tools/regenerate.py) or raise --seq-length."
+        )
+    return (
+        f"{samples} of {len(source)} samples keep assistant tokens within --seq-length "
+        f"{cfg.training.seq_length}: {tokens} loss tokens"
+    )
 
 
 def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
@@ -177,11 +192,18 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
     draft_ids = None
     if cfg.drafter.baseline:
         draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
-    run_config = {"stage": "distill", "config": cfg, "drafter": arch.to_dict(), "target": cfg.target.target,
-                  "train_domain": cfg.data.domain, "world_size": parallel.world_size}
+    run_config = {
+        "stage": "distill",
+        "config": cfg,
+        "drafter": arch.to_dict(),
+        "target": cfg.target.target,
+        "train_domain": cfg.data.domain,
+        "world_size": parallel.world_size,
+    }
     dtype = torch.bfloat16 if cfg.drafter.bf16 else torch.float32
-    provider = functools.partial(build_drafter_model, arch, cfg.parallel, transformer_impl=cfg.drafter.transformer_impl,
-                                 params_dtype=dtype)
+    provider = functools.partial(
+        build_drafter_model, arch, cfg.parallel, transformer_impl=cfg.drafter.transformer_impl, params_dtype=dtype
+    )
 
     def initialize(chunks: list) -> None:
         if cfg.drafter.drafter_init:
@@ -197,9 +219,17 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         notes.append(loss_tokens_note)
-        return micro_batches(source, state.consumed_train_samples, cfg.training.micro_batch_size, parallel.dp_rank,
-                             parallel.dp_size, collate, seed=cfg.parallel.seed, shuffle=cfg.data.shuffle,
-                             device=parallel.device), None
+        return micro_batches(
+            source,
+            state.consumed_train_samples,
+            cfg.training.micro_batch_size,
+            parallel.dp_rank,
+            parallel.dp_size,
+            collate,
+            seed=cfg.parallel.seed,
+            shuffle=cfg.data.shuffle,
+            device=parallel.device,
+        ), None
 
     spec = TrainSpec(
         run_config=run_config,
@@ -211,8 +241,10 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         bf16=cfg.drafter.bf16,
         progress_label="distill",
         scheduler_flags=checkpointing.scheduler_flags(
-            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None, length,
-            warmup_flag=f"--lr-warmup-fraction x {length}"),
+            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
+            length,
+            warmup_flag=f"--lr-warmup-fraction x {length}",
+        ),
     )
     result = run_training(cfg, spec, parallel)
     return DistillResult(result.state, result.history, result.notes, arch)
@@ -232,13 +264,20 @@ class _FrozenTarget:
         cfg, parallel = self.cfg, self.parallel
         drafter = unwrap_model(model[0])
         tp_group = mpu.get_tensor_model_parallel_group()
-        head = TargetHead.from_hf(cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank,
-                                  cfg.parallel.tensor_model_parallel_size, tp_group).to(parallel.device)
+        head = TargetHead.from_hf(
+            cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank, cfg.parallel.tensor_model_parallel_size, tp_group
+        ).to(parallel.device)
         if cfg.target.mode == "online":
             from megatron_osprey.models.targets.online import OnlineTarget
 
-            self.target = OnlineTarget(cfg.target.target, cfg.parallel, parallel.device, self.arch.aux_layer_ids,
-                                       params_dtype=self.dtype, transformer_impl=cfg.drafter.transformer_impl)
+            self.target = OnlineTarget(
+                cfg.target.target,
+                cfg.parallel,
+                parallel.device,
+                self.arch.aux_layer_ids,
+                params_dtype=self.dtype,
+                transformer_impl=cfg.drafter.transformer_impl,
+            )
         return distill_forward_step(self.target, head, cfg, self.arch.draft_vocab_size, tp_group)
 
     def flops_per_iteration(self, model: list) -> float:

@@ -119,17 +119,26 @@ def evaluate(forward_step: Callable, data_iterator, run: TrainRun) -> float:
     reports = []
     for _ in range(run.logging.eval_iters):
         reports += get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data_iterator, model=run.model,
-            num_microbatches=num_microbatches(run.training, run.dp_size), seq_length=run.training.seq_length,
-            micro_batch_size=run.training.micro_batch_size, forward_only=True,
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=run.model,
+            num_microbatches=num_microbatches(run.training, run.dp_size),
+            seq_length=run.training.seq_length,
+            micro_batch_size=run.training.micro_batch_size,
+            forward_only=True,
         )
     for chunk in run.model:
         chunk.train()
     return global_mean_loss(reports, run.device)
 
 
-def train(run: TrainRun, state: TrainState, forward_step: Callable, train_iterator,
-          valid_iterator: Callable[[], Iterator] | None = None) -> TrainState:
+def train(
+    run: TrainRun,
+    state: TrainState,
+    forward_step: Callable,
+    train_iterator,
+    valid_iterator: Callable[[], Iterator] | None = None,
+) -> TrainState:
     """Train until --train-iters, --exit-interval, --exit-duration-in-mins or a signal; save as configured."""
     total = run.training.num_train_iters()
     deadline = Deadline(run.training.exit_duration_in_mins)
@@ -147,7 +156,8 @@ def train(run: TrainRun, state: TrainState, forward_step: Callable, train_iterat
                 raise FloatingPointError(
                     f"the training loss was {result.loss} for {nonfinite} consecutive step(s) (iteration "
                     f"{state.iteration}); stopping without saving. Check the data and --lr, or raise "
-                    f"--max-nonfinite-loss-steps (now {run.training.max_nonfinite_loss_steps}).")
+                    f"--max-nonfinite-loss-steps (now {run.training.max_nonfinite_loss_steps})."
+                )
             if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
                 run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
                 run.metrics.reset_window()

@@ -53,9 +53,18 @@ class ThroughputModel:
 class MetricsLogger:
     """Accumulates steps between log lines and writes averaged metrics on rank 0."""
 
-    def __init__(self, cfg: LoggingSection, throughput: ThroughputModel, *, is_writer: bool, total_iters: int,
-                 start_iter: int, save_dir: str | None = None, run_config: dict[str, Any] | None = None,
-                 desc: str = "pretrain") -> None:
+    def __init__(
+        self,
+        cfg: LoggingSection,
+        throughput: ThroughputModel,
+        *,
+        is_writer: bool,
+        total_iters: int,
+        start_iter: int,
+        save_dir: str | None = None,
+        run_config: dict[str, Any] | None = None,
+        desc: str = "pretrain",
+    ) -> None:
         self.cfg = cfg
         self.throughput = throughput
         self.is_writer = is_writer
@@ -86,8 +95,9 @@ class MetricsLogger:
         self._window.clear()
         self._extra.clear()
 
-    def step(self, iteration: int, loss: float, lr: float, grad_norm: float | None,
-             extra: dict[str, float] | None = None) -> dict[str, float] | None:
+    def step(
+        self, iteration: int, loss: float, lr: float, grad_norm: float | None, extra: dict[str, float] | None = None
+    ) -> dict[str, float] | None:
         """Record one iteration; every --log-interval iterations write and return the metrics."""
         self._window.append((loss, grad_norm))
         self._extra.append(extra or {})
@@ -103,7 +113,7 @@ class MetricsLogger:
         tflops = tp.flops_per_iteration * n / elapsed / tp.world_size / 1e12
         memory, _ = peak_memory_gib()
         metrics = {
-            "loss/train": sum(l for l, _ in self._window) / n,
+            "loss/train": sum(loss for loss, _ in self._window) / n,
             "optim/lr": lr,
             "optim/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
             "throughput/tokens_per_sec_per_gpu": tp.tokens_per_iteration * n / elapsed / tp.world_size,
@@ -183,5 +193,12 @@ def _start_wandb(cfg: LoggingSection, save_dir: str | None, run_config: dict[str
     if save_dir:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(save_dir) / WANDB_ID_FILE, run_id + "\n")
-    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name, id=run_id, resume="allow",
-                      dir=str(directory), mode=cfg.wandb_mode, config=to_plain(run_config))
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=cfg.wandb_exp_name,
+        id=run_id,
+        resume="allow",
+        dir=str(directory),
+        mode=cfg.wandb_mode,
+        config=to_plain(run_config),
+    )

@@ -48,8 +48,12 @@ def model_provider(arch: ModelArch, cfg: PretrainConfig) -> Callable:
     if cfg.model.fp8_format:
         overrides.update(fp8=cfg.model.fp8_format, fp8_recipe=cfg.model.fp8_recipe)
     return functools.partial(
-        build_gpt_model, arch, cfg.parallel, transformer_impl=cfg.model.transformer_impl,
-        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32, **overrides,
+        build_gpt_model,
+        arch,
+        cfg.parallel,
+        transformer_impl=cfg.model.transformer_impl,
+        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+        **overrides,
     )
 
 
@@ -62,14 +66,14 @@ def initial_weights(arch: ModelArch, cfg: PretrainConfig, state: ParallelState) 
             checkpointing.load_backbone_weights(Path(cfg.model.backbone) / "megatron", chunks)
         else:
             for chunk in chunks:
-                load_hf_weights(chunk, cfg.model.hf_model, arch, state.tp_rank,
-                                cfg.parallel.tensor_model_parallel_size)
+                load_hf_weights(chunk, cfg.model.hf_model, arch, state.tp_rank, cfg.parallel.tensor_model_parallel_size)
 
     return initialize
 
 
-def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
-                 forward_step: Callable = gpt_forward_step) -> PretrainResult:
+def run_pretrain(
+    cfg: PretrainConfig, parallel: ParallelState, forward_step: Callable = gpt_forward_step
+) -> PretrainResult:
     """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     cfg.validate(parallel.world_size)
     arch = backbone_arch(cfg)
@@ -83,14 +87,16 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
     vocab_notes = data.check_vocabulary(prefixes, arch.vocab_size)  # out-of-vocabulary ids refused before step 1
     source = " ".join(cfg.data.data_path)
     train_iters = cfg.training.num_train_iters()
-    run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size,
-                  "hf_config": arch.hf_config}
+    run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size, "hf_config": arch.hf_config}
+
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
-        sizes = data.split_sizes(train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters,
-                                 cfg.logging.eval_interval)
-        train_ds, valid_ds, _ = data.build_gpt_datasets(cfg.data, tokenizer, cfg.training.seq_length,
-                                                        cfg.parallel.seed, sizes)
+        sizes = data.split_sizes(
+            train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters, cfg.logging.eval_interval
+        )
+        train_ds, valid_ds, _ = data.build_gpt_datasets(
+            cfg.data, tokenizer, cfg.training.seq_length, cfg.parallel.seed, sizes
+        )
 
         notes += vocab_notes
 
@@ -101,8 +107,18 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
 
         def iterators(dataset, consumed: int):
             # Interleaved pipelines take one iterator per virtual stage, each at the same position.
-            its = [micro_batches(dataset, consumed, cfg.training.micro_batch_size, parallel.dp_rank,
-                                 parallel.dp_size, collate, device=parallel.device) for _ in model]
+            its = [
+                micro_batches(
+                    dataset,
+                    consumed,
+                    cfg.training.micro_batch_size,
+                    parallel.dp_rank,
+                    parallel.dp_size,
+                    collate,
+                    device=parallel.device,
+                )
+                for _ in model
+            ]
             return its if len(its) > 1 else its[0]
 
         if valid_ds is None and cfg.logging.eval_iters:
@@ -121,20 +137,24 @@ def run_pretrain(cfg: PretrainConfig, parallel: ParallelState,
         initialize=initial_weights(arch, cfg, parallel),
         forward_step=lambda model: forward_step,
         data_iterators=data_iterators,
-        flops_per_iteration=lambda model: cfg.training.global_batch_size
-        * training_flops_per_sequence(arch, cfg.training.seq_length, padded_vocab),
+        flops_per_iteration=lambda model: (
+            cfg.training.global_batch_size * training_flops_per_sequence(arch, cfg.training.seq_length, padded_vocab)
+        ),
         bf16=cfg.model.bf16,
         fp8=bool(cfg.model.fp8_format),
         finish=finish,
         scheduler_flags=checkpointing.scheduler_flags(
             "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
-            "--train-iters" if cfg.training.train_iters is not None else "--train-samples"),
+            "--train-iters" if cfg.training.train_iters is not None else "--train-samples",
+        ),
     )
     result = run_training(cfg, spec, parallel)
     return PretrainResult(result.state, result.history, result.notes)
 
 
-def export_backbone(cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
+def export_backbone(
+    cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState
+) -> None:
     """A finished run also leaves SAVE/hf/ and SAVE/run_config.yaml: the layout Stage 3 reads as --backbone."""
     from megatron_osprey.base.hf_files import copy_tokenizer_files
     from megatron_osprey.base.run_config import save_run_config

@@ -33,8 +33,14 @@ def place_on_device(chunks: list, device: torch.device) -> list:
     return chunks
 
 
-def build_model_chunks(model_provider: Callable, parallel: ParallelConfig, *, bf16: bool,
-                       use_distributed_optimizer: bool, initialize: Callable[[list], None] | None = None) -> list:
+def build_model_chunks(
+    model_provider: Callable,
+    parallel: ParallelConfig,
+    *,
+    bf16: bool,
+    use_distributed_optimizer: bool,
+    initialize: Callable[[list], None] | None = None,
+) -> list:
     """model_provider(pre_process, post_process, vp_stage) per virtual stage, loaded by `initialize`, DDP-wrapped."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -66,8 +72,7 @@ def build_model_chunks(model_provider: Callable, parallel: ParallelConfig, *, bf
     )
     return [
         # Only the first chunk buckets: Megatron-LM's choice for interleaved pipelines.
-        DistributedDataParallel(config=get_model_config(c), ddp_config=ddp_config, module=c,
-                                disable_bucketing=i > 0)
+        DistributedDataParallel(config=get_model_config(c), ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
         for i, c in enumerate(chunks)
     ]
 
@@ -95,9 +100,26 @@ def make_train_run(cfg, model: list, optimizer, scheduler, metrics, run_config: 
 
     def save(state: TrainState) -> None:
         path = checkpointing.save_training_checkpoint(
-            cfg.checkpoint.save, state.iteration, state.consumed_train_samples, model, optimizer, scheduler,
-            run_config | {"iteration": state.iteration}, metadata)
+            cfg.checkpoint.save,
+            state.iteration,
+            state.consumed_train_samples,
+            model,
+            optimizer,
+            scheduler,
+            run_config | {"iteration": state.iteration},
+            metadata,
+        )
         metrics.note(f"saved checkpoint {path}")
 
-    return TrainRun(model, optimizer, scheduler, cfg.training, cfg.checkpoint, cfg.logging, metrics,
-                    save if cfg.checkpoint.save else None, parallel.dp_size, parallel.device)
+    return TrainRun(
+        model,
+        optimizer,
+        scheduler,
+        cfg.training,
+        cfg.checkpoint,
+        cfg.logging,
+        metrics,
+        save if cfg.checkpoint.save else None,
+        parallel.dp_size,
+        parallel.device,
+    )

@@ -17,13 +17,23 @@ def run_torchrun(script: str, work: Path, nproc: int = 2, timeout: int = 600, ex
     result = work / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
-        str(ROOT / "tests" / "distributed" / "scripts" / script), str(work), str(result), *(extra or []),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        "--master_port=0",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:0",
+        str(ROOT / "tests" / "distributed" / "scripts" / script),
+        str(work),
+        str(result),
+        *(extra or []),
     ]
     # start_new_session + kill on timeout: an orphaned checkpoint Manager must not hang CI.
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

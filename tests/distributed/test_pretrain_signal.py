@@ -22,23 +22,47 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
     save = tmp_path / "ckpt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "megatron_osprey.pretrain",
-        "--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--backbone", str(backbone), "--data-path", prefix,
-        "--train-iters", "100000", "--save", str(save), "--load", str(save), "--tensorboard-dir", str(save / "tb"),
-        "--exit-signal-handler", "--no-progress-bar",
-        "--eval-iters", "0", "--split", "100,0,0",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        "--master_port=0",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:0",
+        "-m",
+        "megatron_osprey.pretrain",
+        "--recipe",
+        "tiny_cpu_backbone_pretrain_2proc_fp32",
+        "--backbone",
+        str(backbone),
+        "--data-path",
+        prefix,
+        "--train-iters",
+        "100000",
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--tensorboard-dir",
+        str(save / "tb"),
+        "--exit-signal-handler",
+        "--no-progress-bar",
+        "--eval-iters",
+        "0",
+        "--split",
+        "100,0,0",
     ]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if re.search(r"iteration\s+3/", line):
                 break
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if p.environ().get("RANK") == "1"]
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
         assert len(workers) == 1, "".join(lines[-50:])
         workers[0].send_signal(signal.SIGTERM)  # only rank 1 sees the signal
         deadline = time.time() + 180

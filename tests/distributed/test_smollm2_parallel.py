@@ -20,8 +20,9 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory, smollm2_dir):
-    return run_torchrun("check_smollm2.py", tmp_path_factory.mktemp("smollm2"), nproc=3, timeout=1700,
-                        extra=[str(smollm2_dir)])
+    return run_torchrun(
+        "check_smollm2.py", tmp_path_factory.mktemp("smollm2"), nproc=3, timeout=1700, extra=[str(smollm2_dir)]
+    )
 
 
 @pytest.mark.parametrize("layout", ["tp3", "pp3"])
@@ -42,6 +43,8 @@ def test_layouts_split_the_model(figures):
 
 def test_tensor_parallel_2_is_refused_by_name(smollm2_dir):
     arch = ModelArch.from_hf_config(smollm2_dir)
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 does not divide the model's num_attention_heads"):
+    with pytest.raises(
+        ValueError, match="--tensor-model-parallel-size 2 does not divide the model's num_attention_heads"
+    ):
         arch.validate_parallel(2)
     arch.validate_parallel(3, 3)

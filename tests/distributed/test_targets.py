@@ -1,4 +1,5 @@
-"""Targets (Llama, Qwen3, Qwen3-MoE, MiniMax-M2) at TP=2+SP, PP=2 and EP=2 against HF, and extraction, under torchrun + gloo."""
+"""Targets (Llama, Qwen3, Qwen3-MoE, MiniMax-M2) at TP=2+SP, PP=2 and EP=2 against HF, and extraction, under torchrun
++ gloo."""
 
 import pytest
 
@@ -32,8 +33,10 @@ def test_every_layer_output_equals_hf(figures, family, layout):
 
 @pytest.mark.parametrize("family", MOE)
 def test_expert_parallel_states_and_logits_equal_hf(figures, family):
-    print(f"{family} ep2: states {figures[f'{family}_ep2_max_abs']:.2e}, "
-          f"logits {figures[f'{family}_ep2_logits_max_abs']:.2e}")
+    print(
+        f"{family} ep2: states {figures[f'{family}_ep2_max_abs']:.2e}, "
+        f"logits {figures[f'{family}_ep2_logits_max_abs']:.2e}"
+    )
     # Measured 7.8e-8 / 9.0e-8 (states) and 2.8e-7 / 3.0e-7 (logits, max 0.7).
     assert figures[f"{family}_ep2_max_abs"] < 1e-6
     assert figures[f"{family}_ep2_logits_max_abs"] < 3e-6

@@ -30,8 +30,11 @@ def _recompute(results: dict) -> dict:
     for method, by_cell in cells.items():
         ids = [v for (t, s), v in by_cell.items() if t == s]
         oods = [v for (t, s), v in by_cell.items() if t != s]
-        out[method] = {"mean": float(np.mean(list(by_cell.values()))), "id": float(np.mean(ids)),
-                       "ood": float(np.mean(oods))}
+        out[method] = {
+            "mean": float(np.mean(list(by_cell.values()))),
+            "id": float(np.mean(ids)),
+            "ood": float(np.mean(oods)),
+        }
     return out
 
 
@@ -64,8 +67,16 @@ def test_report_equals_a_recomputation_from_results(demo):
 def test_every_stage_ran_through_its_entry_point(demo):
     output, cfg, _ = demo
     logs = sorted(p.name for p in (output / "logs").iterdir())
-    for step in ("prune_target", "pretrain_backbone_target", "adapt_target", "regenerate_chat", "extract_chat",
-                 "distill_osprey_chat", "distill_eagle3_chat", "eval"):
+    for step in (
+        "prune_target",
+        "pretrain_backbone_target",
+        "adapt_target",
+        "regenerate_chat",
+        "extract_chat",
+        "distill_osprey_chat",
+        "distill_eagle3_chat",
+        "eval",
+    ):
         assert f"{step}.log" in logs, step
     assert (output / "backbone_target" / "hf" / "config.json").is_file()  # Stage 2 left the Stage 3 layout
     assert (output / "drafter_init_target" / "tokenizer_alignment.json").is_file()
@@ -90,15 +101,29 @@ def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
     output, cfg, _ = demo
     log = json.loads((output / ".steps" / "distill_eagle3_chat.json").read_text())["command"]
     argv = list(log)
-    for flag, value in (("--train-iters", "1"), ("--lr", "0"), ("--min-lr", "0"), ("--save-interval", "1"),
-                        ("--save", str(tmp_path / "untrained"))):
+    for flag, value in (
+        ("--train-iters", "1"),
+        ("--lr", "0"),
+        ("--min-lr", "0"),
+        ("--save-interval", "1"),
+        ("--save", str(tmp_path / "untrained")),
+    ):
         argv[argv.index(flag) + 1] = value
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, capture_output=True)
     target = json.loads((output / "report.json").read_text())["target"]
-    results = run_eval(EvalConfig(
-        target=Path(target), output=tmp_path / "eval", data=[output / "data" / "eval" / f"{d}.jsonl" for d in cfg.eval_domains],
-        drafters=[DrafterSpec("trained", output / "drafters" / "eagle3_chat"), DrafterSpec("untrained", tmp_path / "untrained")],
-        max_new_tokens=cfg.eval_tokens, progress=False))
+    results = run_eval(
+        EvalConfig(
+            target=Path(target),
+            output=tmp_path / "eval",
+            data=[output / "data" / "eval" / f"{d}.jsonl" for d in cfg.eval_domains],
+            drafters=[
+                DrafterSpec("trained", output / "drafters" / "eagle3_chat"),
+                DrafterSpec("untrained", tmp_path / "untrained"),
+            ],
+            max_new_tokens=cfg.eval_tokens,
+            progress=False,
+        )
+    )
     al = {}
     for cell in results["cells"]:
         al.setdefault(cell["drafter"], []).extend(r["acceptance_length"] for r in cell["requests"])

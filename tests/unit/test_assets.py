@@ -17,12 +17,12 @@ from megatron_osprey.assets import (
     ChecksumError,
     available_tokenizers,
     default_cache_dir,
+    download,
     get_tokenizer_dir,
     load_tokenizer,
     reference_cases,
     tokenizer_source,
 )
-from megatron_osprey.assets import download
 from megatron_osprey.assets.gguf_reader import read_gguf_metadata
 from megatron_osprey.assets.tokenizer_cache import INFO_FILE, parse_reference_cases
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir

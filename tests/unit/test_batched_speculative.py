@@ -29,8 +29,9 @@ STEPS = 4
 
 def random_prompts(vocab: int, count: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen)
-            for _ in range(count)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen) for _ in range(count)
+    ]
 
 
 def engine(model, prompts, cfg, drafter=None, make_session=None):
@@ -77,8 +78,9 @@ def test_batched_drafter_session_equals_the_batch1_session_row_by_row(variant, d
         roots = [s.extend(torch.tensor(t), a) for s, t, a in zip(singles, tokens, new_aux)]
 
 
-@pytest.mark.parametrize("family,vocab,draft_vocab,variant,seed",
-                         [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1)])
+@pytest.mark.parametrize(
+    "family,vocab,draft_vocab,variant,seed", [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1)]
+)
 def test_batched_engine_equals_the_batch1_engine_and_target_greedy(family, vocab, draft_vocab, variant, seed):
     model = tiny_target(family, vocab, seed)
     drafter = tiny_drafter(vocab, draft_vocab, variant, seed)
@@ -91,8 +93,9 @@ def test_batched_engine_equals_the_batch1_engine_and_target_greedy(family, vocab
     got = engine(model, prompts, cfg, drafter=drafter)
     for s, g in zip(single, got):
         assert (g.tokens, g.accept_lengths, g.verify_count) == (s.tokens, s.accept_lengths, s.verify_count)
-    target_only = batched_target_generate(BatchedHFTarget(model, AUX, cache_capacity(prompts, cfg, 1)), prompts, 18,
-                                          eos_token_ids=(eos,))
+    target_only = batched_target_generate(
+        BatchedHFTarget(model, AUX, cache_capacity(prompts, cfg, 1)), prompts, 18, eos_token_ids=(eos,)
+    )
     assert target_only == [target_generate(reference, p, 18, eos_token_ids=(eos,)) for p in prompts]
     assert [g.tokens for g in got] == target_only
     assert len(target_only[0]) == expected[0].index(eos) + 1 < 18  # rows really left the batch early
@@ -109,7 +112,9 @@ def test_batched_engine_is_lossless_with_multi_token_acceptance():
     expected = [target_generate(reference, p, 30) for p in prompts]
     scripts = [p.tolist() + e for p, e in zip(prompts, expected)]
     cfg = SpecConfig(max_new_tokens=30, steps=STEPS, topk=1)
-    single = [speculative_generate(reference, ScriptedSession(s, vocab, miss=7), p, cfg) for s, p in zip(scripts, prompts)]
+    single = [
+        speculative_generate(reference, ScriptedSession(s, vocab, miss=7), p, cfg) for s, p in zip(scripts, prompts)
+    ]
     sessions = iter([ScriptedSession(s, vocab, miss=7) for s in scripts])
     got = engine(model, prompts, cfg, make_session=lambda: next(sessions))
     assert [g.tokens for g in got] == expected
@@ -120,15 +125,17 @@ def test_batched_engine_is_lossless_with_multi_token_acceptance():
 
 def replayed(model, prompts, cfg, session):
     """replay_speculative_generate against target-only greedy outputs and the target's full-sequence features."""
-    references = batched_target_generate(BatchedHFTarget(model, AUX, cache_capacity(prompts, cfg, 1)), prompts,
-                                         cfg.max_new_tokens, cfg.eos_token_ids)
+    references = batched_target_generate(
+        BatchedHFTarget(model, AUX, cache_capacity(prompts, cfg, 1)), prompts, cfg.max_new_tokens, cfg.eos_token_ids
+    )
     sequences = [torch.cat((p, torch.tensor(r[:-1], dtype=torch.long))) for p, r in zip(prompts, references)]
     features = target_features(BatchedHFTarget(model, AUX, max(s.numel() for s in sequences)), sequences)
     return replay_speculative_generate(session, prompts, references, features, cfg)
 
 
-@pytest.mark.parametrize("family,vocab,draft_vocab,variant,seed",
-                         [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1)])
+@pytest.mark.parametrize(
+    "family,vocab,draft_vocab,variant,seed", [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1)]
+)
 def test_replayed_acceptance_equals_live_decoding(family, vocab, draft_vocab, variant, seed):
     """Replaying the target's greedy output gives every request the live engine's tokens, accept lengths and
     verify count, with a real drafter (EOS cutting some rows short) and with scripted multi-token acceptance."""
@@ -141,8 +148,9 @@ def test_replayed_acceptance_equals_live_decoding(family, vocab, draft_vocab, va
     live = engine(model, prompts, cfg, drafter=drafter)
     session = BatchedReferenceDraftSession(drafter, cache_capacity(prompts, cfg, 2 * cfg.steps + 1))
     got = replayed(model, prompts, cfg, session)
-    assert [(g.tokens, g.accept_lengths, g.verify_count) for g in got] == \
-        [(x.tokens, x.accept_lengths, x.verify_count) for x in live]
+    assert [(g.tokens, g.accept_lengths, g.verify_count) for g in got] == [
+        (x.tokens, x.accept_lengths, x.verify_count) for x in live
+    ]
     cfg = SpecConfig(max_new_tokens=30, steps=STEPS, topk=1)
     scripts = [p.tolist() + target_generate(reference, p, 30) for p in prompts]
     live_sessions, replay_sessions = (iter([ScriptedSession(s, vocab) for s in scripts]) for _ in range(2))
@@ -153,7 +161,6 @@ def test_replayed_acceptance_equals_live_decoding(family, vocab, draft_vocab, va
 
 
 def test_replay_refuses_features_that_do_not_cover_the_reference():
-    model = tiny_target("qwen3", 50, 0)
     prompts = random_prompts(50, 2, 0)
     cfg = SpecConfig(max_new_tokens=4, steps=2, topk=1)
     features = [torch.zeros(p.numel(), 96, dtype=torch.float64) for p in prompts]

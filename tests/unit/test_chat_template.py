@@ -49,7 +49,9 @@ def masked_runs(mask: np.ndarray) -> int:
 # --- Qwen3 format ---------------------------------------------------------------------
 
 
-QWEN3_PREFIX = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+QWEN3_PREFIX = (
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+)
 QWEN3_MIDDLE = "\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -63,7 +65,10 @@ def test_qwen3_mask_is_content_plus_im_end_with_history_reasoning_dropped(qwen3)
         ("\n", False),
     ]
     np.testing.assert_array_equal(tokenized.loss_mask, expected_mask(qwen3, tokenized.input_ids, pieces))
-    assert qwen3.decode(tokenized.input_ids[tokenized.loss_mask]) == "Four.<|im_end|><think>\nagain\n</think>\n\nSix.<|im_end|>"
+    assert (
+        qwen3.decode(tokenized.input_ids[tokenized.loss_mask])
+        == "Four.<|im_end|><think>\nagain\n</think>\n\nSix.<|im_end|>"
+    )
     assert tokenized.input_ids.dtype == np.int64 and tokenized.loss_mask.dtype == np.bool_
     assert not tokenized.truncated
 
@@ -148,7 +153,9 @@ def test_template_problems_raise_clear_errors(qwen3):
     with pytest.raises(ChatTemplateError, match="generation prompt"):
         ChatTokenizer(no_prompt)
     unknown_eot = build_tiny_tokenizer("qwen3")
-    unknown_eot.chat_template = QWEN3_CHAT_TEMPLATE.replace("'<|im_end|>\\n' -}}\n{%- endif -%}\n{%- endfor -%}", "'END\\n' -}}\n{%- endif -%}\n{%- endfor -%}")
+    unknown_eot.chat_template = QWEN3_CHAT_TEMPLATE.replace(
+        "'<|im_end|>\\n' -}}\n{%- endif -%}\n{%- endfor -%}", "'END\\n' -}}\n{%- endif -%}\n{%- endfor -%}"
+    )
     assert unknown_eot.chat_template != QWEN3_CHAT_TEMPLATE
     with pytest.raises(ChatTemplateError, match="end_of_turn"):
         ChatTokenizer(unknown_eot)
@@ -233,7 +240,10 @@ def test_reader_round_trips_rows_and_extra_keys(tmp_path):
     assert rows[0].messages[1] == {"role": "user", "content": "Hi"} and rows[0].extra == {"domain": "chat"}
     out = tmp_path / "out.jsonl"
     write_conversations(out, rows)
-    assert [json.loads(line) for line in out.read_text().splitlines()] == [GOOD, {"id": "b", "conversations": [{"role": "user", "content": "Yo"}]}]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        GOOD,
+        {"id": "b", "conversations": [{"role": "user", "content": "Yo"}]},
+    ]
 
 
 @pytest.mark.parametrize(
@@ -242,7 +252,10 @@ def test_reader_round_trips_rows_and_extra_keys(tmp_path):
         ("{oops", r"c\.jsonl:2: not valid JSON"),
         ({"conversations": GOOD["conversations"]}, r'c\.jsonl:2: "id" must be a non-empty string'),
         ({"id": "x", "conversations": []}, "non-empty list"),
-        ({"id": "x", "conversations": [{"role": "bot", "content": "Hi"}]}, r"conversations\[0\] of id 'x' has role 'bot'"),
+        (
+            {"id": "x", "conversations": [{"role": "bot", "content": "Hi"}]},
+            r"conversations\[0\] of id 'x' has role 'bot'",
+        ),
         ({"id": "x", "conversations": [{"role": "user", "content": 3}]}, 'string "content"'),
         ({"id": "x", "conversations": [{"role": "user", "content": "Hi"}, SYSTEM]}, "only the first message"),
         ({"id": "x", "conversations": [{"role": "assistant", "content": "Hi"}]}, "has no user message"),

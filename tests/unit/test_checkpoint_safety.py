@@ -45,8 +45,11 @@ def test_a_crafted_metadata_file_is_refused_without_running_it(backbone, tmp_pat
     root = copy_checkpoint(backbone, tmp_path)
     marker = tmp_path / "pwned"
     (iteration_dir(root, 0) / ".metadata").write_bytes(pickle.dumps(RunsACommand(marker)))
-    with pytest.raises(ValueError, match=r"\.metadata: refusing to load this checkpoint: it references "
-                                         r"posix\.system.*Load only checkpoints you trust"):
+    with pytest.raises(
+        ValueError,
+        match=r"\.metadata: refusing to load this checkpoint: it references "
+        r"posix\.system.*Load only checkpoints you trust",
+    ):
         load(backbone, root)
     assert not marker.exists()
 
@@ -78,8 +81,11 @@ def test_a_full_disk_during_a_save_says_so_and_leaves_the_last_checkpoint(backbo
     monkeypatch.setattr(dist_checkpointing, "save", out_of_space)
     with parallel_context(ParallelConfig()) as state:
         model = build_gpt_model(arch, state.config, transformer_impl="local")
-        with pytest.raises(OSError, match=r"saving iteration 5 to .* failed: the disk is full \(.* MiB free\)\. "
-                                          r"The previous checkpoint and the latest pointer are untouched"):
+        with pytest.raises(
+            OSError,
+            match=r"saving iteration 5 to .* failed: the disk is full \(.* MiB free\)\. "
+            r"The previous checkpoint and the latest pointer are untouched",
+        ):
             save_checkpoint(root, 5, model.sharded_state_dict(), {"stage": "test"})
     assert read_latest_iteration(root) == 0 and not iteration_dir(root, 5).exists()
 

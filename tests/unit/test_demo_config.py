@@ -33,15 +33,38 @@ def test_live_check_compares_live_requests_with_the_replayed_ones(tmp_path):
     from megatron_osprey.demo.report import live_check
 
     def request(rid, accept, tokens):
-        return {"id": rid, "accept_lengths": accept, "output_ids": tokens, "completion_tokens": len(tokens),
-                "seconds": 1.0, "target_seconds": 0.5}
+        return {
+            "id": rid,
+            "accept_lengths": accept,
+            "output_ids": tokens,
+            "completion_tokens": len(tokens),
+            "seconds": 1.0,
+            "target_seconds": 0.5,
+        }
 
-    replayed = {"config": {"replay": True, "batch_size": 4}, "cells": [
-        {"drafter": "a", "method": "osprey", "split": "code",
-         "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [1, 1], [8, 9, 1])]}]}
-    live = {"config": {"batch_size": 4}, "lossless": {"mismatches": [{"id": "c1"}]}, "cells": [
-        {"drafter": "a", "method": "osprey", "split": "code",
-         "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [2], [8, 9, 2])]}]}
+    replayed = {
+        "config": {"replay": True, "batch_size": 4},
+        "cells": [
+            {
+                "drafter": "a",
+                "method": "osprey",
+                "split": "code",
+                "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [1, 1], [8, 9, 1])],
+            }
+        ],
+    }
+    live = {
+        "config": {"batch_size": 4},
+        "lossless": {"mismatches": [{"id": "c1"}]},
+        "cells": [
+            {
+                "drafter": "a",
+                "method": "osprey",
+                "split": "code",
+                "requests": [request("c0", [2, 1], [5, 6, 7]), request("c1", [2], [8, 9, 2])],
+            }
+        ],
+    }
     path = tmp_path / "live.json"
     path.write_text(json.dumps(live))
     check = live_check(replayed, path)

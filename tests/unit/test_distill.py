@@ -1,6 +1,5 @@
 """Stage 4: online == offline on the same batch, a short run raises acc_0, the EAGLE-3 baseline, errors."""
 
-import dataclasses
 import functools
 
 import pytest
@@ -10,11 +9,11 @@ from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
-from megatron_osprey.models.targets.online import OnlineTarget
 from megatron_osprey.models.targets.lm_head import TargetHead
+from megatron_osprey.models.targets.online import OnlineTarget
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.training.distillation import distill_forward_step, run_distill
 from megatron_osprey.testing.distill_setup import build_distill_setup
+from megatron_osprey.training.distillation import distill_forward_step, run_distill
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +53,26 @@ def extract_store(setup, arch, store_dir, state) -> None:
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
 
-    extract_hidden_states(ExtractConfig(
-        target_dir=str(setup["target"]), data_path=str(setup["data"]),
-        store=HiddenStateStoreConfig(store_dir=str(store_dir)), aux_layer_ids=arch.aux_layer_ids,
-        max_length=64, params_dtype="float32"), state, log=lambda _: None)
+    extract_hidden_states(
+        ExtractConfig(
+            target_dir=str(setup["target"]),
+            data_path=str(setup["data"]),
+            store=HiddenStateStoreConfig(store_dir=str(store_dir)),
+            aux_layer_ids=arch.aux_layer_ids,
+            max_length=64,
+            params_dtype="float32",
+        ),
+        state,
+        log=lambda _: None,
+    )
 
 
 def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
+    from transformers import AutoTokenizer
+
     from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
-    from transformers import AutoTokenizer
 
     cfg = tiny_config(setup)
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
@@ -88,8 +96,9 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
         # output_hidden_states (layer i's output is hidden_states[i + 1]; the last one is normed, so
         # the final pre-norm state comes from a hook on the last layer).
         aux_online, final_online = target(online["input_ids"])
-        hf_error = hf_hidden_state_error(setup["target"], online["input_ids"], arch.aux_layer_ids,
-                                         aux_online, final_online)
+        hf_error = hf_hidden_state_error(
+            setup["target"], online["input_ids"], arch.aux_layer_ids, aux_online, final_online
+        )
         print(f"online target vs HF output_hidden_states: max |difference| = {hf_error:.2e}")
         assert hf_error < 1e-6  # measured 6.0e-8 (float32 summation order)
 
@@ -98,8 +107,11 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
             return aux.bfloat16().float(), final.bfloat16().float()
 
         losses = {}
-        for name, batch, fn in (("online", online, rounded_target), ("offline", offline, None),
-                                ("online_fp32", online, target)):
+        for name, batch, fn in (
+            ("online", online, rounded_target),
+            ("offline", offline, None),
+            ("online_fp32", online, target),
+        ):
             step = distill_forward_step(fn, head, cfg, arch.draft_vocab_size, None)
             with torch.no_grad():
                 losses[name] = step(iter([batch]), model)[0].item()
@@ -110,10 +122,11 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
 
 def test_batch_length_padding_gives_the_fixed_length_loss(setup, tmp_path):
     """Padding a micro-batch only to its longest sample (rounded to 16) leaves the TTT loss unchanged."""
+    from transformers import AutoTokenizer
+
     from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
-    from transformers import AutoTokenizer
 
     cfg = tiny_config(setup)
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
@@ -145,7 +158,8 @@ def hf_hidden_state_error(target_dir, input_ids, aux_layer_ids, aux, final) -> f
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     captured = []
     hook = hf.model.layers[-1].register_forward_hook(
-        lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
         hidden = hf(input_ids, output_hidden_states=True).hidden_states
     hook.remove()
@@ -181,12 +195,15 @@ def test_data_order_is_a_function_of_consumed_samples(setup):
     assert torch.equal(next(rank1)["input_ids"], batches[1])
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"drafter__baseline": "eagle3"}, "exactly one of --drafter-init"),
-    ({"target__mode": "offline"}, "--mode offline needs --hidden-states"),
-    ({"data__data_path": ["/no/such.jsonl"]}, "--data-path /no/such.jsonl does not exist"),
-    ({"parallel__pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"drafter__baseline": "eagle3"}, "exactly one of --drafter-init"),
+        ({"target__mode": "offline"}, "--mode offline needs --hidden-states"),
+        ({"data__data_path": ["/no/such.jsonl"]}, "--data-path /no/such.jsonl does not exist"),
+        ({"parallel__pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+    ],
+)
 def test_clear_errors(setup, change, message):
     cfg = tiny_config(setup, **change)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -199,8 +216,8 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.data.hidden_state_store import StoreMismatchError
     from megatron_osprey.models.drafter import DrafterArch
-    from megatron_osprey.training.distillation import assistant_token_counts, build_sources
     from megatron_osprey.testing.distill_setup import write_chat_model
+    from megatron_osprey.training.distillation import assistant_token_counts, build_sources
 
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     store_dir = tmp_path / "store"
@@ -226,20 +243,42 @@ def test_no_surviving_loss_tokens_is_refused_and_survivors_are_reported(setup, t
     long_prompt = "word " * 200  # far beyond --seq-length 64: its answer is cut off
     with open(prompts_only, "w") as handle:
         handle.write(json.dumps({"id": "p0", "conversations": [{"role": "user", "content": "Hello?"}]}) + "\n")
-        handle.write(json.dumps({"id": "p1", "conversations": [
-            {"role": "user", "content": long_prompt}, {"role": "assistant", "content": "Fine."}]}) + "\n")
+        handle.write(
+            json.dumps(
+                {
+                    "id": "p1",
+                    "conversations": [
+                        {"role": "user", "content": long_prompt},
+                        {"role": "assistant", "content": "Fine."},
+                    ],
+                }
+            )
+            + "\n"
+        )
     cfg = tiny_config(setup, data__data_path=[str(prompts_only)], training__train_iters=2)
     with parallel_context(cfg.parallel) as state:
         with pytest.raises(ValueError, match=r"none of its 2 samples keeps an assistant token within --seq-length 64"):
             run_distill(cfg, state)
     # One good conversation among them: the run goes ahead and says how much data survived.
     with open(prompts_only, "a") as handle:
-        handle.write(json.dumps({"id": "p2", "conversations": [
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}) + "\n")
+        handle.write(
+            json.dumps(
+                {
+                    "id": "p2",
+                    "conversations": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello there."},
+                    ],
+                }
+            )
+            + "\n"
+        )
     with parallel_context(cfg.parallel) as state:
         result = run_distill(cfg, state)
     survivors = [n for n in result.notes if "samples keep assistant tokens" in n]
-    assert len(survivors) == 1 and survivors[0].startswith("1 of 3 samples keep assistant tokens within --seq-length 64")
+    assert len(survivors) == 1 and survivors[0].startswith(
+        "1 of 3 samples keep assistant tokens within --seq-length 64"
+    )
     assert result.state.iteration == 2
 
 
@@ -248,13 +287,19 @@ def test_store_loss_masks_are_read_without_hidden_states_and_match_the_samples(t
     from megatron_osprey.data.hidden_state_store import HiddenStateWriter, finalize_store
 
     g = torch.Generator().manual_seed(0)
-    with HiddenStateWriter(tmp_path, target_id="t", config_hash="h", aux_layer_ids=(1, 2, 3), hidden_size=8,
-                           samples_per_shard=2) as writer:
+    with HiddenStateWriter(
+        tmp_path, target_id="t", config_hash="h", aux_layer_ids=(1, 2, 3), hidden_size=8, samples_per_shard=2
+    ) as writer:
         for i, length in enumerate([5, 9, 3]):
             mask = torch.zeros(length, dtype=torch.bool)
-            mask[length - 2:] = i != 2  # sample 2 has no loss tokens
-            writer.add(f"s{i}", torch.arange(length), mask, torch.randn(length, 24, generator=g),
-                       torch.randn(length, 8, generator=g))
+            mask[length - 2 :] = i != 2  # sample 2 has no loss tokens
+            writer.add(
+                f"s{i}",
+                torch.arange(length),
+                mask,
+                torch.randn(length, 24, generator=g),
+                torch.randn(length, 8, generator=g),
+            )
     finalize_store(tmp_path)
     source = StoreSamples(tmp_path)
     masks = list(source.loss_masks())

@@ -16,8 +16,9 @@ from megatron_osprey.training.checkpointing import load_checkpoint
 
 @pytest.fixture(scope="module")
 def alignment(real_tokenizers):
-    return align_vocabularies(view_of(real_tokenizers["qwen3"]), view_of(real_tokenizers["llama3"]), 128256,
-                              policy="bytes_and_roles")
+    return align_vocabularies(
+        view_of(real_tokenizers["qwen3"]), view_of(real_tokenizers["llama3"]), 128256, policy="bytes_and_roles"
+    )
 
 
 def test_qwen3_to_llama3_counts_match_the_paper(adapted_drafter):
@@ -62,7 +63,9 @@ def test_bytes_and_roles_policy_on_known_tokens(real_tokenizers, alignment):
     bos = llama.convert_tokens_to_ids("<|begin_of_text|>")  # Qwen3 has no BOS
     assert alignment.kinds[bos] == "fallback" and alignment.sources[bos] == []
     partial = llama.convert_tokens_to_ids("¬¬")  # averaged over its two byte tokens
-    assert alignment.kinds[partial] == "averaged" and alignment.sources[partial] == [qwen.convert_tokens_to_ids("¬")] * 2
+    assert (
+        alignment.kinds[partial] == "averaged" and alignment.sources[partial] == [qwen.convert_tokens_to_ids("¬")] * 2
+    )
 
 
 @pytest.mark.parametrize("policy", ["reference", "bytes_and_roles"])
@@ -162,8 +165,16 @@ def test_reduced_draft_vocab(adapted_drafter, tmp_path):
     (tmp_path / "counts.json").write_text(json.dumps(counts))
     out = tmp_path / "reduced"
     with parallel_context(ParallelConfig()) as state:
-        adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"], output=out,
-                                  draft_vocab_size=64, token_counts=tmp_path / "counts.json"), state)
+        adapt_drafter(
+            AdaptConfig(
+                backbone=adapted_drafter["backbone"],
+                target=adapted_drafter["target"],
+                output=out,
+                draft_vocab_size=64,
+                token_counts=tmp_path / "counts.json",
+            ),
+            state,
+        )
     reduced = ReferenceDrafter.from_pretrained(out / "hf")
     full = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf")
     expected_ids = torch.tensor([5] + list(range(1000, 1063)))
@@ -177,8 +188,15 @@ def test_reduced_draft_vocab(adapted_drafter, tmp_path):
 def test_bad_aux_layer_ids(adapted_drafter, tmp_path, aux):
     with parallel_context(ParallelConfig()) as state:
         with pytest.raises(ValueError, match=r"--aux-layer-ids .* \(the target has 8 layers\)"):
-            adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"],
-                                      output=tmp_path / "o", aux_layer_ids=aux), state)
+            adapt_drafter(
+                AdaptConfig(
+                    backbone=adapted_drafter["backbone"],
+                    target=adapted_drafter["target"],
+                    output=tmp_path / "o",
+                    aux_layer_ids=aux,
+                ),
+                state,
+            )
 
 
 def test_target_without_vocabulary(adapted_drafter, tmp_path):
@@ -191,17 +209,27 @@ def test_target_without_vocabulary(adapted_drafter, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(target)
     with parallel_context(ParallelConfig()) as state:
         with pytest.raises(ValueError, match="--target .* has no vocabulary"):
-            adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=target, output=tmp_path / "o"), state)
+            adapt_drafter(
+                AdaptConfig(backbone=adapted_drafter["backbone"], target=target, output=tmp_path / "o"), state
+            )
 
 
 def test_backbone_that_is_not_a_pruned_backbone(adapted_drafter, tmp_path):
     with parallel_context(ParallelConfig()) as state:
         with pytest.raises(ValueError, match="is not a pruned backbone: it has no run_config.yaml"):
-            adapt_drafter(AdaptConfig(backbone=adapted_drafter["source"], target=adapted_drafter["target"],
-                                      output=tmp_path / "o"), state)
+            adapt_drafter(
+                AdaptConfig(
+                    backbone=adapted_drafter["source"], target=adapted_drafter["target"], output=tmp_path / "o"
+                ),
+                state,
+            )
         with pytest.raises(ValueError, match="stage='adapt'"):
-            adapt_drafter(AdaptConfig(backbone=adapted_drafter["drafter"], target=adapted_drafter["target"],
-                                      output=tmp_path / "o"), state)
+            adapt_drafter(
+                AdaptConfig(
+                    backbone=adapted_drafter["drafter"], target=adapted_drafter["target"], output=tmp_path / "o"
+                ),
+                state,
+            )
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_first(adapted_drafter, tmp_path):
@@ -209,8 +237,13 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_first(
 
     # What a 3-process torchrun would pass: checked before any tokenizer, weight or collective.
     three = SimpleNamespace(config=ParallelConfig(tensor_model_parallel_size=3), rank=0, tp_rank=0)
-    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 3 does not divide the model's "
-                                         r"num_attention_heads \(4\)"):
-        adapt_drafter(AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"],
-                                  output=tmp_path / "o"), three)
+    with pytest.raises(
+        ValueError,
+        match=r"--tensor-model-parallel-size 3 does not divide the model's "
+        r"num_attention_heads \(4\)",
+    ):
+        adapt_drafter(
+            AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"], output=tmp_path / "o"),
+            three,
+        )
     assert not (tmp_path / "o").exists()

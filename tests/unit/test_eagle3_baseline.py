@@ -6,15 +6,15 @@ import json
 import pytest
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_args import distill_config_from_args
 from megatron_osprey.config.recipes import RECIPES, stage_config
-from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.training.distillation import drafter_arch
 from megatron_osprey.testing.tiny_models import llama_config, qwen3_config
+from megatron_osprey.training.distillation import drafter_arch
 
 
 def test_matched_recipes_train_both_arms_with_ttt_5():
@@ -37,7 +37,9 @@ def test_registry_eagle3_recipes_use_ttt_5():
 def test_eagle3_num_layers_2_is_the_fused_variant_and_plain_must_be_named():
     cfg = distill_config_from_args(["--baseline", "eagle3", "--eagle3-num-layers", "2"])
     assert cfg.drafter.eagle3_extra_layers == "fused"
-    cfg = distill_config_from_args(["--baseline", "eagle3", "--eagle3-num-layers", "2", "--eagle3-extra-layers", "plain"])
+    cfg = distill_config_from_args(
+        ["--baseline", "eagle3", "--eagle3-num-layers", "2", "--eagle3-extra-layers", "plain"]
+    )
     assert cfg.drafter.eagle3_extra_layers == "plain"
 
 
@@ -64,10 +66,21 @@ def test_baseline_layer_has_no_qk_norm_on_a_qwen3_target(qwen3_target):
     arch = baseline_arch(qwen3_target)
     body = arch.body
     assert (body.family, body.qk_layernorm, body.qkv_bias) == ("llama", False, False)
-    assert (body.hidden_size, body.num_attention_heads, body.num_query_groups, body.head_dim,
-            body.ffn_hidden_size, body.rope_theta) == (
-        target.hidden_size, target.num_attention_heads, target.num_query_groups, target.head_dim,
-        target.ffn_hidden_size, target.rope_theta)
+    assert (
+        body.hidden_size,
+        body.num_attention_heads,
+        body.num_query_groups,
+        body.head_dim,
+        body.ffn_hidden_size,
+        body.rope_theta,
+    ) == (
+        target.hidden_size,
+        target.num_attention_heads,
+        target.num_query_groups,
+        target.head_dim,
+        target.ffn_hidden_size,
+        target.rope_theta,
+    )
     assert DrafterArch.from_dict(arch.to_dict()) == arch  # the saved run config rebuilds the same layer
     with parallel_context(ParallelConfig()):
         model = build_drafter_model(arch, ParallelConfig())
@@ -137,8 +150,9 @@ def test_one_layer_baseline_exports_to_stock_sglang_and_speculators(qwen3_target
     with torch.no_grad():
         ids = torch.randint(0, arch.vocab_size, (1, 7))
         aux = torch.randn(1, 7, 3 * arch.target_hidden_size)
-        torch.testing.assert_close(read_export(tmp_path / "sg")(ids, aux_hidden=aux)[0],
-                                   drafter(ids, aux_hidden=aux)[0], atol=0, rtol=0)
+        torch.testing.assert_close(
+            read_export(tmp_path / "sg")(ids, aux_hidden=aux)[0], drafter(ids, aux_hidden=aux)[0], atol=0, rtol=0
+        )
 
 
 def test_one_layer_llama_target_baseline_exports_to_speculators(tmp_path):

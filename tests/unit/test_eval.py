@@ -7,7 +7,7 @@ import torch
 
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.__main__ import main
-from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, summarize
+from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.eval.run import write_results
 from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
@@ -24,34 +24,80 @@ def tiny_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     tok = build_tiny_tokenizer("llama3")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.convert_tokens_to_ids("<|eot_id|>"))
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.convert_tokens_to_ids("<|eot_id|>"),
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked outputs: greedy text is not one repeated token
     model.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
     torch.manual_seed(1)
-    drafter = ReferenceDrafter(DrafterConfig(
-        hidden_size=32, target_hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=32, vocab_size=len(tok), aux_layer_ids=[0, 1, 2]))
+    drafter = ReferenceDrafter(
+        DrafterConfig(
+            hidden_size=32,
+            target_hidden_size=32,
+            num_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=len(tok),
+            aux_layer_ids=[0, 1, 2],
+        )
+    )
     drafter.save_pretrained(root / "drafter")
     for split in ("code", "math"):
-        rows = [{"id": f"{split}-{i}", "conversations": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": f"{split} question {i}: what is two plus {i}?"},
-            {"role": "assistant", "content": "four"}, {"role": "user", "content": "never part of the prompt"}]}
-            for i in range(2)]
+        rows = [
+            {
+                "id": f"{split}-{i}",
+                "conversations": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": f"{split} question {i}: what is two plus {i}?"},
+                    {"role": "assistant", "content": "four"},
+                    {"role": "user", "content": "never part of the prompt"},
+                ],
+            }
+            for i in range(2)
+        ]
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
 
 def _cli(root, out, *extra):
-    return main(["--target", str(root / "target"), "--drafter", f"a={root / 'drafter'}",
-                 "--drafter", f"b={root / 'drafter'}", "--train-domain", "code", "math",
-                 "--data", str(root / "code.jsonl"), "--data", str(root / "math.jsonl"), "--output", str(out),
-                 "--steps", "2", "--max-new-tokens", "7", "--no-progress", *extra])
+    return main(
+        [
+            "--target",
+            str(root / "target"),
+            "--drafter",
+            f"a={root / 'drafter'}",
+            "--drafter",
+            f"b={root / 'drafter'}",
+            "--train-domain",
+            "code",
+            "math",
+            "--data",
+            str(root / "code.jsonl"),
+            "--data",
+            str(root / "math.jsonl"),
+            "--output",
+            str(out),
+            "--steps",
+            "2",
+            "--max-new-tokens",
+            "7",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_prompts_stop_at_the_first_assistant_turn_in_file_order(tiny_setup):
@@ -77,19 +123,32 @@ def test_eval_defaults_are_the_papers_protocol():
     args = parse_args(["--target", "T", "--drafter", "D", "--data", "x.jsonl", "--output", "O"])
     config = build_config(args)
     assert (config.max_new_tokens, config.prompt_messages, config.temperature, config.steps, config.topk) == (
-        4096, "first_user", 0.0, 5, 1)
+        4096,
+        "first_user",
+        0.0,
+        5,
+        1,
+    )
 
 
 def test_cli_sweeps_temperature_and_draft_tokens_one_row_per_combination(tiny_setup, tmp_path):
     assert _cli(tiny_setup, tmp_path, "--temperature", "0", "1", "--draft-tokens", "2", "3", "--seed", "7") == 0
     results = json.loads((tmp_path / "results.json").read_text())
     rows = [(r["temperature"], r["draft_tokens"], r["steps"], r["seed"], r["sampling"]) for r in results["sweep"]]
-    assert rows == [(0.0, 2, 1, 7, "greedy"), (0.0, 3, 2, 7, "greedy"),
-                    (1.0, 2, 1, 7, "lossless rejection sampling"), (1.0, 3, 2, 7, "lossless rejection sampling")]
+    assert rows == [
+        (0.0, 2, 1, 7, "greedy"),
+        (0.0, 3, 2, 7, "greedy"),
+        (1.0, 2, 1, 7, "lossless rejection sampling"),
+        (1.0, 3, 2, 7, "lossless rejection sampling"),
+    ]
     assert len(results["cells"]) == 2 * 2 * 4  # drafters x splits x combinations
     assert results["matrices"] == results["sweep"][0]["matrices"]
     for row in results["sweep"]:
-        cells = [c for c in results["cells"] if (c["temperature"], c["draft_tokens"]) == (row["temperature"], row["draft_tokens"])]
+        cells = [
+            c
+            for c in results["cells"]
+            if (c["temperature"], c["draft_tokens"]) == (row["temperature"], row["draft_tokens"])
+        ]
         assert len(cells) == 4
         for cell in cells:  # a chain of d draft tokens emits at most d tokens per verify
             assert all(1 <= n <= row["draft_tokens"] for r in cell["requests"] for n in r["accept_lengths"])
@@ -106,7 +165,11 @@ def test_cli_greedy_output_is_lossless_and_results_cover_every_prompt(tiny_setup
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lossless"] == {"checked": True, "mismatches": []}
     assert [(c["drafter"], c["split"]) for c in results["cells"]] == [
-        ("a", "code"), ("a", "math"), ("b", "code"), ("b", "math")]
+        ("a", "code"),
+        ("a", "math"),
+        ("b", "code"),
+        ("b", "math"),
+    ]
     for cell in results["cells"]:
         assert [r["id"] for r in cell["requests"]] == [f"{cell['split']}-0", f"{cell['split']}-1"]
         for r in cell["requests"]:
@@ -126,20 +189,30 @@ def test_batch_size_gives_the_same_requests_as_the_reference_engine(tiny_setup, 
         assert _cli(tiny_setup, tmp_path / str(batch), "--verify-lossless", "--batch-size", str(batch)) == 0
         results = json.loads((tmp_path / str(batch) / "results.json").read_text())
         assert results["config"]["batch_size"] == batch and results["lossless"]["mismatches"] == []
-        outputs[batch] = [(c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
-                          for c in results["cells"] for r in c["requests"]]
+        outputs[batch] = [
+            (c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
+            for c in results["cells"]
+            for r in c["requests"]
+        ]
     assert outputs[1] == outputs[3] and len(outputs[1]) == 8
     # --replay: the same requests from the target's greedy output, with no verify forwards.
     assert _cli(tiny_setup, tmp_path / "replay", "--replay", "--batch-size", "3") == 0
     results = json.loads((tmp_path / "replay" / "results.json").read_text())
     assert results["config"]["replay"] and not results["lossless"]["checked"]
-    assert [(c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
-            for c in results["cells"] for r in c["requests"]] == outputs[1]
+    assert [
+        (c["drafter"], c["split"], r["id"], r["output_ids"], r["accept_lengths"])
+        for c in results["cells"]
+        for r in c["requests"]
+    ] == outputs[1]
 
 
 def test_batch_size_and_replay_refuse_what_they_cannot_decode(tiny_setup, tmp_path, capsys):
-    for extra in (["--topk", "2", "--draft-tokens", "4"], ["--temperature", "0.5"], ["--target-backend", "megatron"],
-                  []):
+    for extra in (
+        ["--topk", "2", "--draft-tokens", "4"],
+        ["--temperature", "0.5"],
+        ["--target-backend", "megatron"],
+        [],
+    ):
         batch = "0" if not extra else "4"
         assert _cli(tiny_setup, tmp_path, "--batch-size", batch, *extra) == 2
         assert "--batch-size" in capsys.readouterr().err
@@ -153,13 +226,37 @@ def test_merged_evaluations_equal_one_evaluation_of_all_drafters(tiny_setup, tmp
     """The demo evaluates each seed's drafters in its own resumable step and merges the results."""
     from megatron_osprey.eval.run import merge_results
 
-    common = ["--data", str(tiny_setup / "code.jsonl"), "--data", str(tiny_setup / "math.jsonl"), "--steps", "2",
-              "--max-new-tokens", "7", "--no-progress", "--verify-lossless", "--target", str(tiny_setup / "target")]
+    common = [
+        "--data",
+        str(tiny_setup / "code.jsonl"),
+        "--data",
+        str(tiny_setup / "math.jsonl"),
+        "--steps",
+        "2",
+        "--max-new-tokens",
+        "7",
+        "--no-progress",
+        "--verify-lossless",
+        "--target",
+        str(tiny_setup / "target"),
+    ]
     parts = []
     for name, domain in (("a", "code"), ("b", "math")):
         out = tmp_path / name
-        assert main([*common, "--drafter", f"{name}={tiny_setup / 'drafter'}", "--train-domain", domain,
-                     "--output", str(out)]) == 0
+        assert (
+            main(
+                [
+                    *common,
+                    "--drafter",
+                    f"{name}={tiny_setup / 'drafter'}",
+                    "--train-domain",
+                    domain,
+                    "--output",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         parts.append(json.loads((out / "results.json").read_text()))
     merged = merge_results(parts, tmp_path / "merged")
     assert _cli(tiny_setup, tmp_path / "both", "--verify-lossless") == 0
@@ -168,8 +265,10 @@ def test_merged_evaluations_equal_one_evaluation_of_all_drafters(tiny_setup, tmp
     assert strip(merged["cells"]) == strip(both["cells"])
     for key in ("mean", "id_mean", "ood_mean", "acceptance_length", "train_domains"):
         assert merged["matrices"]["osprey"][key] == both["matrices"]["osprey"][key], key
-    assert json.loads((tmp_path / "merged" / "results.json").read_text())["lossless"] == {"checked": True,
-                                                                                          "mismatches": []}
+    assert json.loads((tmp_path / "merged" / "results.json").read_text())["lossless"] == {
+        "checked": True,
+        "mismatches": [],
+    }
     with pytest.raises(ValueError, match="drafter names repeat"):
         merge_results([parts[0], parts[0]], tmp_path / "again")
 
@@ -212,8 +311,21 @@ def test_identical_drafter_gives_al_draft_tokens_and_wrong_drafter_al_one(tiny_s
 def test_bad_flags_name_the_flag(tiny_setup, tmp_path, capsys):
     assert _cli(tiny_setup, tmp_path, "--temperature", "0.7", "--verify-lossless") == 2
     assert "--verify-lossless" in capsys.readouterr().err
-    assert main(["--target", str(tmp_path / "nope"), "--drafter", str(tiny_setup / "drafter"), "--data",
-                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "--target",
+                str(tmp_path / "nope"),
+                "--drafter",
+                str(tiny_setup / "drafter"),
+                "--data",
+                str(tiny_setup / "code.jsonl"),
+                "--output",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "--target" in capsys.readouterr().err
 
 
@@ -229,12 +341,12 @@ def test_aggregation_per_request_mean_differs_from_pooled_and_both_are_right(tmp
     assert summary["tokens_per_s"] == pytest.approx(38 / 4.0)
 
     cells = [
-        Cell("osp-code", "osprey", "code", "code", summarize(_requests([(8, 2), (30, 20)]))),   # 2.75
-        Cell("osp-code", "osprey", "code", "math", summarize(_requests([(10, 5)]))),             # 2.0
-        Cell("osp-math", "osprey", "math", "code", summarize(_requests([(9, 6), (3, 3)]))),      # 1.25
-        Cell("osp-math", "osprey", "math", "math", summarize(_requests([(12, 3)]))),             # 4.0
-        Cell("e3-code", "eagle3", "code", "code", summarize(_requests([(6, 3)]))),               # 2.0
-        Cell("e3-code", "eagle3", "code", "math", summarize(_requests([(6, 6)]))),               # 1.0
+        Cell("osp-code", "osprey", "code", "code", summarize(_requests([(8, 2), (30, 20)]))),  # 2.75
+        Cell("osp-code", "osprey", "code", "math", summarize(_requests([(10, 5)]))),  # 2.0
+        Cell("osp-math", "osprey", "math", "code", summarize(_requests([(9, 6), (3, 3)]))),  # 1.25
+        Cell("osp-math", "osprey", "math", "math", summarize(_requests([(12, 3)]))),  # 4.0
+        Cell("e3-code", "eagle3", "code", "code", summarize(_requests([(6, 3)]))),  # 2.0
+        Cell("e3-code", "eagle3", "code", "math", summarize(_requests([(6, 6)]))),  # 1.0
     ]
     matrices = build_matrices(cells, ["code", "math"])
     osprey = matrices["osprey"]
@@ -243,11 +355,19 @@ def test_aggregation_per_request_mean_differs_from_pooled_and_both_are_right(tmp
     assert osprey["id_mean"] == pytest.approx((2.75 + 4.0) / 2)
     assert osprey["ood_mean"] == pytest.approx((2.0 + 1.25) / 2)
     assert osprey["mean"] == pytest.approx((2.75 + 2.0 + 1.25 + 4.0) / 4)
-    assert (matrices["eagle3"]["id_mean"], matrices["eagle3"]["ood_mean"], matrices["eagle3"]["mean"]) == (2.0, 1.0, 1.5)
+    assert (matrices["eagle3"]["id_mean"], matrices["eagle3"]["ood_mean"], matrices["eagle3"]["mean"]) == (
+        2.0,
+        1.0,
+        1.5,
+    )
 
-    results = {"config": {"target": "T", "steps": 5, "topk": 1, "draft_tokens": 6, "temperature": 0.0,
-                          "max_new_tokens": 8}, "splits": [{"name": "code", "requests": 2}, {"name": "math", "requests": 1}],
-               "matrices": matrices, "cells": [], "lossless": {"checked": False, "mismatches": []}}
+    results = {
+        "config": {"target": "T", "steps": 5, "topk": 1, "draft_tokens": 6, "temperature": 0.0, "max_new_tokens": 8},
+        "splits": [{"name": "code", "requests": 2}, {"name": "math", "requests": 1}],
+        "matrices": matrices,
+        "cells": [],
+        "lossless": {"checked": False, "mismatches": []},
+    }
     write_results(results, tmp_path)
     text = (tmp_path / "matrix.md").read_text()
     assert "| osprey | 2.500 | 3.375 | 1.625 | 2/2 |" in text
@@ -271,11 +391,25 @@ def _short_target(root, tmp_path, max_positions):
 
 def test_a_prompt_longer_than_the_target_allows_is_refused_or_truncated_on_request(tiny_setup, tmp_path, capsys):
     long_split = tmp_path / "long.jsonl"
-    long_split.write_text(json.dumps({"id": "long-0", "conversations": [
-        {"role": "user", "content": "count: " + "one two three " * 40}]}) + "\n" + (tiny_setup / "code.jsonl").read_text())
+    long_split.write_text(
+        json.dumps({"id": "long-0", "conversations": [{"role": "user", "content": "count: " + "one two three " * 40}]})
+        + "\n"
+        + (tiny_setup / "code.jsonl").read_text()
+    )
     target = _short_target(tiny_setup, tmp_path, 96)
-    argv = ["--target", str(target), "--drafter", f"a={tiny_setup / 'drafter'}", "--data", str(long_split),
-            "--steps", "2", "--max-new-tokens", "7", "--no-progress"]
+    argv = [
+        "--target",
+        str(target),
+        "--drafter",
+        f"a={tiny_setup / 'drafter'}",
+        "--data",
+        str(long_split),
+        "--steps",
+        "2",
+        "--max-new-tokens",
+        "7",
+        "--no-progress",
+    ]
     assert main(argv + ["--output", str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err
     assert "prompt 'long-0' has" in err and "max_position_embeddings 96" in err and "--truncate-prompts" in err
@@ -286,17 +420,43 @@ def test_a_prompt_longer_than_the_target_allows_is_refused_or_truncated_on_reque
 
 
 def test_a_drafter_for_another_target_hidden_size_is_refused_naming_both(tiny_setup, tmp_path, capsys):
-    other = ReferenceDrafter(DrafterConfig(
-        hidden_size=32, target_hidden_size=48, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=32, vocab_size=ReferenceDrafter.from_pretrained(
-            tiny_setup / "drafter").config.vocab_size, aux_layer_ids=[0, 1, 2]))
+    other = ReferenceDrafter(
+        DrafterConfig(
+            hidden_size=32,
+            target_hidden_size=48,
+            num_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=ReferenceDrafter.from_pretrained(tiny_setup / "drafter").config.vocab_size,
+            aux_layer_ids=[0, 1, 2],
+        )
+    )
     other.save_pretrained(tmp_path / "other_drafter")
-    assert main(["--target", str(tiny_setup / "target"), "--drafter", str(tmp_path / "other_drafter"), "--data",
-                 str(tiny_setup / "code.jsonl"), "--output", str(tmp_path / "o"), "--no-progress",
-                 "--max-new-tokens", "16"]) == 2
+    assert (
+        main(
+            [
+                "--target",
+                str(tiny_setup / "target"),
+                "--drafter",
+                str(tmp_path / "other_drafter"),
+                "--data",
+                str(tiny_setup / "code.jsonl"),
+                "--output",
+                str(tmp_path / "o"),
+                "--no-progress",
+                "--max-new-tokens",
+                "16",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert (f"--drafter {tmp_path / 'other_drafter'} was trained on hidden states of size 48, but --target "
-            f"{tiny_setup / 'target'} has hidden_size 32") in err
+    assert (
+        f"--drafter {tmp_path / 'other_drafter'} was trained on hidden states of size 48, but --target "
+        f"{tiny_setup / 'target'} has hidden_size 32"
+    ) in err
 
 
 def test_an_existing_results_json_needs_overwrite(tiny_setup, tmp_path, capsys):

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from megatron_osprey.export import layouts
 from megatron_osprey.export.formats import export_drafter, read_export
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter, apply_rope
@@ -21,10 +20,23 @@ VOCAB, DRAFT_VOCAB = 120, 90
 
 def make_drafter(variant: str, layers: int, qk: bool, extra: str = "plain", seed: int = 0) -> ReferenceDrafter:
     torch.manual_seed(seed)
-    drafter = ReferenceDrafter(DrafterConfig(
-        hidden_size=32, target_hidden_size=24, num_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=48, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, qk_layernorm=qk,
-        aux_layer_ids=[1, 3, 5], variant=variant, eagle3_extra_layers=extra))
+    drafter = ReferenceDrafter(
+        DrafterConfig(
+            hidden_size=32,
+            target_hidden_size=24,
+            num_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=48,
+            vocab_size=VOCAB,
+            draft_vocab_size=DRAFT_VOCAB,
+            qk_layernorm=qk,
+            aux_layer_ids=[1, 3, 5],
+            variant=variant,
+            eagle3_extra_layers=extra,
+        )
+    )
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0, 0.3)
@@ -67,8 +79,16 @@ def test_sglang_config_and_names_follow_the_serving_layout(tmp_path):
     assert (config["draft_vocab_size"], config["vocab_size"], config["target_hidden_size"]) == (DRAFT_VOCAB, VOCAB, 24)
     assert config["num_hidden_layers"] == 2 and config["torch_dtype"] == "bfloat16"
     names = load_file(str(tmp_path / "o" / "model.safetensors"))
-    assert {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-            "layers.1.hidden_norm.weight", "layers.1.self_attn.q_norm.weight"} <= set(names)
+    assert {
+        "embed_tokens.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "layers.1.hidden_norm.weight",
+        "layers.1.self_attn.q_norm.weight",
+    } <= set(names)
     assert names["t2d"].shape == (VOCAB,) and names["t2d"].dtype == torch.bool and names["d2t"].dtype == torch.int64
 
     export_drafter(make_drafter("eagle3", 1, False), "sglang", tmp_path / "e")
@@ -86,8 +106,9 @@ def _sglang_forward(t: dict, config: dict, ids: torch.Tensor, aux: torch.Tensor)
     """SGLang's EAGLE-3 draft computation written against the exported names, independent of the reference
     module: a fused layer attends over cat(input_layernorm(a), hidden_norm(b)) with residual b; swap mode
     passes (a, b) = (fc(aux), embedding), otherwise (embedding, fc(aux)); plain layers are Llama layers."""
-    eps, h, heads, kv, hd = (config[k] for k in ("rms_norm_eps", "hidden_size", "num_attention_heads",
-                                                  "num_key_value_heads", "head_dim"))
+    eps, h, heads, kv, hd = (
+        config[k] for k in ("rms_norm_eps", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     n = config["num_hidden_layers"]
     emb, g = t["embed_tokens.weight"][ids], aux @ t["fc.weight"].T
     side, stream = (g, emb) if config.get("swap_h_and_emb") else (emb, g)
@@ -97,8 +118,9 @@ def _sglang_forward(t: dict, config: dict, ids: torch.Tensor, aux: torch.Tensor)
     for i, kind in enumerate(layer_kinds(config)):
         p = "midlayer" if n == 1 else f"layers.{i}"
         if kind == "fused":
-            attn_in = torch.cat([_rms(side, t[f"{p}.input_layernorm.weight"], eps),
-                                 _rms(stream, t[f"{p}.hidden_norm.weight"], eps)], -1)
+            attn_in = torch.cat(
+                [_rms(side, t[f"{p}.input_layernorm.weight"], eps), _rms(stream, t[f"{p}.hidden_norm.weight"], eps)], -1
+            )
         else:
             attn_in = _rms(stream, t[f"{p}.input_layernorm.weight"], eps)
         q = (attn_in @ t[f"{p}.self_attn.q_proj.weight"].T).view(-1, heads, hd)
@@ -113,7 +135,7 @@ def _sglang_forward(t: dict, config: dict, ids: torch.Tensor, aux: torch.Tensor)
         out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(-1, heads * hd) @ t[f"{p}.self_attn.o_proj.weight"].T
         stream = stream + out
         x = _rms(stream, t[f"{p}.post_attention_layernorm.weight"], eps)
-        mlp = (F.silu(x @ t[f"{p}.mlp.gate_proj.weight"].T) * (x @ t[f"{p}.mlp.up_proj.weight"].T))
+        mlp = F.silu(x @ t[f"{p}.mlp.gate_proj.weight"].T) * (x @ t[f"{p}.mlp.up_proj.weight"].T)
         stream = stream + mlp @ t[f"{p}.mlp.down_proj.weight"].T
     return _rms(stream, t["norm.weight"], eps) @ t["lm_head.weight"].T
 
@@ -144,7 +166,9 @@ def test_plugin_weight_names_cover_every_exported_tensor(tmp_path):
     assert torch.equal(qkv, torch.cat([ref[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
     # Osprey swap: the plugin's input_layernorm is the reference hidden_norm (the norm on g).
     assert torch.equal(fused["model.layers.0.input_layernorm.weight"], ref["layers.0.hidden_norm.weight"])
-    assert len(fused) == len([k for k in tensors if k not in ("d2t", "t2d")]) - 2 * 3  # per layer q,k,v -> 1 and gate,up -> 1
+    assert (
+        len(fused) == len([k for k in tensors if k not in ("d2t", "t2d")]) - 2 * 3
+    )  # per layer q,k,v -> 1 and gate,up -> 1
     assert layer_kinds({"num_hidden_layers": 3, "eagle3_extra_layers": "plain"}) == ["fused", "plain", "plain"]
     assert layer_kinds({"num_hidden_layers": 2, "swap_h_and_emb": True}) == ["fused", "fused"]
     # A multi-layer EAGLE-3 config that does not say is refused, never assumed fused.
@@ -170,13 +194,32 @@ def test_tool_refuses_a_non_empty_output_without_overwrite(tmp_path, capsys):
     make_drafter("osprey", 2, True).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
-    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output", str(tmp_path / "out")]) == 2
+    assert (
+        export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output", str(tmp_path / "out")])
+        == 2
+    )
     assert "--overwrite" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").exists()
-    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output",
-                        str(tmp_path / "out"), "--overwrite"]) == 0
+    assert (
+        export_main(
+            [
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--format",
+                "sglang",
+                "--output",
+                str(tmp_path / "out"),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
-    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "speculators", "--output",
-                        str(tmp_path / "spec")]) == 2
+    assert (
+        export_main(
+            ["--checkpoint", str(tmp_path / "ckpt"), "--format", "speculators", "--output", str(tmp_path / "spec")]
+        )
+        == 2
+    )
     assert "Osprey" in capsys.readouterr().err
 
 
@@ -229,12 +272,18 @@ def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapte
 
 
 def test_checkpoint_errors_name_the_checkpoint_flag_and_help_says_what_to_trust(tmp_path, capsys):
-    assert export_main(["--checkpoint", str(tmp_path / "missing"), "--format", "sglang", "--output",
-                        str(tmp_path / "out")]) == 2
+    assert (
+        export_main(
+            ["--checkpoint", str(tmp_path / "missing"), "--format", "sglang", "--output", str(tmp_path / "out")]
+        )
+        == 2
+    )
     assert f"--checkpoint {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert export_main(["--checkpoint", str(tmp_path / "empty"), "--format", "sglang", "--output",
-                        str(tmp_path / "out")]) == 2
+    assert (
+        export_main(["--checkpoint", str(tmp_path / "empty"), "--format", "sglang", "--output", str(tmp_path / "out")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--checkpoint {tmp_path / 'empty'} is not a drafter directory" in err and "--drafter" not in err
     with pytest.raises(SystemExit):

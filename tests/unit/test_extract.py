@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from megatron_osprey.base.arch import default_aux_layer_ids
 from megatron_osprey.data import hidden_state_store
 from megatron_osprey.data.extract import ExtractConfig, contiguous_slice, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import (
@@ -16,13 +17,12 @@ from megatron_osprey.data.hidden_state_store import (
     HiddenStateStoreConfig,
     InsufficientDiskError,
 )
-from megatron_osprey.base.arch import default_aux_layer_ids
 from megatron_osprey.models.memory_estimate import TargetMemoryError
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.extract import parse_shard
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta
 from tools.extract_hidden_states import main as tool_main
-from megatron_osprey.stages.extract import parse_shard
 
 AUX = (1, 2, 4)
 
@@ -37,7 +37,10 @@ def target(tmp_path_factory):
 
 def run(root, data, store, encoding="bf16", on_batch=None):
     config = ExtractConfig(
-        target_dir=str(root / "qwen3_moe"), data_path=str(data), aux_layer_ids=AUX, micro_batch_size=2,
+        target_dir=str(root / "qwen3_moe"),
+        data_path=str(data),
+        aux_layer_ids=AUX,
+        micro_batch_size=2,
         store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3, encoding=encoding),
     )
     with parallel_context(ParallelConfig()) as state:
@@ -60,7 +63,8 @@ def test_store_holds_hf_hidden_states_and_the_assistant_mask(target, tmp_path, e
     for sample in store:
         captured = []
         hook = hf.model.layers[-1].register_forward_hook(
-            lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+            lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o)
+        )
         with torch.no_grad():
             hidden = hf(sample["input_ids"][None], output_hidden_states=True).hidden_states
         hook.remove()
@@ -121,14 +125,29 @@ def test_kill_9_mid_run_then_resume_gives_a_byte_identical_store(target, tmp_pat
     from pathlib import Path
 
     root, _, data = target
-    args = ["--target", str(root / "qwen3_moe"), "--data", str(data), "--aux-layer-ids", "1", "2", "4",
-            "--samples-per-shard", "2"]
+    args = [
+        "--target",
+        str(root / "qwen3_moe"),
+        "--data",
+        str(data),
+        "--aux-layer-ids",
+        "1",
+        "2",
+        "4",
+        "--samples-per-shard",
+        "2",
+    ]
     killed = tmp_path / "killed"
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    proc = subprocess.Popen([sys.executable, "-m", "tools.extract_hidden_states", *args, "--output", str(killed)],
-                            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.extract_hidden_states", *args, "--output", str(killed)],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     # Kill while the third shard (index 2) is being written: at its temporary file, or failing
     # that (a write can finish between two polls) once it is complete. Two shards are done by then.
     mid_write = False
@@ -148,8 +167,10 @@ def test_kill_9_mid_run_then_resume_gives_a_byte_identical_store(target, tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-3000:]
-    print(f"killed with SIGKILL {'mid-write' if mid_write else 'after the first shard'}: "
-          f"{sorted(p.name for p in killed.iterdir())}")
+    print(
+        f"killed with SIGKILL {'mid-write' if mid_write else 'after the first shard'}: "
+        f"{sorted(p.name for p in killed.iterdir())}"
+    )
     assert not (killed / "manifest.json").exists()
     part = json.loads((killed / "manifest.part-rank00000-of-00001.json").read_text())
     assert 2 <= len(part["shards"]) < 6 and not part["complete"]
@@ -192,16 +213,44 @@ def test_short_disk_is_refused_before_loading_the_target(target, tmp_path, monke
 def test_tool_refuses_a_layout_that_cannot_fit_before_starting(target, tmp_path, capsys):
     root, _, data = target
     with pytest.raises(TargetMemoryError, match=r"exceeds --gpu-memory-gib 0\.001"):
-        tool_main(["--target", str(root / "qwen3_moe"), "--data", str(data), "--output", str(tmp_path / "s"),
-                   "--gpu-memory-gib", "0.001", "--aux-layer-ids", "1", "2", "4"])
+        tool_main(
+            [
+                "--target",
+                str(root / "qwen3_moe"),
+                "--data",
+                str(data),
+                "--output",
+                str(tmp_path / "s"),
+                "--gpu-memory-gib",
+                "0.001",
+                "--aux-layer-ids",
+                "1",
+                "2",
+                "4",
+            ]
+        )
     assert "per-GPU memory estimate for TP=1 PP=1 EP=1" in capsys.readouterr().out
     assert not (tmp_path / "s").exists()
 
 
 def test_tool_end_to_end_with_int8_and_a_shard_slice(target, tmp_path):
     root, _, data = target
-    args = ["--target", str(root / "qwen3_moe"), "--data", str(data), "--output", str(tmp_path / "s"),
-            "--aux-layer-ids", "1", "2", "4", "--encoding", "int8", "--micro-batch-size", "3"]
+    args = [
+        "--target",
+        str(root / "qwen3_moe"),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "s"),
+        "--aux-layer-ids",
+        "1",
+        "2",
+        "4",
+        "--encoding",
+        "int8",
+        "--micro-batch-size",
+        "3",
+    ]
     assert tool_main(args + ["--shard", "1/2"]) == 0
     assert not (tmp_path / "s" / "manifest.json").exists()  # waits for task 0/2
     assert tool_main(args + ["--shard", "0/2"]) == 0
@@ -213,7 +262,9 @@ def test_tool_end_to_end_with_int8_and_a_shard_slice(target, tmp_path):
 def test_shard_and_slice_selection():
     assert [list(contiguous_slice(11, i, 3)) for i in range(3)] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10]]
     assert parse_shard("2/8", {}) == (2, 8)
-    assert parse_shard(None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "16", "SLURM_ARRAY_TASK_MIN": "1"}) == (4, 16)
+    assert parse_shard(
+        None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "16", "SLURM_ARRAY_TASK_MIN": "1"}
+    ) == (4, 16)
     assert parse_shard(None, {}) == (0, 1)
     with pytest.raises(ValueError, match="--shard must look like i/n"):
         parse_shard("3", {})
@@ -222,8 +273,12 @@ def test_shard_and_slice_selection():
 
 def run_with(root, data, store, **changes):
     config = ExtractConfig(
-        target_dir=str(root / "qwen3_moe"), data_path=str(data), aux_layer_ids=AUX, micro_batch_size=2,
-        store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3))
+        target_dir=str(root / "qwen3_moe"),
+        data_path=str(data),
+        aux_layer_ids=AUX,
+        micro_batch_size=2,
+        store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3),
+    )
     for key, value in changes.items():
         setattr(config, key, value)
     with parallel_context(ParallelConfig()) as state:
@@ -237,9 +292,14 @@ def test_a_rerun_with_other_data_or_settings_is_refused_or_starts_fresh_with_ove
     ids = [sid for sid in (HiddenStateStore(store)[i]["sample_id"] for i in range(11))]
     # Other conversations with the same ids: resuming by id alone would keep every stale row.
     other = tmp_path / "other.jsonl"
-    other.write_text("".join(line.replace('"content": "', '"content": "well, ') + "\n" for line in data.read_text().splitlines()))
-    with pytest.raises(ValueError, match=r"--output .*store holds hidden states from other inputs or settings "
-                                         r"\(data_sha256: .*\); resuming would mix them. Pass --overwrite"):
+    other.write_text(
+        "".join(line.replace('"content": "', '"content": "well, ') + "\n" for line in data.read_text().splitlines())
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"--output .*store holds hidden states from other inputs or settings "
+        r"\(data_sha256: .*\); resuming would mix them. Pass --overwrite",
+    ):
         run_with(root, other, store)
     with pytest.raises(ValueError, match=r"max_length: 4096 -> 64"):
         run_with(root, data, store, max_length=64)
@@ -266,8 +326,11 @@ def test_a_second_extract_on_a_locked_writer_says_so_before_loading_the_target(t
     loaded = []
     monkeypatch.setattr(extract, "load_target", lambda *a, **k: loaded.append(1))
     try:
-        with pytest.raises(ValueError, match=r"another extract is writing it as writer 'rank00000-of-00001' "
-                                             r"\(lock .* is held\); this run does not wait for it"):
+        with pytest.raises(
+            ValueError,
+            match=r"another extract is writing it as writer 'rank00000-of-00001' "
+            r"\(lock .* is held\); this run does not wait for it",
+        ):
             run_with(root, data, store)
     finally:
         os.close(fd)

@@ -17,8 +17,14 @@ CHECKS = ["init", "placement", "train_steps", "checkpoint", "ttt_loss", "ttt_mem
 
 def _run(*args: str, timeout: int) -> tuple[int, dict[str, dict], str]:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"check"')]
     return done.returncode, {line["check"]: line for line in lines}, done.stderr[-3000:]
 

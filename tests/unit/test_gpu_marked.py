@@ -40,14 +40,15 @@ def hf_and_ids(tmp_path):
 
 
 def megatron_logits(hf_dir, ids, parallel, transformer_impl: str) -> torch.Tensor:
-    from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.models.gpt import build_gpt_model
     from megatron_osprey.testing.tiny_models import causal_logits
 
     arch = ModelArch.from_hf_config(hf_dir)
-    model = build_gpt_model(arch, parallel.config, transformer_impl=transformer_impl,
-                            perform_initialization=False).eval()
+    model = build_gpt_model(
+        arch, parallel.config, transformer_impl=transformer_impl, perform_initialization=False
+    ).eval()
     assert model.transformer_impl == transformer_impl
     load_hf_weights(model, hf_dir, arch, tp_rank=0, tp_size=1)
     model.cuda()
@@ -61,8 +62,8 @@ def test_device_placement_on_cuda(tmp_path, parallel):
     assert parallel.device.type == "cuda"
     assert not cpu_compat.is_active()  # the CPU layer stays off where CUDA exists
     hf_dir, ids, expected = hf_and_ids(tmp_path)
-    from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.convert.hf_to_megatron import load_hf_weights
     from megatron_osprey.models.gpt import build_gpt_model
     from megatron_osprey.testing.tiny_models import causal_logits
 
@@ -130,10 +131,15 @@ def test_importance_pruning_drops_the_layers_that_do_nothing(tmp_path, parallel)
             layer.mlp.down_proj.weight.zero_()
     hf.save_pretrained(source)
     calibration = tmp_path / "calibration.jsonl"
-    calibration.write_text("".join(json.dumps({"text": f"the cat sat on mat number {i} and ran"}) + "\n"
-                                   for i in range(8)))
-    result = prune_backbone(PruneConfig(source=source, output=tmp_path / "out", num_layers=2,
-                                        strategy="importance", calibration_data=calibration), parallel)
+    calibration.write_text(
+        "".join(json.dumps({"text": f"the cat sat on mat number {i} and ran"}) + "\n" for i in range(8))
+    )
+    result = prune_backbone(
+        PruneConfig(
+            source=source, output=tmp_path / "out", num_layers=2, strategy="importance", calibration_data=calibration
+        ),
+        parallel,
+    )
     assert result.kept_layers == [0, 5]
     original = load_file(source / "model.safetensors")
     pruned = load_file(tmp_path / "out" / "hf" / "model.safetensors")

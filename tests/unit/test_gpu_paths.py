@@ -27,7 +27,9 @@ def test_fused_softmax_needs_apex_kernels_not_just_cuda(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if "softmax_cuda" in name else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if "softmax_cuda" in name else real(name, *a)
+    )
     assert gpt.have_fused_softmax()
 
 
@@ -77,8 +79,13 @@ def test_drafter_norms_are_valid_under_sequence_parallel_without_the_cpu_compat_
     from megatron_osprey.models.drafter import SequenceParallelRMSNorm, drafter_layer_specs
     from megatron_osprey.parallel import cpu_compat
 
-    config = SimpleNamespace(sequence_parallel=True, layernorm_zero_centered_gamma=False, persist_layer_norm=False,
-                             memory_efficient_layer_norm=False, normalization="RMSNorm")
+    config = SimpleNamespace(
+        sequence_parallel=True,
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        memory_efficient_layer_norm=False,
+        normalization="RMSNorm",
+    )
     norm = SequenceParallelRMSNorm(config, hidden_size=8, eps=1e-6)
     assert getattr(norm.weight, "sequence_parallel", False)  # finalize_model_grads all-reduces it over TP
     x = torch.randn(3, 8)

@@ -58,7 +58,10 @@ def test_megatron_logits_equal_hf_and_round_trip_is_bit_identical(case, tmp_path
 
 def test_llama3_rope_scaling_changes_frequencies():
     arch = ModelArch.from_hf_config(llama_config())
-    plain = ModelArch.from_hf_config(llama_config().to_dict() | {"rope_scaling": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    plain = ModelArch.from_hf_config(
+        llama_config().to_dict()
+        | {"rope_scaling": None, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+    )
     scaled, base = arch.rotary_inv_freq(), plain.rotary_inv_freq()
     assert torch.equal(scaled[0], base[0])  # high frequencies untouched
     assert torch.allclose(scaled[-1], base[-1] / 8.0)  # low frequencies divided by factor
@@ -95,9 +98,16 @@ def test_parallel_layout_must_fit_world_size():
 
 def test_parameter_count_of_qwen3_4b_and_its_two_layer_backbone():
     qwen3_4b = dict(
-        model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-        tie_word_embeddings=True, rope_theta=1000000,
+        model_type="qwen3",
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000,
     )
     arch = ModelArch.from_hf_config(qwen3_4b)
     assert arch.num_parameters() == 4_022_468_096  # Qwen3-4B's published 4.0B

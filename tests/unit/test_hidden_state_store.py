@@ -21,16 +21,16 @@ from megatron_osprey.data.hidden_state_quant import (
 )
 from megatron_osprey.data.hidden_state_store import (
     CorruptShardError,
-    HiddenStateStoreConfig,
-    open_store,
-    open_writer,
     HiddenStateStore,
+    HiddenStateStoreConfig,
     HiddenStateWriter,
     InsufficientDiskError,
     StoreMismatchError,
     check_free_disk,
     estimate_store_bytes,
     finalize_store,
+    open_store,
+    open_writer,
 )
 from megatron_osprey.data.micro_batches import rank_indices
 
@@ -47,19 +47,27 @@ def make_samples(n: int, hidden: int = H, seed: int = 0, prefix: str = "s") -> l
         aux = torch.randn(t, 3 * hidden, generator=g)
         aux[:, 5] *= 40.0
         final = torch.randn(t, hidden, generator=g) * 3.0
-        out.append({
-            "sample_id": f"{prefix}{i}",
-            "input_ids": torch.randint(0, 150_000, (t,), generator=g),
-            "loss_mask": torch.rand(t, generator=g) > 0.3,
-            "aux_hidden": aux,
-            "final_hidden": final,
-        })
+        out.append(
+            {
+                "sample_id": f"{prefix}{i}",
+                "input_ids": torch.randint(0, 150_000, (t,), generator=g),
+                "loss_mask": torch.rand(t, generator=g) > 0.3,
+                "aux_hidden": aux,
+                "final_hidden": final,
+            }
+        )
     return out
 
 
 def make_writer(path, encoding="bf16", **kw) -> HiddenStateWriter:
-    args = dict(target_id="qwen3-8b", config_hash="abc123", aux_layer_ids=AUX, hidden_size=H,
-                encoding=encoding, samples_per_shard=3)
+    args = dict(
+        target_id="qwen3-8b",
+        config_hash="abc123",
+        aux_layer_ids=AUX,
+        hidden_size=H,
+        encoding=encoding,
+        samples_per_shard=3,
+    )
     args.update(kw)
     return HiddenStateWriter(path, **args)
 
@@ -82,8 +90,9 @@ def store_files(path: Path) -> dict[str, bytes]:
 def test_bf16_roundtrip_is_exact_bf16_cast(tmp_path):
     samples = make_samples(8)
     write_store(tmp_path, samples)
-    store = HiddenStateStore(tmp_path, dtype=torch.float32, target_id="qwen3-8b", config_hash="abc123",
-                             aux_layer_ids=AUX, hidden_size=H)
+    store = HiddenStateStore(
+        tmp_path, dtype=torch.float32, target_id="qwen3-8b", config_hash="abc123", aux_layer_ids=AUX, hidden_size=H
+    )
     assert len(store) == 8
     assert store.num_tokens == sum(s["input_ids"].numel() for s in samples)
     assert [s.num_samples for s in store.shards] == [3, 3, 2]
@@ -147,8 +156,13 @@ def test_int8_is_at_most_half_of_specforge_bytes_per_token(tmp_path):
     with make_writer(tmp_path, "int8", hidden_size=hidden, samples_per_shard=4) as w:
         for i in range(4):
             t = 128
-            w.add(f"x{i}", torch.randint(0, 1000, (t,), generator=g), torch.ones(t, dtype=torch.bool),
-                  torch.randn(t, 3 * hidden, generator=g), torch.randn(t, hidden, generator=g))
+            w.add(
+                f"x{i}",
+                torch.randint(0, 1000, (t,), generator=g),
+                torch.ones(t, dtype=torch.bool),
+                torch.randn(t, 3 * hidden, generator=g),
+                torch.randn(t, hidden, generator=g),
+            )
     manifest = json.loads(finalize_store(tmp_path).read_text())
     real_bytes = sum(p.stat().st_size for p in tmp_path.glob("shard-*"))
     assert manifest["num_bytes"] == real_bytes
@@ -213,8 +227,9 @@ def test_prefetch_iterator_follows_order_and_reraises(tmp_path):
     store = HiddenStateStore(tmp_path)
     order = list(itertools.islice(rank_indices(len(store), 0, 2, dp_rank=1, dp_size=2, seed=5, shuffle=True), 4))
     assert [s["sample_id"] for s in store.iter_samples(order, prefetch=2)] == [f"s{i}" for i in order]
-    assert [s["sample_id"] for s in store.iter_samples(order[::-1], prefetch=3, workers=2)] == \
-        [f"s{i}" for i in order[::-1]]
+    assert [s["sample_id"] for s in store.iter_samples(order[::-1], prefetch=3, workers=2)] == [
+        f"s{i}" for i in order[::-1]
+    ]
     threads_before = threading.active_count()
     it = store.iter_samples(prefetch=1)
     next(it)
@@ -337,7 +352,8 @@ def test_loss_delta_under_encoding():
     mse0 = loss_delta_under_encoding(one_plus_mse, samples, "int8", outliers_per_token=0).relative_change
     mse_bf16 = loss_delta_under_encoding(one_plus_mse, samples, "bf16").relative_change
     assert mse_bf16 == pytest.approx(
-        sum(float((x - x.bfloat16().float()).pow(2).mean()) for x in exact_by_id.values()) / 4, rel=1e-3)
+        sum(float((x - x.bfloat16().float()).pow(2).mean()) for x in exact_by_id.values()) / 4, rel=1e-3
+    )
     # Without exact outliers the x40 channel sets the int8 step and the error grows by ~40^2.
     assert mse0 > 100 * mse8 > 0
     # Samples with no counted token (loss 0) leave nothing to compare: one clear error, not a ZeroDivisionError.
@@ -348,14 +364,26 @@ def test_loss_delta_under_encoding():
 @pytest.mark.parametrize("encoding", ["bf16", "int8"])
 def test_threaded_writer_is_byte_identical_and_copies_inputs(tmp_path, encoding):
     # bf16 and int32 inputs, as extraction hands them over: no dtype cast makes a copy by accident.
-    samples = [{**s, "input_ids": s["input_ids"].int(), "aux_hidden": s["aux_hidden"].bfloat16(),
-                "final_hidden": s["final_hidden"].bfloat16()} for s in make_samples(8, seed=4)]
+    samples = [
+        {
+            **s,
+            "input_ids": s["input_ids"].int(),
+            "aux_hidden": s["aux_hidden"].bfloat16(),
+            "final_hidden": s["final_hidden"].bfloat16(),
+        }
+        for s in make_samples(8, seed=4)
+    ]
     write_store(tmp_path / "inline", samples, encoding)
     with make_writer(tmp_path / "threaded", encoding, threads=2) as w:
         for s in samples:
             buffers = {k: v.clone() for k, v in s.items() if k != "sample_id"}
-            w.add(s["sample_id"], buffers["input_ids"], buffers["loss_mask"], buffers["aux_hidden"],
-                  buffers["final_hidden"])
+            w.add(
+                s["sample_id"],
+                buffers["input_ids"],
+                buffers["loss_mask"],
+                buffers["aux_hidden"],
+                buffers["final_hidden"],
+            )
             for v in buffers.values():  # an extractor reusing its buffers must not change what is stored
                 v.zero_()
     finalize_store(tmp_path / "threaded")
@@ -384,8 +412,10 @@ def test_two_processes_write_one_store(tmp_path):
     store = tmp_path / "store"
     root = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(r)], env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(store), str(r)], env=env, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()
     manifest = json.loads(finalize_store(store).read_text())
@@ -412,8 +442,14 @@ def test_add_batch_and_pickled_reader(tmp_path):
         return torch.stack(rows)
 
     with make_writer(tmp_path) as w:
-        w.add_batch([s["sample_id"] for s in samples], pad("input_ids"), pad("loss_mask", False),
-                    pad("aux_hidden", 9.0), pad("final_hidden", 9.0), [s["input_ids"].numel() for s in samples])
+        w.add_batch(
+            [s["sample_id"] for s in samples],
+            pad("input_ids"),
+            pad("loss_mask", False),
+            pad("aux_hidden", 9.0),
+            pad("final_hidden", 9.0),
+            [s["input_ids"].numel() for s in samples],
+        )
     finalize_store(tmp_path)
     store = HiddenStateStore(tmp_path, dtype=torch.float32)
     store[0]  # opens a handle, which pickling must leave behind

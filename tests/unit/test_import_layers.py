@@ -17,17 +17,17 @@ REPO = ROOT.parent
 
 # Bottom to top; a package may import only packages on lower rows. New packages must be placed here.
 LAYERS = (
-    ("base",),                      # atomic I/O, run-config files, architecture descriptions
-    ("parallel", "assets"),         # process groups + CPU compat; tokenizer/corpus cache
-    ("losses", "convert"),          # the TTT loss; HF <-> Megatron weight tables and I/O
-    ("config", "models"),           # stage configs; Megatron-Core modules (GPT, drafter, targets): neither imports the other
-    ("data",),                      # datasets, preprocessing, hidden-state store, regeneration
-    ("training", "speculative"),    # the shared training loop; draft/verify decoding
-    ("export",),                    # serving formats
-    ("eval",),                      # acceptance-length evaluation
-    ("stages",),                    # one module per pipeline stage, each with its Config, run() and main()
+    ("base",),  # atomic I/O, run-config files, architecture descriptions
+    ("parallel", "assets"),  # process groups + CPU compat; tokenizer/corpus cache
+    ("losses", "convert"),  # the TTT loss; HF <-> Megatron weight tables and I/O
+    ("config", "models"),  # stage configs; Megatron-Core modules (GPT, drafter, targets): neither imports the other
+    ("data",),  # datasets, preprocessing, hidden-state store, regeneration
+    ("training", "speculative"),  # the shared training loop; draft/verify decoding
+    ("export",),  # serving formats
+    ("eval",),  # acceptance-length evaluation
+    ("stages",),  # one module per pipeline stage, each with its Config, run() and main()
     ("demo", "pretrain", "distill"),  # entry points
-    ("testing",),                   # tiny models and data for tests and benchmarks
+    ("testing",),  # tiny models and data for tests and benchmarks
 )
 LEVEL = {name: level for level, row in enumerate(LAYERS) for name in row}
 # A package's __main__ (`python -m megatron_osprey.eval`) is an entry point too: nothing imports it,
@@ -153,8 +153,9 @@ def test_every_stage_is_one_module_with_config_run_and_main():
     for stage in sorted(stages):
         tree = ast.parse((ROOT / "stages" / f"{stage}.py").read_text())
         names = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-        names |= {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                  for alias in node.names}
+        names |= {
+            alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names
+        }
         assert {"run", "main"} <= names and any(n.endswith("Config") for n in names), stage
 
 

@@ -49,9 +49,25 @@ def _build_and_unpack(tmp_path: Path) -> tuple[Path, Path]:
         shutil.copy(REPO / name, src / name)
     for name in ("megatron_osprey", "launcher"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-q", "-w", str(tmp_path / "dist"), str(src)],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("megatron_osprey-*.whl")
     site = tmp_path / "site"
@@ -67,9 +83,14 @@ def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_
 
     cwd = tmp_path / "user"
     cwd.mkdir()
-    done = subprocess.run([sys.executable, "-c", PROBE, RECIPE], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(site),
-                                            "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, RECIPE],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     export_out, plan_out, sbatch, result = done.stdout.split("=====\n")
     out = json.loads(result)
@@ -79,8 +100,14 @@ def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_
     assert out["work_dir"] == str(cwd)
     assert Path(out["template_dir"]) == site / "launcher" / "slurm"
     assert {p.name for p in (site / "launcher" / "slurm").glob("*.sbatch")} >= {
-        "pretrain.sbatch", "distill.sbatch", "extract.sbatch", "preprocess.sbatch", "regenerate.sbatch",
-        "export.sbatch", "eval_sglang.sbatch"}
+        "pretrain.sbatch",
+        "distill.sbatch",
+        "extract.sbatch",
+        "preprocess.sbatch",
+        "regenerate.sbatch",
+        "export.sbatch",
+        "eval_sglang.sbatch",
+    }
     # Every command the launcher runs is a module the wheel holds (no tools/*.py: the wheel has none).
     for stage, module in out["modules"].items():
         where = site / Path(*module.split("."))

@@ -75,9 +75,12 @@ def test_distill_recipes_carry_the_paper_settings():
     argv = entry_args(minimax, "distill")
     assert minimax.layout.world_size == 4
     adapt = entry_args(minimax, "adapt")  # Osprey's aux taps are fixed when adapting
-    assert adapt[adapt.index("--aux-layer-ids") + 1:adapt.index("--aux-layer-ids") + 4] == ["1", "30", "58"]
-    assert (_flag(argv, "--target-tensor-model-parallel-size"), _flag(argv, "--target-expert-model-parallel-size"),
-            _flag(argv, "--target-expert-tensor-parallel-size")) == ("4", "4", "1")
+    assert adapt[adapt.index("--aux-layer-ids") + 1 : adapt.index("--aux-layer-ids") + 4] == ["1", "30", "58"]
+    assert (
+        _flag(argv, "--target-tensor-model-parallel-size"),
+        _flag(argv, "--target-expert-model-parallel-size"),
+        _flag(argv, "--target-expert-tensor-parallel-size"),
+    ) == ("4", "4", "1")
     assert _flag(argv, "--tensor-model-parallel-size") == "4" and "--sequence-parallel" in argv
     extract = entry_args(minimax, "extract")
     assert _flag(extract, "--expert-model-parallel-size") == "4" and "--sequence-parallel" in extract
@@ -105,7 +108,12 @@ def test_local_commands_use_torchrun_for_distributed_stages_and_python_otherwise
     assert local_argv(recipe, "export", python="PY")[:3] == ["PY", "-m", "megatron_osprey.stages.export"]
     assert local_argv(recipe, "extract", python="PY", torchrun="TR")[3:5] == ["-m", "megatron_osprey.stages.extract"]
     assert local_argv(get_recipe("tiny_cpu_demo_1proc_fp32"), "demo", python="PY") == [
-        "PY", "-m", "megatron_osprey.demo", "--output", "demo_out"]
+        "PY",
+        "-m",
+        "megatron_osprey.demo",
+        "--output",
+        "demo_out",
+    ]
     prune = local_argv(get_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"), "prune", python="PY")
     assert _flag(prune, "--num-layers") == "2"
     with pytest.raises(ValueError, match="spans 8 nodes.*osprey submit"):
@@ -118,9 +126,16 @@ def test_local_commands_use_torchrun_for_distributed_stages_and_python_otherwise
 
 
 def test_overrides_are_typed_and_unknown_keys_are_named():
-    recipe = resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16:code",
-                            ["training.lr=2e-4", "layout.gpus_per_node=4", "target=llama33_70b",
-                             "target.num_layers=40", "paths.root=/scratch/me"])
+    recipe = resolve_recipe(
+        "qwen3_8b_osprey_distill_2gpu_h100_bf16:code",
+        [
+            "training.lr=2e-4",
+            "layout.gpus_per_node=4",
+            "target=llama33_70b",
+            "target.num_layers=40",
+            "paths.root=/scratch/me",
+        ],
+    )
     assert recipe.training.lr == 2e-4 and recipe.layout.gpus_per_node == 4
     assert recipe.target.name == "llama33_70b" and recipe.target.num_layers == 40
     assert recipe.resolved_paths()["save"] == "/scratch/me/checkpoints/qwen3_8b_osprey_distill_2gpu_h100_bf16_code"
@@ -151,8 +166,10 @@ def test_yaml_recipe_file_with_base_and_overrides(tmp_path):
     assert plan.data_parallel_size == 4 and plan.iterations == math.ceil(3 * 65_000 / 32)
 
     bare = tmp_path / "bare.yaml"
-    bare.write_text("stage: pretrain\nhardware: h100\nprecision: bf16\nmodel: qwen3_4b_2layer\n"
-                    "layout: {gpus_per_node: 8}\ntraining: {global_batch_size: 64, train_iters: 100}\n")
+    bare.write_text(
+        "stage: pretrain\nhardware: h100\nprecision: bf16\nmodel: qwen3_4b_2layer\n"
+        "layout: {gpus_per_node: 8}\ntraining: {global_batch_size: 64, train_iters: 100}\n"
+    )
     assert make_plan(resolve_recipe(str(bare))).tokens == 100 * 64 * 4096
     bad = tmp_path / "bad.yaml"
     bad.write_text("hardware: h100\n")
@@ -204,7 +221,9 @@ def test_plan_uses_distillations_shared_tensor_parallel_size_and_an_fp32_target_
     # MiniMax TP 8 on 8 GPUs is DP 1 (and sequence parallel, as the command adds it).
     llama = make_plan(get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16"))
     assert llama.data_parallel_size == 2
-    assert "--tensor-model-parallel-size 4" in " ".join(entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16"), "distill"))
+    assert "--tensor-model-parallel-size 4" in " ".join(
+        entry_args(get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16"), "distill")
+    )
     minimax = resolve_recipe("minimax_m25_osprey_distill_8gpu_h100_fp8", ["drafter.target_fp8_format=null"])
     assert make_plan(minimax).data_parallel_size == 1
     assert "--sequence-parallel" in entry_args(minimax, "distill")
@@ -217,40 +236,67 @@ def test_plan_uses_distillations_shared_tensor_parallel_size_and_an_fp32_target_
 
 
 def test_plan_refuses_a_layout_whose_tp_does_not_divide_the_heads(capsys):
-    rc = cli.main(["plan", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
-                   "--set", "layout.tensor_model_parallel_size=3"])
+    rc = cli.main(
+        ["plan", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", "--set", "layout.tensor_model_parallel_size=3"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "--tensor-model-parallel-size 3 does not divide the model's num_attention_heads (32)" in err
     with pytest.raises(LayoutError, match=r"--target-tensor-model-parallel-size 16 does not divide .*\(8\)"):
-        make_plan(resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16",
-                                 ["layout.target_tensor_model_parallel_size=16", "layout.gpus_per_node=16"]))
-    with pytest.raises(LayoutError, match=r"micro-batch-size 1 x data parallel 32 = 32 .*does not divide the global batch size \(2\)"):
+        make_plan(
+            resolve_recipe(
+                "llama33_70b_osprey_distill_8gpu_h100_bf16",
+                ["layout.target_tensor_model_parallel_size=16", "layout.gpus_per_node=16"],
+            )
+        )
+    with pytest.raises(
+        LayoutError, match=r"micro-batch-size 1 x data parallel 32 = 32 .*does not divide the global batch size \(2\)"
+    ):
         make_plan(resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16", ["layout.gpus_per_node=32"]))
     with pytest.raises(LayoutError, match="expert-model-parallel-size x expert-tensor-parallel = 16"):
-        make_plan(resolve_recipe("minimax_m25_osprey_distill_4gpu_b200_bf16",
-                                 ["layout.target_expert_tensor_parallel_size=4"]), "extract")
+        make_plan(
+            resolve_recipe(
+                "minimax_m25_osprey_distill_4gpu_b200_bf16", ["layout.target_expert_tensor_parallel_size=4"]
+            ),
+            "extract",
+        )
     with pytest.raises(LayoutError, match=r"needs about .* GiB per GPU .*more than the 79.6 GiB of a H100"):
-        make_plan(resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16",
-                                 ["layout.target_tensor_model_parallel_size=1", "layout.gpus_per_node=1"]))
+        make_plan(
+            resolve_recipe(
+                "llama33_70b_osprey_distill_8gpu_h100_bf16",
+                ["layout.target_tensor_model_parallel_size=1", "layout.gpus_per_node=1"],
+            )
+        )
 
 
 def test_stage_commands_print_then_run_or_only_print(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(cli.subprocess, "run", lambda argv, cwd, check: calls.append((argv, cwd)) or
-                        type("Done", (), {"returncode": 0})())
+    monkeypatch.setattr(
+        cli.subprocess,
+        "run",
+        lambda argv, cwd, check: calls.append((argv, cwd)) or type("Done", (), {"returncode": 0})(),
+    )
     assert cli.main(["distill", "tiny_cpu_osprey_distill_2proc_fp32:code", "--dry-run", "--", "--foo", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("osprey: ") and "--nproc-per-node=2 -m megatron_osprey.stages.distill" in out
     assert out.rstrip().endswith("--foo 1") and calls == []
     assert cli.main(["export", "tiny_cpu_osprey_distill_2proc_fp32", "--set", "data.export_format=hf"]) == 0
-    (argv, cwd), = calls
-    assert argv[1:] == ["-m", "megatron_osprey.stages.export", "--checkpoint",
-                        "tiny_runs/checkpoints/tiny_cpu_osprey_distill_2proc_fp32_chat", "--format", "hf",
-                        "--output", "tiny_runs/export/tiny_cpu_osprey_distill_2proc_fp32_chat"]
+    ((argv, cwd),) = calls
+    assert argv[1:] == [
+        "-m",
+        "megatron_osprey.stages.export",
+        "--checkpoint",
+        "tiny_runs/checkpoints/tiny_cpu_osprey_distill_2proc_fp32_chat",
+        "--format",
+        "hf",
+        "--output",
+        "tiny_runs/export/tiny_cpu_osprey_distill_2proc_fp32_chat",
+    ]
     assert (cwd / "launcher" / "cli.py").is_file()
-    assert cli.main(["pretrain", "tiny_cpu_backbone_pretrain_2proc_fp32", "--set", "layout.gpus_per_node=3",
-                     "--dry-run"]) == 2
+    assert (
+        cli.main(["pretrain", "tiny_cpu_backbone_pretrain_2proc_fp32", "--set", "layout.gpus_per_node=3", "--dry-run"])
+        == 2
+    )
     assert "does not divide the global batch size (4)" in capsys.readouterr().err
 
 
@@ -271,11 +317,14 @@ def test_the_launcher_runs_the_config_the_entry_points_recipe_gives(name):
         assert launched.checkpoint.save.endswith(get_recipe(spec).run_name)
 
 
-@pytest.mark.parametrize("name, fmt, fp8_recipe", [
-    ("qwen3_8b_osprey_distill_2gpu_h100_fp8", "hybrid", "tensorwise"),
-    ("llama33_70b_eagle3_distill_8gpu_b200_mxfp8", "e4m3", "mxfp8"),
-    ("minimax_m25_osprey_distill_8gpu_h100_fp8", "hybrid", "tensorwise"),
-])
+@pytest.mark.parametrize(
+    "name, fmt, fp8_recipe",
+    [
+        ("qwen3_8b_osprey_distill_2gpu_h100_fp8", "hybrid", "tensorwise"),
+        ("llama33_70b_eagle3_distill_8gpu_b200_mxfp8", "e4m3", "mxfp8"),
+        ("minimax_m25_osprey_distill_8gpu_h100_fp8", "hybrid", "tensorwise"),
+    ],
+)
 def test_the_fp8_target_settings_reach_the_job_which_refuses_them(name, fmt, fp8_recipe, tmp_path):
     argv = entry_args(get_recipe(name), "distill")
     assert (_flag(argv, "--target-fp8-format"), _flag(argv, "--target-fp8-recipe")) == (fmt, fp8_recipe)
@@ -294,14 +343,27 @@ def test_the_fp8_target_settings_reach_the_job_which_refuses_them(name, fmt, fp8
         cfg.validate(world_size=get_recipe(name).layout.world_size)
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b_osprey_distill_2gpu_h100_bf16", "qwen3_8b_eagle3_distill_2gpu_h100_bf16",
-                                  "qwen3_8b_eagle3_2layer_distill_2gpu_b200_bf16"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_8b_osprey_distill_2gpu_h100_bf16",
+        "qwen3_8b_eagle3_distill_2gpu_h100_bf16",
+        "qwen3_8b_eagle3_2layer_distill_2gpu_b200_bf16",
+    ],
+)
 def test_qwen3_8b_recipes_are_the_papers_budget(name):
     """One 4096-token sequence per GPU on 2 GPUs: global batch 2, 3 epochs of 65,000 = 97,500 updates."""
     recipe = get_recipe(name)
     t = recipe.training
-    assert (t.micro_batch_size, t.global_batch_size, t.seq_length, t.lr, t.lr_warmup_fraction, t.clip_grad, t.epochs) == (
-        1, 2, 4096, 1e-4, 0.04, 1.0, 3)
+    assert (
+        t.micro_batch_size,
+        t.global_batch_size,
+        t.seq_length,
+        t.lr,
+        t.lr_warmup_fraction,
+        t.clip_grad,
+        t.epochs,
+    ) == (1, 2, 4096, 1e-4, 0.04, 1.0, 3)
     plan = make_plan(recipe)
     assert plan.data_parallel_size == 2 and plan.iterations == 97_500 and plan.tokens == 97_500 * 2 * 4096
     lines = "\n".join(plan.lines())
@@ -313,8 +375,14 @@ def test_qwen3_8b_recipes_are_the_papers_budget(name):
 def test_distill_paper_recipe_has_the_papers_budget():
     for name in ("qwen3_8b_osprey_distill_2gpu_h100_bf16", "qwen3_8b_eagle3_distill_2gpu_h100_bf16"):
         cfg = stage_config(name, "distill")
-        assert (cfg.training.global_batch_size, cfg.training.num_train_iters(), cfg.optimizer.lr,
-                cfg.optimizer.clip_grad, cfg.lr_warmup_fraction, cfg.warmup_iters()) == (2, 97_500, 1e-4, 1.0, 0.04, 3900)
+        assert (
+            cfg.training.global_batch_size,
+            cfg.training.num_train_iters(),
+            cfg.optimizer.lr,
+            cfg.optimizer.clip_grad,
+            cfg.lr_warmup_fraction,
+            cfg.warmup_iters(),
+        ) == (2, 97_500, 1e-4, 1.0, 0.04, 3900)
 
 
 def test_the_entry_points_refuse_another_stages_recipe(capsys):

@@ -4,10 +4,14 @@ import pytest
 import torch
 
 from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
-from megatron_osprey.speculative import (
-    HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate, target_generate,
-)
 from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
+from megatron_osprey.speculative import (
+    HFTargetModel,
+    ReferenceDraftSession,
+    SpecConfig,
+    speculative_generate,
+    target_generate,
+)
 from megatron_osprey.testing.tiny_models import VOCAB, llama_config, make_hf_model
 from tests.unit.test_speculative import transformers_greedy
 
@@ -22,9 +26,18 @@ def target(tmp_path_factory):
 
 def _drafter():
     torch.manual_seed(2)
-    cfg = DrafterConfig(hidden_size=32, target_hidden_size=64, num_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=VOCAB,
-                        aux_layer_ids=AUX, variant="osprey")
+    cfg = DrafterConfig(
+        hidden_size=32,
+        target_hidden_size=64,
+        num_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        aux_layer_ids=AUX,
+        variant="osprey",
+    )
     drafter = ReferenceDrafter(cfg).eval()
     return drafter
 
@@ -34,7 +47,9 @@ def test_megatron_target_matches_hf_target(target, topk, draft_tokens):
     directory, hf = target
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 17)]
     spec = SpecConfig(steps=3, topk=topk, draft_tokens=draft_tokens, max_new_tokens=24)
-    hf_runs = [speculative_generate(HFTargetModel(hf, AUX), ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
+    hf_runs = [
+        speculative_generate(HFTargetModel(hf, AUX), ReferenceDraftSession(_drafter()), p, spec) for p in prompts
+    ]
     greedy = [target_generate(HFTargetModel(hf, AUX), p, 24) for p in prompts]
     with MegatronTargetModel.open(directory, AUX) as megatron:
         mg_runs = [speculative_generate(megatron, ReferenceDraftSession(_drafter()), p, spec) for p in prompts]

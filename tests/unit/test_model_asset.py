@@ -98,8 +98,17 @@ def test_checkpoint_logits_equal_transformers_gguf_loader(smollm2, smollm2_token
     assert (ours - reference).abs().max().item() <= 1e-5
     # The prompt asks for Python code: the model opens a code block, as the instruct model does.
     assert smollm2_tokenizer.decode(ours[0, -1].argmax()) == "```"
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(smollm2.config, key) == getattr(gguf_reference.config, key), key
     assert smollm2.config.rope_parameters["rope_theta"] == gguf_reference.config.rope_parameters["rope_theta"]
 
@@ -107,10 +116,27 @@ def test_checkpoint_logits_equal_transformers_gguf_loader(smollm2, smollm2_token
 def test_config_tokenizer_and_chat_template(smollm2_dir, smollm2, smollm2_tokenizer):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    shape = {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                    "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
-    assert shape == {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
-                     "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+    shape = {
+        k: config[k]
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+        )
+    }
+    assert shape == {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    }
     assert sum(p.numel() for p in smollm2.parameters()) == 134_515_008  # SmolLM2-135M's published count
     assert smollm2.lm_head.weight.data_ptr() == smollm2.model.embed_tokens.weight.data_ptr()
 
@@ -118,7 +144,10 @@ def test_config_tokenizer_and_chat_template(smollm2_dir, smollm2, smollm2_tokeni
     assert len(tok) == 49152
     assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert (tok.eos_token, tok.eos_token_id, tok.bos_token) == ("<|im_end|>", 2, "<|im_start|>")
-    assert config["eos_token_id"] == 2 and json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert (
+        config["eos_token_id"] == 2
+        and json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    )
     text = "Reverse 'héllo wörld' in Python: s[::-1]  # 42"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     assert tok.convert_ids_to_tokens(tok.encode(" Hello world", add_special_tokens=False)) == ["ĠHello", "Ġworld"]
@@ -129,8 +158,11 @@ def test_config_tokenizer_and_chat_template(smollm2_dir, smollm2, smollm2_tokeni
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    with_system = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
-                   {"role": "assistant", "content": "A"}]
+    with_system = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+    ]
     assert tok.apply_chat_template(with_system, tokenize=False) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
     )

@@ -14,7 +14,13 @@ from megatron_osprey.convert.weight_map import Split, match_rule_indices, rules_
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, make_moe_hf_model, minimax_m2_config, qwen3_moe_config
+from megatron_osprey.testing.tiny_models import (
+    VOCAB,
+    causal_logits,
+    make_moe_hf_model,
+    minimax_m2_config,
+    qwen3_moe_config,
+)
 
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 
@@ -29,11 +35,14 @@ def megatron_logits(directory) -> torch.Tensor:
             return causal_logits(model, IDS)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("make,kwargs", [
-    (qwen3_moe_config, {"norm_topk_prob": True}),
-    (qwen3_moe_config, {"norm_topk_prob": False}),
-    (minimax_m2_config, {}),
-])
+@pytest.mark.parametrize(
+    "make,kwargs",
+    [
+        (qwen3_moe_config, {"norm_topk_prob": True}),
+        (qwen3_moe_config, {"norm_topk_prob": False}),
+        (minimax_m2_config, {}),
+    ],
+)
 def test_moe_logits_equal_hf_at_tp1(tmp_path, make, kwargs):
     hf = make_moe_hf_model(make(layers=2, **kwargs), tmp_path)
     with torch.no_grad():
@@ -90,7 +99,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int):
     scale = torch.zeros(nr, nc)
     for i in range(nr):
         for j in range(nc):
-            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
             scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
     full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
     return (weight / full).to(torch.float8_e4m3fn), scale
@@ -112,7 +121,8 @@ def test_fp8_dequantized_slices_equal_the_full_dequantization(tmp_path):
 
 
 def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
-    """A synthetic FP8 MiniMax-M2 checkpoint (16x16 blocks so tiny weights span several) matches HF on the same values."""
+    """A synthetic FP8 MiniMax-M2 checkpoint (16x16 blocks, so tiny weights span several) matches HF on the same
+    values."""
     from safetensors.torch import load_file, save_file
 
     hf = make_moe_hf_model(minimax_m2_config(layers=2), tmp_path / "bf16")
@@ -130,8 +140,12 @@ def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
     fp8_dir.mkdir()
     save_file(quantized, str(fp8_dir / "model.safetensors"))
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "weight_block_size": [16, 16],
-                                     "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "float8_e4m3fn",
+        "weight_block_size": [16, 16],
+        "activation_scheme": "dynamic",
+    }
     (fp8_dir / "config.json").write_text(json.dumps(config))
     # The reference: the HF model holding exactly the dequantized values.
     state = dict(tensors, **dequantized)
@@ -140,7 +154,9 @@ def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
             prefix = f"model.layers.{layer}.block_sparse_moe.experts"
             experts = hf.model.layers[layer].mlp.experts
             for e in range(8):
-                experts.gate_up_proj[e].copy_(torch.cat([state[f"{prefix}.{e}.w1.weight"], state[f"{prefix}.{e}.w3.weight"]]))
+                experts.gate_up_proj[e].copy_(
+                    torch.cat([state[f"{prefix}.{e}.w1.weight"], state[f"{prefix}.{e}.w3.weight"]])
+                )
                 experts.down_proj[e].copy_(state[f"{prefix}.{e}.w2.weight"])
             attn = hf.model.layers[layer].self_attn
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -156,16 +172,48 @@ def _real_config(**fields) -> ModelArch:
     return ModelArch.from_hf_config(dict(fields))
 
 
-LLAMA_70B = dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, intermediate_size=28672,
-                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                 rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-MINIMAX_M2 = dict(model_type="minimax_m2", num_hidden_layers=62, hidden_size=3072, intermediate_size=1536,
-                  num_attention_heads=48, num_key_value_heads=8, head_dim=128, rotary_dim=64, vocab_size=200064,
-                  num_local_experts=256, num_experts_per_tok=8, scoring_func="sigmoid", use_routing_bias=True,
-                  use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0, rope_theta=5000000,
-                  tie_word_embeddings=False, torch_dtype="bfloat16", max_position_embeddings=196608)
+LLAMA_70B = dict(
+    model_type="llama",
+    num_hidden_layers=80,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+MINIMAX_M2 = dict(
+    model_type="minimax_m2",
+    num_hidden_layers=62,
+    hidden_size=3072,
+    intermediate_size=1536,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    head_dim=128,
+    rotary_dim=64,
+    vocab_size=200064,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+    scoring_func="sigmoid",
+    use_routing_bias=True,
+    use_qk_norm=True,
+    qk_norm_type="per_layer",
+    shared_intermediate_size=0,
+    rope_theta=5000000,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    max_position_embeddings=196608,
+)
 
 
 def test_published_parameter_counts():

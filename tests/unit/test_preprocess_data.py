@@ -38,8 +38,10 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=400,
+        special_tokens=["<pad>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(DOCS * 3, trainer)
     out = tmp_path_factory.mktemp("tok")
@@ -62,8 +64,9 @@ def _write_jsonl(path: Path, docs, key="text") -> Path:
 
 
 def _run(inp, tokenizer_dir, prefix, **kw):
-    cfg = PreprocessConfig(input=str(inp), tokenizer=str(tokenizer_dir), output_prefix=str(prefix),
-                           progress=False, **kw)
+    cfg = PreprocessConfig(
+        input=str(inp), tokenizer=str(tokenizer_dir), output_prefix=str(prefix), progress=False, **kw
+    )
     return preprocess(cfg)
 
 
@@ -96,7 +99,7 @@ def test_batched_writes_equal_builder_add_document(tmp_path):
     ref = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=np.uint16)
     start = 0
     for n in lengths:
-        ref.add_document(tokens[start:start + n], [int(n)])
+        ref.add_document(tokens[start : start + n], [int(n)])
         start += n
     ref.finalize(str(tmp_path / "ref.idx"))
     w = AtomicIndexedWriter(str(tmp_path / "ours"), np.uint16)
@@ -130,15 +133,15 @@ def test_compressed_parquet_and_datasets_inputs_give_identical_output(tmp_path, 
 
 def test_malformed_records_are_counted_reported_and_skipped(tmp_path, tokenizer_dir, caplog):
     lines = [
-        json.dumps({"text": "good one"}),     # line 1
-        "{not json",                          # line 2
-        json.dumps({"other": "x"}),           # line 3: missing key
-        json.dumps({"text": 42}),             # line 4: not a string
-        json.dumps({"text": ""}),             # line 5: empty
-        json.dumps({"text": "  \n "}),        # line 6: whitespace only
-        json.dumps(["text"]),                 # line 7: not an object
-        "",                                   # line 8: blank line
-        json.dumps({"text": "good two"}),     # line 9
+        json.dumps({"text": "good one"}),  # line 1
+        "{not json",  # line 2
+        json.dumps({"other": "x"}),  # line 3: missing key
+        json.dumps({"text": 42}),  # line 4: not a string
+        json.dumps({"text": ""}),  # line 5: empty
+        json.dumps({"text": "  \n "}),  # line 6: whitespace only
+        json.dumps(["text"]),  # line 7: not an object
+        "",  # line 8: blank line
+        json.dumps({"text": "good two"}),  # line 9
     ]
     inp = tmp_path / "bad.jsonl"
     inp.write_text("\n".join(lines + [json.dumps({"x": 1})] * 12) + "\n")  # lines 10-21: missing key
@@ -147,8 +150,11 @@ def test_malformed_records_are_counted_reported_and_skipped(tmp_path, tokenizer_
     s = result.stats
     assert s.documents == 2 and s.records == 21
     assert s.problem_counts == {
-        "invalid JSON": 2, "missing key": 13, "value is not a string": 1,
-        "empty document": 2, "not a JSON object": 1,
+        "invalid JSON": 2,
+        "missing key": 13,
+        "value is not a string": 1,
+        "empty document": 2,
+        "not a JSON object": 1,
     }
     assert len(s.problems) == 10  # only the first 10 are kept, in input order
     assert [p.split(":")[0] for p in s.problems] == [f"{inp} line {n}" for n in (2, 3, 4, 5, 6, 7, 8, 10, 11, 12)]
@@ -229,8 +235,19 @@ def test_cli_logs_eod_and_reports_errors_in_one_line(tmp_path, tokenizer_dir, ca
     finally:
         sys.path.remove(str(REPO / "tools"))
     inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3])
-    argv = ["--input", str(inp), "--json-key", "text", "--tokenizer", str(tokenizer_dir),
-            "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--no-progress"]
+    argv = [
+        "--input",
+        str(inp),
+        "--json-key",
+        "text",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--output-prefix",
+        str(tmp_path / "cli"),
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     with caplog.at_level("INFO"):
         assert tool.main(argv) == 0
     assert "EOD token '<eos>' (id 1)" in caplog.text
@@ -281,8 +298,9 @@ def test_hub_name_without_reachable_hub_gives_clear_error():
 def test_an_input_whose_every_record_is_skipped_fails_and_writes_nothing(tmp_path, tokenizer_dir, partitions):
     cases = {
         "wrong_key.jsonl": "".join(json.dumps({"content": d}) + "\n" for d in DOCS).encode(),
-        "latin1.jsonl": "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n"
-                                for d in ["café crème", "naïve façade"]).encode("latin-1"),
+        "latin1.jsonl": "".join(
+            json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in ["café crème", "naïve façade"]
+        ).encode("latin-1"),
         "int_column.jsonl": "".join(json.dumps({"text": i}) + "\n" for i in range(5)).encode(),
     }
     for name, data in cases.items():
@@ -300,8 +318,19 @@ def test_cli_exits_non_zero_on_an_empty_result(tmp_path, tokenizer_dir, capsys):
     finally:
         sys.path.remove(str(REPO / "tools"))
     inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3], key="content")
-    argv = ["--input", str(inp), "--json-key", "text", "--tokenizer", str(tokenizer_dir),
-            "--output-prefix", str(tmp_path / "cli"), "--workers", "1", "--no-progress"]
+    argv = [
+        "--input",
+        str(inp),
+        "--json-key",
+        "text",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--output-prefix",
+        str(tmp_path / "cli"),
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     assert tool.main(argv) == 1
     err = capsys.readouterr().err
     assert "all 3 records were skipped (missing key: 3)" in err and "in.jsonl line 1" in err

@@ -13,8 +13,15 @@ from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
+from megatron_osprey.testing.tiny_models import (
+    VOCAB,
+    causal_logits,
+    llama_config,
+    make_hf_model,
+    qwen3_config,
+    truncated_logits,
+)
 from megatron_osprey.training.checkpointing import load_checkpoint, read_latest_iteration
-from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +70,9 @@ def test_prune_keeps_first_two_layers_exactly(make_config, tmp_path, parallel):
 def _run_tool(*args):
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / "prune_backbone.py"), *map(str, args)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -126,7 +126,9 @@ def test_identity_fc_opens_the_gradient_path_that_zero_fc_closes():
         return sum(layer.self_attn.q_proj.weight.grad[:, :32].abs().sum() for layer in drafter.layers)
 
     backward()
-    assert w_new_grad() > 0 and all(layer.self_attn.v_proj.weight.grad[:, :32].abs().sum() > 0 for layer in drafter.layers)
+    assert w_new_grad() > 0 and all(
+        layer.self_attn.v_proj.weight.grad[:, :32].abs().sum() > 0 for layer in drafter.layers
+    )
     # fc sits behind W_new = 0, so its first gradient is exactly zero; one step on W_new opens it.
     assert drafter.fc.weight.grad.abs().sum() == 0
     with torch.no_grad():

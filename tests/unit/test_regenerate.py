@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_osprey.data.conversations import ConversationFormatError, read_conversations
+from megatron_osprey.data.fingerprint import write_settings
 from megatron_osprey.data.regenerate import (
     HFBackend,
     HFBackendConfig,
@@ -27,7 +28,6 @@ from megatron_osprey.data.regenerate import (
 )
 from megatron_osprey.data.regenerate.backends import merge_reasoning, normalize_server_url
 from megatron_osprey.data.regenerate.local_server import ChatCompletionServer
-from megatron_osprey.data.fingerprint import write_settings
 from megatron_osprey.data.regenerate.runner import recover_output, regenerate_settings, settings_path_for
 from megatron_osprey.data.regenerate.tiny_target import write_tiny_target
 
@@ -41,7 +41,10 @@ def _rows() -> list[dict]:
     a = {"role": "assistant", "content": ORIGINAL}
     return [
         {"id": "r0", "conversations": [u("Question 0?"), a]},
-        {"id": "r1", "conversations": [{"role": "system", "content": "Be brief."}, u("Question 1?"), a, u("And then?"), a]},
+        {
+            "id": "r1",
+            "conversations": [{"role": "system", "content": "Be brief."}, u("Question 1?"), a, u("And then?"), a],
+        },
         {"id": "r2", "conversations": [u("Question 2?")]},
         {"id": "r3", "conversations": [u("Question 3?"), a, u("Why?")], "source": "kept"},
         {"id": "r4", "conversations": [u("Question 4, part one."), u("Part two."), a]},
@@ -244,7 +247,9 @@ def test_cli_killed_midway_then_rerun_equals_uninterrupted(tmp_path, prompts, hf
             "--concurrency", "2", "--retries", "1", "--backoff", "0.01", "--no-progress"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     with ChatCompletionServer(SlowBackend(hf_backend, 0.25)) as server:
-        proc = subprocess.Popen(_cli(args + ["--server-url", server.url]), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _cli(args + ["--server-url", server.url]), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         deadline = time.time() + 60
         while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 2):
             time.sleep(0.02)
@@ -256,7 +261,9 @@ def test_cli_killed_midway_then_rerun_equals_uninterrupted(tmp_path, prompts, hf
         handle.write(b'{"id":"r5","conversations":[{"role":"us')
 
     with ChatCompletionServer(hf_backend) as server:
-        done = subprocess.run(_cli(args + ["--server-url", server.url]), env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            _cli(args + ["--server-url", server.url]), env=env, capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{killed_lines} already done" in done.stdout
     assert out.read_bytes() == reference
@@ -267,8 +274,8 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "MY_REGEN_KEY": secret}
     with ChatCompletionServer(hf_backend, api_key=secret) as server:
-        args = ["--input", str(prompts), "--output", str(out), "--server-url", server.url, "--api-key-env", "MY_REGEN_KEY",
-                "--max-tokens", "6", "--concurrency", "3"]  # fmt: skip
+        args = ["--input", str(prompts), "--output", str(out), "--server-url", server.url,
+                "--api-key-env", "MY_REGEN_KEY", "--max-tokens", "6", "--concurrency", "3"]  # fmt: skip
         done = subprocess.run(_cli(args), env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         assert out.read_bytes() == reference
@@ -276,8 +283,11 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
 
         wrong = tmp_path / "wrong.jsonl"
         # --served-model-name: no /v1/models query up front, so every row meets the 401 and is recorded.
-        backend = ServerBackend(ServerBackendConfig(urls=(server.url,), api_key="sk-wrong-key-0000", retries=3,
-                                                    backoff_s=0.01, model="local"))
+        backend = ServerBackend(
+            ServerBackendConfig(
+                urls=(server.url,), api_key="sk-wrong-key-0000", retries=3, backoff_s=0.01, model="local"
+            )
+        )
         assert "sk-wrong" not in repr(backend.config)
         summary = regenerate_file(RegenerateConfig(prompts, wrong, SAMPLING, concurrency=2, progress=False), backend)
         backend.close()
@@ -288,10 +298,23 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
 
 
 def test_cli_rejects_bad_flags(tmp_path, prompts):
-    missing = subprocess.run(_cli(["--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]), capture_output=True, text=True)
+    missing = subprocess.run(
+        _cli(["--input", str(prompts), "--output", str(tmp_path / "o.jsonl")]), capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "--server-url" in missing.stderr
     no_model = subprocess.run(
-        _cli(["--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--backend", "hf", "--model", str(tmp_path)]),
+        _cli(
+            [
+                "--input",
+                str(prompts),
+                "--output",
+                str(tmp_path / "o.jsonl"),
+                "--backend",
+                "hf",
+                "--model",
+                str(tmp_path),
+            ]
+        ),
         capture_output=True,
         text=True,
     )
@@ -336,13 +359,18 @@ def test_serve_local_tool_serves_a_model_dir(target_dir, hf_backend):
         proc.wait(timeout=30)
 
 
-def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(tmp_path, prompts, hf_backend, reference):
+def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(
+    tmp_path, prompts, hf_backend, reference
+):
     out = tmp_path / "out.jsonl"
     regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
     assert out.read_bytes() == reference
     hotter = SamplingParams(temperature=0.7, max_tokens=6, seed=1)
-    with pytest.raises(ValueError, match=r"--output .*out.jsonl holds rows regenerated from other inputs or settings "
-                                         r"\(sampling: .*\"temperature\": 0.0.* -> .*\"temperature\": 0.7.*Pass --overwrite"):
+    with pytest.raises(
+        ValueError,
+        match=r"--output .*out.jsonl holds rows regenerated from other inputs or settings "
+        r"\(sampling: .*\"temperature\": 0.0.* -> .*\"temperature\": 0.7.*Pass --overwrite",
+    ):
         regenerate_file(RegenerateConfig(prompts, out, hotter, concurrency=1, progress=False), hf_backend)
     with ChatCompletionServer(hf_backend, model_name="another-model") as server:
         backend = ServerBackend(ServerBackendConfig(urls=(server.url,), retries=0))
@@ -354,8 +382,9 @@ def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(t
     with pytest.raises(ValueError, match=r"input_sha256"):
         regenerate_file(RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False), hf_backend)
     assert out.read_bytes() == reference  # the refusals left it alone
-    summary = regenerate_file(RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False, overwrite=True),
-                              hf_backend)
+    summary = regenerate_file(
+        RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False, overwrite=True), hf_backend
+    )
     assert (summary.already_done, summary.succeeded) == (0, 6)
     first = json.loads(out.read_text().splitlines()[0])
     assert first["conversations"][0]["content"] == "Question zero?"
@@ -369,8 +398,21 @@ def test_credentials_in_server_urls_never_reach_logs_or_the_failures_file(tmp_pa
     out = tmp_path / "out.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     # Nothing listens on port 1: every request fails with a connection error naming the server.
-    args = ["--input", str(prompts), "--output", str(out), "--server-url", "http://alice:s3cret-pw@127.0.0.1:1",
-            "--served-model-name", "local", "--retries", "0", "--max-tokens", "6", "--no-progress"]
+    args = [
+        "--input",
+        str(prompts),
+        "--output",
+        str(out),
+        "--server-url",
+        "http://alice:s3cret-pw@127.0.0.1:1",
+        "--served-model-name",
+        "local",
+        "--retries",
+        "0",
+        "--max-tokens",
+        "6",
+        "--no-progress",
+    ]
     done = subprocess.run(_cli(args), env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     failures = failures_path_for(out).read_text()
@@ -404,7 +446,23 @@ def test_a_non_utf8_input_names_the_file_and_line(tmp_path):
     bad.write_bytes(good.encode() + latin.encode("latin-1"))
     with pytest.raises(ConversationFormatError, match=r"latin1\.jsonl:2 is not UTF-8 text \(byte 0xe9 at column \d+\)"):
         list(read_conversations(bad))
-    done = subprocess.run(_cli(["--input", str(bad), "--output", str(tmp_path / "o.jsonl"), "--backend", "server",
-                                "--server-url", "http://127.0.0.1:1", "--served-model-name", "m"]),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        _cli(
+            [
+                "--input",
+                str(bad),
+                "--output",
+                str(tmp_path / "o.jsonl"),
+                "--backend",
+                "server",
+                "--server-url",
+                "http://127.0.0.1:1",
+                "--served-model-name",
+                "m",
+            ]
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "latin1.jsonl:2 is not UTF-8" in done.stderr and "Traceback" not in done.stderr

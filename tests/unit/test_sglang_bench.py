@@ -51,9 +51,26 @@ def test_bench_tool_against_a_fake_server(tmp_path):
     rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        rc = main(["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
-                   "--data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
-                   "--train-domain", "chat", "--max-new-tokens", "64", "--wait", "30"])
+        rc = main(
+            [
+                "--url",
+                f"http://127.0.0.1:{server.server_address[1]}",
+                "--tokenizer",
+                str(tmp_path / "target"),
+                "--data",
+                str(tmp_path / "chat.jsonl"),
+                "--output",
+                str(tmp_path / "out"),
+                "--drafter-name",
+                "d",
+                "--train-domain",
+                "chat",
+                "--max-new-tokens",
+                "64",
+                "--wait",
+                "30",
+            ]
+        )
     finally:
         server.shutdown()
     assert rc == 0
@@ -89,23 +106,52 @@ def test_bench_sweeps_temperature_and_batch_size(tmp_path):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    rows = [{"id": f"r{i}", "conversations": [{"role": "system", "content": "sys"},
-                                              {"role": "user", "content": f"hi {i}"}]} for i in range(4)]
+    rows = [
+        {"id": f"r{i}", "conversations": [{"role": "system", "content": "sys"}, {"role": "user", "content": f"hi {i}"}]}
+        for i in range(4)
+    ]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        rc = main(["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
-                   "--data", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
-                   "--train-domain", "chat", "--temperature", "0", "1", "--batch-size", "1", "4", "--seed", "3"])
+        rc = main(
+            [
+                "--url",
+                f"http://127.0.0.1:{server.server_address[1]}",
+                "--tokenizer",
+                str(tmp_path / "target"),
+                "--data",
+                str(tmp_path / "chat.jsonl"),
+                "--output",
+                str(tmp_path / "out"),
+                "--drafter-name",
+                "d",
+                "--train-domain",
+                "chat",
+                "--temperature",
+                "0",
+                "1",
+                "--batch-size",
+                "1",
+                "4",
+                "--seed",
+                "3",
+            ]
+        )
     finally:
         server.shutdown()
     assert rc == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["temperature"], r["batch_size"], r["sampling"]) for r in results["sweep"]] == [
-        (0.0, 1, "greedy"), (0.0, 4, "greedy"), (1.0, 1, "lossless rejection sampling"),
-        (1.0, 4, "lossless rejection sampling")]
+        (0.0, 1, "greedy"),
+        (0.0, 4, "greedy"),
+        (1.0, 1, "lossless rejection sampling"),
+        (1.0, 4, "lossless rejection sampling"),
+    ]
     assert results["config"]["max_new_tokens"] == 4096 and results["config"]["prompt_messages"] == "first_user"
     peaks = [p for _, p in state["peak"]]
     assert max(peaks[:4]) == 1 and max(peaks[4:8]) > 1  # batch 1 one at a time, batch 4 concurrently
     for cell in results["cells"]:
         assert cell["summary"]["mean_acceptance_length"] == 3.0 and cell["summary"]["throughput_tokens_per_s"] > 0
-    assert "| 1 | None | None | None | 4 | 3 | lossless rejection sampling | osprey |" in (tmp_path / "out" / "matrix.md").read_text()
+    assert (
+        "| 1 | None | None | None | 4 | 3 | lossless rejection sampling | osprey |"
+        in (tmp_path / "out" / "matrix.md").read_text()
+    )

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.export.formats import export_drafter
 from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
-from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.drafter_convert import load_reference_state
 from megatron_osprey.models.reference_drafter import ReferenceDrafter
@@ -47,23 +47,37 @@ def plugin(monkeypatch):
 
 
 def _llama_body(layers: int) -> ModelArch:
-    return ModelArch.from_hf_config({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-5})
+    return ModelArch.from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": VOCAB,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+        }
+    )
 
 
 def _arch(case: str) -> DrafterArch:
-    common = dict(target_hidden_size=TARGET_HIDDEN, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
-                  aux_layer_ids=(1, 2, 3))
+    common = dict(
+        target_hidden_size=TARGET_HIDDEN, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(1, 2, 3)
+    )
     if case == "osprey-qwen3":
         return DrafterArch(body=ModelArch.from_hf_config(qwen3_config(layers=2)), variant="osprey", **common)
     if case == "osprey-llama":
         return DrafterArch(body=_llama_body(2), variant="osprey", **common)
     target = ModelArch.from_hf_config(qwen3_config(layers=8))  # EAGLE-3: Llama layers even for Qwen3
     extra = case.rsplit("-", 1)[1]
-    return DrafterArch(body=eagle3_body(target, 2), variant="eagle3", eagle3_extra_layers=extra,
-                       **(common | {"target_hidden_size": target.hidden_size}))
+    return DrafterArch(
+        body=eagle3_body(target, 2),
+        variant="eagle3",
+        eagle3_extra_layers=extra,
+        **(common | {"target_hidden_size": target.hidden_size}),
+    )
 
 
 def _exported(case: str, directory: Path) -> tuple[DrafterArch, ReferenceDrafter]:
@@ -129,8 +143,9 @@ def test_plugin_registers_only_its_own_names_and_refuses_what_it_cannot_serve(pl
     as_qwen3 = AutoConfig.for_model("qwen3", **{k: v for k, v in config.items() if k not in ("model_type",)})
     with pytest.raises(ValueError, match="plain layers"):
         plugin.OspreyQwen3ForCausalLMEagle3(as_qwen3)
-    unsaid = AutoConfig.for_model("llama", **{k: v for k, v in config.items()
-                                              if k not in ("model_type", "eagle3_extra_layers")})
+    unsaid = AutoConfig.for_model(
+        "llama", **{k: v for k, v in config.items() if k not in ("model_type", "eagle3_extra_layers")}
+    )
     with pytest.raises(ValueError, match="eagle3_extra_layers"):
         plugin.OspreyLlamaForCausalLMEagle3(unsaid)
     model = _plugin_model(plugin, tmp_path / "plain")

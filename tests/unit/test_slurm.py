@@ -15,7 +15,7 @@ import pytest
 
 from launcher import cli
 from launcher.commands import REPO_ROOT
-from launcher.render import STAGE_TEMPLATES, TEMPLATE_DIR, render, render_text
+from launcher.render import STAGE_TEMPLATES, render, render_text
 from megatron_osprey.config.recipes import RECIPES, get_recipe, resolve_recipe
 
 FAKES = {
@@ -70,8 +70,14 @@ def _run(script: str, tmp_path: Path, fake_bin, **env) -> tuple[subprocess.Compl
     path.write_text(script)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_", "MASTER_"))}
     base.pop("PYTHON", None)
-    full_env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_RECORD": str(record),
-                "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "nodeA,nodeB", **env}
+    full_env = {
+        **base,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_RECORD": str(record),
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "nodeA,nodeB",
+        **env,
+    }
     done = subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True, timeout=60)
     lines = record.read_text().splitlines() if record.exists() else []
     return done, lines
@@ -81,7 +87,7 @@ def _python_calls(lines: list[str]) -> list[dict]:
     calls = []
     for line in lines:
         if line.startswith("PYTHON "):
-            head, _, args = line[len("PYTHON "):].partition(" ARGS=")
+            head, _, args = line[len("PYTHON ") :].partition(" ARGS=")
             fields = dict(item.split("=", 1) for item in head.split())
             calls.append({**fields, "args": shlex.split(args)})
     return calls
@@ -100,8 +106,14 @@ def test_every_template_renders_for_every_recipe_and_parses(tmp_path):
                 continue
             script = render(recipe, stage)
             assert "{{" not in script and script.startswith("#!/bin/bash\n")
-            for line in ("set -euo pipefail", "TERM@300", "#SBATCH --requeue",
-                         ': "${SLURM_JOB_ID:?', "git -C", "SLURM_RESTART_COUNT"):
+            for line in (
+                "set -euo pipefail",
+                "TERM@300",
+                "#SBATCH --requeue",
+                ': "${SLURM_JOB_ID:?',
+                "git -C",
+                "SLURM_RESTART_COUNT",
+            ):
                 assert line in script, (name, stage, line)
             # A script that traps TERM itself needs the signal sent to the batch shell (B:).
             signal = "#SBATCH --signal=B:TERM@300" if "trap on_term TERM" in script else "#SBATCH --signal=TERM@300"
@@ -125,8 +137,10 @@ def test_unknown_placeholder_is_refused_naming_the_template():
 
 
 def test_distill_job_wires_ranks_resume_logs_and_requeue(tmp_path, fake_bin):
-    recipe = resolve_recipe("tiny_cpu_osprey_distill_2proc_fp32:code",
-                            [f"paths.root={tmp_path}/runs", "layout.nodes=2", "training.global_batch_size=8"])
+    recipe = resolve_recipe(
+        "tiny_cpu_osprey_distill_2proc_fp32:code",
+        [f"paths.root={tmp_path}/runs", "layout.nodes=2", "training.global_batch_size=8"],
+    )
     script = render(recipe, "distill")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     save = Path(recipe.resolved_paths()["save"])
@@ -137,7 +151,11 @@ def test_distill_job_wires_ranks_resume_logs_and_requeue(tmp_path, fake_bin):
 
     calls = _python_calls(lines)
     assert [(c["RANK"], c["LOCAL_RANK"], c["WORLD_SIZE"]) for c in calls] == [
-        ("0", "0", "4"), ("1", "1", "4"), ("2", "0", "4"), ("3", "1", "4")]
+        ("0", "0", "4"),
+        ("1", "1", "4"),
+        ("2", "0", "4"),
+        ("3", "1", "4"),
+    ]
     assert {c["MASTER_ADDR"] for c in calls} == {"nodeA"} and {c["MASTER_PORT"] for c in calls} == {str(20000 + 77)}
     args = calls[0]["args"]
     assert args[:2] == ["-m", "megatron_osprey.stages.distill"]
@@ -145,7 +163,7 @@ def test_distill_job_wires_ranks_resume_logs_and_requeue(tmp_path, fake_bin):
     srun = [line for line in lines if line.startswith("SRUN ")]
     assert len(srun) == 1 and "--nodes=2 --ntasks-per-node=2" in srun[0] and "--container" not in srun[0]
     iters = recipe.training.iterations()
-    assert f"SCONTROL requeue 77" in lines and iters > 5
+    assert "SCONTROL requeue 77" in lines and iters > 5
 
     log = Path(recipe.resolved_paths()["logs"]) / f"osprey-distill-{recipe.run_name}-77-restart3.log"
     head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
@@ -179,8 +197,15 @@ def test_extract_array_task_picks_its_shard(tmp_path, fake_bin):
     recipe = resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16", [f"paths.root={tmp_path}/runs"])
     script = render(recipe, "extract")
     assert "#SBATCH --array=0-15" in script
-    done, lines = _run(script, tmp_path, fake_bin, SLURM_ARRAY_TASK_ID="5", SLURM_ARRAY_TASK_MIN="2",
-                       SLURM_ARRAY_TASK_COUNT="4", SLURM_ARRAY_JOB_ID="70")
+    done, lines = _run(
+        script,
+        tmp_path,
+        fake_bin,
+        SLURM_ARRAY_TASK_ID="5",
+        SLURM_ARRAY_TASK_MIN="2",
+        SLURM_ARRAY_TASK_COUNT="4",
+        SLURM_ARRAY_JOB_ID="70",
+    )
     assert done.returncode == 0, done.stderr
     calls = _python_calls(lines)
     assert len(calls) == 8 and {c["WORLD_SIZE"] for c in calls} == {"8"}
@@ -195,8 +220,10 @@ def test_extract_array_task_picks_its_shard(tmp_path, fake_bin):
 def test_preprocess_array_task_reads_its_line_of_the_input_list(tmp_path, fake_bin):
     inputs = tmp_path / "files.txt"
     inputs.write_text("/data/a.jsonl.zst\n/data/b.jsonl.zst\n")
-    recipe = resolve_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
-                            [f"paths.root={tmp_path}/runs", f"paths.pretrain_text={inputs}", "data.preprocess_files=2"])
+    recipe = resolve_recipe(
+        "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
+        [f"paths.root={tmp_path}/runs", f"paths.pretrain_text={inputs}", "data.preprocess_files=2"],
+    )
     script = render(recipe, "preprocess", extra=["--strict"])
     assert "#SBATCH --array=0-1" in script and "--gpus-per-node" not in script
     done, lines = _run(script, tmp_path, fake_bin, SLURM_ARRAY_TASK_ID="1", SLURM_CPUS_PER_TASK="12")
@@ -211,8 +238,9 @@ def test_preprocess_array_task_reads_its_line_of_the_input_list(tmp_path, fake_b
 
 
 def test_regenerate_starts_a_server_pool_then_uses_every_url(tmp_path, fake_bin):
-    recipe = resolve_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16:code",
-                            [f"paths.root={tmp_path}/runs", "data.regenerate_servers=4"])
+    recipe = resolve_recipe(
+        "llama33_70b_osprey_distill_8gpu_h100_bf16:code", [f"paths.root={tmp_path}/runs", "data.regenerate_servers=4"]
+    )
     script = render(recipe, "regenerate")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     done, lines = _run(script, tmp_path, fake_bin, SERVER_PORT="31000")
@@ -245,12 +273,25 @@ def test_submit_dry_run_prints_and_submit_calls_sbatch(tmp_path, fake_bin, capsy
     monkeypatch.setenv("FAKE_RECORD", str(record))
     monkeypatch.delenv("SBATCH_PARTITION", raising=False)
     monkeypatch.setenv("SBATCH_ACCOUNT", "proj42")
-    args = ["submit", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", "--set", f"paths.root={tmp_path}/runs",
-            "--partition", "batch", "--time", "01:00:00"]
+    args = [
+        "submit",
+        "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
+        "--set",
+        f"paths.root={tmp_path}/runs",
+        "--partition",
+        "batch",
+        "--time",
+        "01:00:00",
+    ]
     assert cli.main(args + ["--dry-run"]) == 0
     out = capsys.readouterr().out
-    for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=batch",
-                 "#SBATCH --account=proj42", "#SBATCH --time=01:00:00"):
+    for line in (
+        "#SBATCH --nodes=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=batch",
+        "#SBATCH --account=proj42",
+        "#SBATCH --time=01:00:00",
+    ):
         assert line in out
     assert not record.exists()
 
@@ -268,8 +309,11 @@ def test_eval_sglang_renders_the_recipes_target_drafter_and_tp(tmp_path, fake_bi
     script = render(recipe, "eval")
     paths = recipe.resolved_paths()
     # 70B at the target's TP 4: four GPUs, and SGLang started with --tp-size 4; logs where submit creates them.
-    for line in ("#SBATCH --gpus-per-node=4", f"#SBATCH --output={paths['logs']}/%x-%j.out",
-                 "#SBATCH --signal=B:TERM@300"):
+    for line in (
+        "#SBATCH --gpus-per-node=4",
+        f"#SBATCH --output={paths['logs']}/%x-%j.out",
+        "#SBATCH --signal=B:TERM@300",
+    ):
         assert line in script
     done, lines = _run(script, tmp_path, fake_bin)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -285,10 +329,16 @@ def test_eval_sglang_renders_the_recipes_target_drafter_and_tp(tmp_path, fake_bi
     assert _flag(bench["args"], "--output") == paths["eval_output"] and _flag(bench["args"], "--train-domain") == "code"
 
 
-@pytest.mark.parametrize("where,value", [
-    ("option", "batch\n#SBATCH --wrap=evil"), ("option", "batch; rm -rf ~"), ("env", "batch\ntouch /tmp/owned"),
-    ("recipe", "gpu --wrap=x"), ("account", "proj\rx"),
-])
+@pytest.mark.parametrize(
+    "where,value",
+    [
+        ("option", "batch\n#SBATCH --wrap=evil"),
+        ("option", "batch; rm -rf ~"),
+        ("env", "batch\ntouch /tmp/owned"),
+        ("recipe", "gpu --wrap=x"),
+        ("account", "proj\rx"),
+    ],
+)
 def test_sbatch_values_that_would_inject_lines_or_options_are_refused(monkeypatch, where, value):
     from launcher.render import SubmitOptions
 

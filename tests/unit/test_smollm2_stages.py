@@ -53,14 +53,26 @@ def test_megatron_logits_equal_hf_and_round_trip_is_bit_identical(smollm2_dir, s
     assert (logits - expected).abs().max().item() < 8e-4
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
-    original, exported = load_file(smollm2_dir / "model.safetensors"), load_file(tmp_path / "roundtrip" / "model.safetensors")
+    original, exported = (
+        load_file(smollm2_dir / "model.safetensors"),
+        load_file(tmp_path / "roundtrip" / "model.safetensors"),
+    )
     assert set(exported) == set(original) and "lm_head.weight" not in exported  # tied, as the source
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
     config = json.loads((tmp_path / "roundtrip" / "config.json").read_text())
     source = json.loads((smollm2_dir / "config.json").read_text())
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "architectures"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "architectures",
+    ):
         assert config[key] == source[key], key
 
 
@@ -107,19 +119,27 @@ def test_pruned_logits_equal_truncated_hf(pruned, smollm2, long_ids):
     assert (out / "hf" / "chat_template.jinja").is_file() and (out / "hf" / "tokenizer.json").is_file()
 
 
-def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(smollm2_dir, smollm2, smollm2_tokenizer, tmp_path):
+def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(
+    smollm2_dir, smollm2, smollm2_tokenizer, tmp_path
+):
     from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
 
     data = tmp_path / "conversations.jsonl"
     rows = [
         [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": "The capital of France is Paris."}],
-        [{"role": "user", "content": PROMPTS[0]},
-         {"role": "assistant", "content": "```python\ndef reverse(s):\n    return s[::-1]\n```"}],
+        [
+            {"role": "user", "content": PROMPTS[0]},
+            {"role": "assistant", "content": "```python\ndef reverse(s):\n    return s[::-1]\n```"},
+        ],
     ]
     data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n" for i, c in enumerate(rows)))
-    config = ExtractConfig(target_dir=str(smollm2_dir), data_path=str(data), micro_batch_size=2,
-                           store=HiddenStateStoreConfig(store_dir=str(tmp_path / "store")))
+    config = ExtractConfig(
+        target_dir=str(smollm2_dir),
+        data_path=str(data),
+        micro_batch_size=2,
+        store=HiddenStateStoreConfig(store_dir=str(tmp_path / "store")),
+    )
     with parallel_context(ParallelConfig()) as state:
         extract_hidden_states(config, state, log=lambda _: None)
     store = HiddenStateStore(tmp_path / "store", dtype=torch.float32)
@@ -130,7 +150,9 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(smollm2_di
         ids = sample["input_ids"]
         assert ids.tolist()[:3] == [1, 9690, 198]  # "<|im_start|>system\n": the SmolLM2 chat template
         captured = []
-        hook = smollm2.model.layers[-1].register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        hook = smollm2.model.layers[-1].register_forward_hook(
+            lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o)
+        )
         try:
             with torch.no_grad():
                 hidden = smollm2(ids[None], output_hidden_states=True).hidden_states
@@ -138,8 +160,10 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(smollm2_di
             hook.remove()
         # hidden_states[i + 1] is layer i's output; HF's last entry is after the final norm, the store
         # keeps the pre-norm output of the last layer (the drafter's TTT input and the LM head's input).
-        expected = {"aux_hidden": torch.cat([hidden[i + 1][0] for i in SMOLLM2_AUX], dim=-1),
-                    "final_hidden": captured[0][0]}
+        expected = {
+            "aux_hidden": torch.cat([hidden[i + 1][0] for i in SMOLLM2_AUX], dim=-1),
+            "final_hidden": captured[0][0],
+        }
         for key, reference in expected.items():
             stored = sample[key]
             assert stored.shape == reference.shape, key
@@ -173,8 +197,10 @@ def greedy_reference(smollm2, prompt_ids):
     outputs = []
     for ids in prompt_ids:
         with torch.no_grad():
-            out = smollm2.generate(ids[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
-        outputs.append(out[0, ids.numel():].tolist())
+            out = smollm2.generate(
+                ids[None], max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+            )
+        outputs.append(out[0, ids.numel() :].tolist())
     return outputs
 
 
@@ -182,8 +208,9 @@ MAX_NEW = 24
 
 
 @pytest.mark.parametrize("shape", [dict(steps=4, topk=1), dict(steps=3, topk=3, draft_tokens=8)], ids=["chain", "tree"])
-def test_speculative_decoding_with_the_real_target_is_lossless(shape, adapted, smollm2, smollm2_tokenizer, prompt_ids,
-                                                               greedy_reference):
+def test_speculative_decoding_with_the_real_target_is_lossless(
+    shape, adapted, smollm2, smollm2_tokenizer, prompt_ids, greedy_reference
+):
     from megatron_osprey.speculative import HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate
 
     drafter, report = adapted
@@ -208,9 +235,14 @@ def test_batched_speculative_decoding_with_the_real_target_is_lossless(adapted, 
     """The batched engine (the three prompts in one batch, float32) with the adapted drafter, and with
     scripted drafts that make rows accept different numbers of tokens, equals transformers' greedy output."""
     from megatron_osprey.speculative import SpecConfig
-    from megatron_osprey.speculative.batched import (BatchedHFTarget, BatchedReferenceDraftSession, RowwiseDraftSession,
-                                                     batched_speculative_generate, batched_target_generate,
-                                                     cache_capacity)
+    from megatron_osprey.speculative.batched import (
+        BatchedHFTarget,
+        BatchedReferenceDraftSession,
+        RowwiseDraftSession,
+        batched_speculative_generate,
+        batched_target_generate,
+        cache_capacity,
+    )
 
     drafter, _ = adapted
     cfg = SpecConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), steps=4, topk=1)
@@ -220,7 +252,9 @@ def test_batched_speculative_decoding_with_the_real_target_is_lossless(adapted, 
     target = BatchedHFTarget(smollm2, aux, cache_capacity(prompt_ids, cfg, cfg.steps + 1))
     session = BatchedReferenceDraftSession(drafter, cache_capacity(prompt_ids, cfg, 2 * cfg.steps + 1))
     assert [r.tokens for r in batched_speculative_generate(target, session, prompt_ids, cfg)] == greedy_reference
-    scripts = iter([ScriptedSession(ids.tolist() + expected, VOCAB) for ids, expected in zip(prompt_ids, greedy_reference)])
+    scripts = iter(
+        [ScriptedSession(ids.tolist() + expected, VOCAB) for ids, expected in zip(prompt_ids, greedy_reference)]
+    )
     target = BatchedHFTarget(smollm2, aux, cache_capacity(prompt_ids, cfg, cfg.steps + 1))
     results = batched_speculative_generate(target, RowwiseDraftSession(lambda: next(scripts)), prompt_ids, cfg)
     assert [r.tokens for r in results] == greedy_reference

@@ -7,10 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
 from megatron_osprey.speculative import (
     DraftSession,
-    TargetModel,
     HFTargetModel,
     ReferenceDraftSession,
     SpecConfig,
+    TargetModel,
     acceptance_summary,
     speculative_generate,
     target_generate,
@@ -94,11 +94,10 @@ def transformers_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_to
     """model.generate(do_sample=False): an independent greedy decoder (its own cache and stopping)."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                              pad_token_id=0)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
     with torch.no_grad():
         out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), generation_config=config)
-    return out[0, prompt.numel():].tolist()
+    return out[0, prompt.numel() :].tolist()
 
 
 CASES = [("qwen3", 120, 120, "osprey", 0), ("llama", 200, 150, "eagle3", 1), ("qwen3", 160, 90, "osprey", 2)]
@@ -228,7 +227,9 @@ class BigramDraftSession(DraftSession):
         self.tokens = []
 
 
-@pytest.mark.parametrize("shape", [dict(steps=3, topk=1), dict(steps=3, topk=1, sample_drafts=False), dict(steps=3, topk=2, draft_tokens=5)])
+@pytest.mark.parametrize(
+    "shape", [dict(steps=3, topk=1), dict(steps=3, topk=1, sample_drafts=False), dict(steps=3, topk=2, draft_tokens=5)]
+)
 def test_sampling_is_lossless_by_chi_square(shape):
     vocab, samples, prompt = 8, 2000, torch.tensor([3, 1, 4, 1, 5])
     target = PositionalBigramTarget(vocab, seed=11)

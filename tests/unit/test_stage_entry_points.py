@@ -17,13 +17,21 @@ from megatron_osprey.stages.cli import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("prune", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export")
-TOOLS = {"prune": "prune_backbone", "adapt": "adapt_drafter", "regenerate": "regenerate",
-         "extract": "extract_hidden_states", "export": "export_checkpoint"}
+TOOLS = {
+    "prune": "prune_backbone",
+    "adapt": "adapt_drafter",
+    "regenerate": "regenerate",
+    "extract": "extract_hidden_states",
+    "export": "export_checkpoint",
+}
 # Not a stage, but launched the same way: its main() lives in the package, the tool is a shim over it.
 SHIMS = {**TOOLS, "preprocess": "preprocess_data"}
 PREPROCESS_MODULE = "megatron_osprey.data.preprocess_cli"
-LEGACY_MODULES = {"pretrain": "megatron_osprey.pretrain", "distill": "megatron_osprey.distill",
-                  "evaluate": "megatron_osprey.eval"}
+LEGACY_MODULES = {
+    "pretrain": "megatron_osprey.pretrain",
+    "distill": "megatron_osprey.distill",
+    "evaluate": "megatron_osprey.eval",
+}
 
 
 def _help(run, argv0: str, monkeypatch, capsys) -> str:
@@ -35,7 +43,7 @@ def _help(run, argv0: str, monkeypatch, capsys) -> str:
 
 
 def _options(text: str) -> str:
-    return text[text.index("options:"):]
+    return text[text.index("options:") :]
 
 
 # runpy warns when the module was imported before (by another test); running it again as __main__ is the point.
@@ -46,8 +54,12 @@ def test_every_stage_runs_as_a_module_and_its_other_commands_show_the_same_flags
     own = _help(lambda: runpy.run_module(module, run_name="__main__"), stage, monkeypatch, capsys)
     assert "usage:" in own
     if stage in TOOLS:
-        tool = _help(lambda: runpy.run_path(str(REPO / "tools" / f"{TOOLS[stage]}.py"), run_name="__main__"),
-                     f"{TOOLS[stage]}.py", monkeypatch, capsys)
+        tool = _help(
+            lambda: runpy.run_path(str(REPO / "tools" / f"{TOOLS[stage]}.py"), run_name="__main__"),
+            f"{TOOLS[stage]}.py",
+            monkeypatch,
+            capsys,
+        )
         assert _options(tool) == _options(own)
     if stage in LEGACY_MODULES:
         legacy = _help(lambda: runpy.run_module(LEGACY_MODULES[stage], run_name="__main__"), stage, monkeypatch, capsys)
@@ -57,8 +69,12 @@ def test_every_stage_runs_as_a_module_and_its_other_commands_show_the_same_flags
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
 def test_preprocess_runs_as_a_module_with_the_tools_flags(monkeypatch, capsys):
     own = _help(lambda: runpy.run_module(PREPROCESS_MODULE, run_name="__main__"), "preprocess", monkeypatch, capsys)
-    tool = _help(lambda: runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__"),
-                 "preprocess_data.py", monkeypatch, capsys)
+    tool = _help(
+        lambda: runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__"),
+        "preprocess_data.py",
+        monkeypatch,
+        capsys,
+    )
     assert "--output-prefix" in own and _options(tool) == _options(own)
 
 
@@ -69,10 +85,14 @@ def test_a_tool_script_runs_its_own_checkout_not_an_installed_copy(stage, tmp_pa
     decoy = tmp_path / "decoy" / "megatron_osprey"
     decoy.mkdir(parents=True)
     (decoy / "__init__.py").write_text("raise ImportError('the decoy megatron_osprey was imported')\n")
-    done = subprocess.run([sys.executable, str(REPO / "tools" / f"{SHIMS[stage]}.py"), "--help"], cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(decoy.parent),
-                               "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / f"{SHIMS[stage]}.py"), "--help"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(decoy.parent), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
 
 
@@ -85,6 +105,9 @@ def test_errors_become_one_line_and_an_exit_code(capsys):
     assert exit_code(lambda: raise_(FloatingPointError("loss is nan at iteration 3"))) == 1
     assert exit_code(lambda: raise_(KeyError("k")), also=(KeyError,), describe=lambda m: m.replace("k", "*")) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: --data x: missing", "error: loss is nan at iteration 3", "error: '*'"]
+        "error: --data x: missing",
+        "error: loss is nan at iteration 3",
+        "error: '*'",
+    ]
     with pytest.raises(KeyError):  # anything else is a bug: it keeps its traceback
         exit_code(lambda: raise_(KeyError("k")))

@@ -10,9 +10,9 @@ import torch
 from megatron_osprey.config.args import config_from_args
 from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
+from megatron_osprey.testing.tiny_models import VOCAB
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
-from megatron_osprey.testing.tiny_models import VOCAB
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_backbone, make_corpus
 
 
@@ -93,8 +93,11 @@ def test_a_non_finite_loss_stops_the_run_instead_of_finishing_with_exit_0(work):
 def test_a_split_with_no_documents_is_refused_not_a_hang(work):
     # Two documents with the default 969,30,1 split: validation gets round(0.999*2) - round(0.969*2) = 0.
     prefix = write_docs(work / "data" / "two_docs_text_document", [list(range(1, 60)) + [EOD]] * 2)
-    with pytest.raises(ValueError, match=r"--split 969,30,1: the validation split of .*two_docs_text_document "
-                                         r"gets 0 of its 2 documents"):
+    with pytest.raises(
+        ValueError,
+        match=r"--split 969,30,1: the validation split of .*two_docs_text_document "
+        r"gets 0 of its 2 documents",
+    ):
         tiny(work, prefix, data__split="969,30,1")
 
 
@@ -115,12 +118,20 @@ def test_resume_refuses_a_changed_schedule_or_honours_it_when_asked(work):
         tiny(work, checkpoint__load=save, optimizer__lr=2e-3)
     with pytest.raises(ValueError, match=r"--min-lr gives min_lr = 0.0002 but the checkpoint's schedule has 0.0001"):
         tiny(work, checkpoint__load=save, optimizer__min_lr=2e-4)
-    with pytest.raises(ValueError, match=r"--train-iters \(the decay length\) gives lr_decay_steps = 12 but "
-                                         r"the checkpoint's schedule has 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"--train-iters \(the decay length\) gives lr_decay_steps = 12 but "
+        r"the checkpoint's schedule has 6",
+    ):
         tiny(work, checkpoint__load=save, training__train_iters=12)
     # Asked for, the new values are what the run uses: cosine from 2e-3 to 2e-4 over 6 steps, 2 of warmup.
-    resumed = tiny(work, checkpoint__load=save, optimizer__lr=2e-3, optimizer__min_lr=2e-4,
-                   optimizer__override_opt_param_scheduler=True)
+    resumed = tiny(
+        work,
+        checkpoint__load=save,
+        optimizer__lr=2e-3,
+        optimizer__min_lr=2e-4,
+        optimizer__override_opt_param_scheduler=True,
+    )
     expected = [2e-4 + 0.5 * (2e-3 - 2e-4) * (1 + math.cos(math.pi * (step - 2) / 4)) for step in (3, 4, 5)]
     assert lr_history(resumed) == pytest.approx(expected, rel=1e-6)
     assert resumed.state.iteration == 6
@@ -139,17 +150,43 @@ def test_the_entry_point_prints_one_line_for_bad_input(work, capsys):
     prefix = write_docs(work / "data" / "empty2_text_document", [])
     # The recipe's own save and TensorBoard paths are under the working directory: point them here.
     out = str(work / "bad_input_run")
-    code = main(["--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--backbone", str(work / "backbone"),
-                 "--data-path", prefix, "--train-iters", "4", "--no-progress-bar", "--save", out, "--load", out,
-                 "--tensorboard-dir", out])
+    code = main(
+        [
+            "--recipe",
+            "tiny_cpu_backbone_pretrain_2proc_fp32",
+            "--backbone",
+            str(work / "backbone"),
+            "--data-path",
+            prefix,
+            "--train-iters",
+            "4",
+            "--no-progress-bar",
+            "--save",
+            out,
+            "--load",
+            out,
+            "--tensorboard-dir",
+            out,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "error: --data-path" in err and "holds 0 documents" in err and "Traceback" not in err
 
 
 def test_a_warmup_as_long_as_the_run_is_refused_naming_the_flag():
     # Megatron's scheduler would stop on a bare `assert lr_warmup_steps < lr_decay_steps`.
-    cfg = config_from_args(["--recipe", "tiny_cpu_backbone_pretrain_2proc_fp32", "--train-iters", "2", "--hf-model", "x",
-                            "--data-path", "p"])
+    cfg = config_from_args(
+        [
+            "--recipe",
+            "tiny_cpu_backbone_pretrain_2proc_fp32",
+            "--train-iters",
+            "2",
+            "--hf-model",
+            "x",
+            "--data-path",
+            "p",
+        ]
+    )
     from megatron_osprey.config.pretrain import validate_optimizer
 
     with pytest.raises(ValueError, match=r"--lr-warmup-iters 2 must be below the decay length 2"):

@@ -2,24 +2,59 @@
 
 import pytest
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.config.args import config_from_args
 from megatron_osprey.config.pretrain import (
-    PretrainConfig, validate_against_model, validate_numerics, validate_training,
+    PretrainConfig,
+    validate_against_model,
+    validate_numerics,
+    validate_training,
 )
-from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.parallel import ParallelConfig
-from megatron_osprey.training.data import check_prefixes, parse_blend
 from megatron_osprey.testing.tiny_models import qwen3_config
+from megatron_osprey.training.data import check_prefixes, parse_blend
 
 
 def test_megatron_flags_land_in_their_sections():
-    cfg = config_from_args([
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--sequence-parallel",
-        "--use-distributed-optimizer", "--micro-batch-size", "3", "--global-batch-size", "96",
-        "--seq-length", "2048", "--train-samples", "1000", "--lr", "2e-4", "--min-lr", "2e-5",
-        "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "50", "--clip-grad", "0.5", "--bf16",
-        "--data-path", "0.7", "A", "0.3", "B", "--split", "98,2,0", "--save", "S", "--exit-signal-handler",
-    ])
+    cfg = config_from_args(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+            "--micro-batch-size",
+            "3",
+            "--global-batch-size",
+            "96",
+            "--seq-length",
+            "2048",
+            "--train-samples",
+            "1000",
+            "--lr",
+            "2e-4",
+            "--min-lr",
+            "2e-5",
+            "--lr-decay-style",
+            "WSD",
+            "--lr-wsd-decay-iters",
+            "50",
+            "--clip-grad",
+            "0.5",
+            "--bf16",
+            "--data-path",
+            "0.7",
+            "A",
+            "0.3",
+            "B",
+            "--split",
+            "98,2,0",
+            "--save",
+            "S",
+            "--exit-signal-handler",
+        ]
+    )
     assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.pipeline_model_parallel_size == 4
     assert cfg.parallel.sequence_parallel and cfg.optimizer.use_distributed_optimizer and cfg.model.bf16
     assert (cfg.training.micro_batch_size, cfg.training.global_batch_size, cfg.training.seq_length) == (3, 96, 2048)
@@ -30,8 +65,18 @@ def test_megatron_flags_land_in_their_sections():
 
 
 def test_recipe_then_flags_then_set():
-    cfg = config_from_args(["--recipe", "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", "--lr", "1e-4",
-                            "--set", "optimizer.lr=5e-5", "--set", "training.seq_length=1024"])
+    cfg = config_from_args(
+        [
+            "--recipe",
+            "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
+            "--lr",
+            "1e-4",
+            "--set",
+            "optimizer.lr=5e-5",
+            "--set",
+            "training.seq_length=1024",
+        ]
+    )
     assert cfg.recipe == "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
     assert cfg.model.bf16 and cfg.optimizer.use_distributed_optimizer  # from the recipe, untouched
     assert cfg.training.global_batch_size == 256
@@ -52,8 +97,11 @@ def test_unknown_recipe_is_refused():
 def test_global_batch_not_divisible_by_micro_batch_times_dp():
     cfg = PretrainConfig()
     cfg.training.train_iters, cfg.training.micro_batch_size, cfg.training.global_batch_size = 10, 4, 20
-    with pytest.raises(ValueError, match=r"--global-batch-size 20 is not divisible by --micro-batch-size 4 "
-                                         r"x data-parallel size 2 = 8\."):
+    with pytest.raises(
+        ValueError,
+        match=r"--global-batch-size 20 is not divisible by --micro-batch-size 4 "
+        r"x data-parallel size 2 = 8\.",
+    ):
         validate_training(cfg.training, ParallelConfig(), world_size=2)
 
 
@@ -84,10 +132,14 @@ def test_tensor_parallel_must_divide_heads_and_pipeline_the_layers():
     cfg = PretrainConfig()
     cfg.training.seq_length = 64
     cfg.parallel = ParallelConfig(tensor_model_parallel_size=8)
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 8 does not divide the model's num_attention_heads"):
+    with pytest.raises(
+        ValueError, match="--tensor-model-parallel-size 8 does not divide the model's num_attention_heads"
+    ):
         validate_against_model(cfg, 256, _arch())
     cfg.parallel = ParallelConfig(pipeline_model_parallel_size=4)
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 does not divide the model's num_hidden_layers"):
+    with pytest.raises(
+        ValueError, match="--pipeline-model-parallel-size 4 does not divide the model's num_hidden_layers"
+    ):
         validate_against_model(cfg, 256, _arch())
 
 

@@ -24,7 +24,7 @@ def _inputs(steps, heads, kv_heads, seq, head_dim, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 12), (8, 1, 8)])
 def test_linear_attention_equals_exact_values_and_gradients(steps, heads, kv_heads, head_dim):
     query, keys, values = _inputs(steps, heads, kv_heads, 23, head_dim)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     fast = ttt_attention(query, keys, values, scale)
     exact = exact_ttt_attention(query, keys, values, scale)
     # Measured: values <= 1e-6, gradients <= 3e-6 (float32).
@@ -42,8 +42,9 @@ def test_linear_attention_bf16_matches_exact_on_the_same_inputs():
     # than the output's own rounding; compared on the bf16-rounded inputs to isolate the kernel.
     query, keys, values = _inputs(3, 4, 2, 31, 16, seed=1)
     rounded = lambda x: x.detach().bfloat16()  # noqa: E731
-    exact = exact_ttt_attention(rounded(query).float(), [rounded(k).float() for k in keys],
-                                [rounded(v).float() for v in values], 0.25)
+    exact = exact_ttt_attention(
+        rounded(query).float(), [rounded(k).float() for k in keys], [rounded(v).float() for v in values], 0.25
+    )
     fast = ttt_attention(rounded(query), [rounded(k) for k in keys], [rounded(v) for v in values], 0.25)
     assert fast.dtype == torch.bfloat16
     # Measured 3.0e-2 at |out| 6.9: half a bf16 ulp of the output (0.4%).
@@ -59,7 +60,9 @@ def test_linear_attention_refuses_mismatched_steps_and_heads():
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("ttt_attention_memory", ROOT / "benchmarks" / "ttt_attention_memory.py")
+    spec = importlib.util.spec_from_file_location(
+        "ttt_attention_memory", ROOT / "benchmarks" / "ttt_attention_memory.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from megatron_osprey.losses.ttt import (
-    TTTLossConfig, drafter_inputs, step_mask, step_masks, ttt_loss, vocab_parallel_argmax,
+    TTTLossConfig,
+    drafter_inputs,
+    step_mask,
+    step_masks,
+    ttt_loss,
+    vocab_parallel_argmax,
 )
 from megatron_osprey.models.drafter import build_drafter_model
 from megatron_osprey.models.drafter_convert import load_reference_state
@@ -34,7 +39,8 @@ def test_megatron_ttt_loss_equals_step_by_step_reference(target, draft_vocab, st
     with torch.no_grad():
         full_target = hf.lm_head(hf.model.norm(batch["final_hidden"]))
     expected, expected_steps = reference_ttt_loss(
-        reference.ttt_forward(ids, batch["aux_hidden"], steps), full_target, batch["loss_mask"], reference.t2d, config)
+        reference.ttt_forward(ids, batch["aux_hidden"], steps), full_target, batch["loss_mask"], reference.t2d, config
+    )
 
     with parallel_context(ParallelConfig()):
         model = build_drafter_model(arch, ParallelConfig())
@@ -98,7 +104,12 @@ def test_masks_follow_the_shift_convention():
 
 def test_default_conventions_are_pinned():
     config = TTTLossConfig()
-    assert (config.ttt_steps, config.decay, config.mask_alignment, config.normalization) == (5, 0.8, "predicted", "tokens")
+    assert (config.ttt_steps, config.decay, config.mask_alignment, config.normalization) == (
+        5,
+        0.8,
+        "predicted",
+        "tokens",
+    )
     with pytest.raises(ValueError, match="--ttt-normalization"):
         TTTLossConfig(normalization="mean")
 
@@ -108,7 +119,7 @@ def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normaliz
     """The trainer's (sum, denominator) pair over two micro-batches equals ttt_loss on their concatenation
     (every step's loss counted the same way), for every convention."""
     from megatron_osprey.config.distill import DistillConfig
-    from megatron_osprey.training.distillation import distill_forward_step, ttt_loss_func
+    from megatron_osprey.training.distillation import distill_forward_step
 
     target_dir, _ = target
     arch, reference = make_drafter(200)

@@ -7,5 +7,13 @@ from megatron_osprey.config.recipes.files import apply_recipe_overrides, load_ya
 from megatron_osprey.config.recipes.recipe import Recipe
 from megatron_osprey.config.recipes.registry import RECIPES, get_recipe, stage_config, takes_domain
 
-__all__ = ["RECIPES", "Recipe", "apply_recipe_overrides", "get_recipe", "load_yaml_recipe", "resolve_recipe", "stage_config",
-           "takes_domain"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "apply_recipe_overrides",
+    "get_recipe",
+    "load_yaml_recipe",
+    "resolve_recipe",
+    "stage_config",
+    "takes_domain",
+]

@@ -8,7 +8,8 @@ from typing import Any
 
 import yaml
 
-from megatron_osprey.config.overrides import apply_overrides as apply_to, with_override
+from megatron_osprey.config.overrides import apply_overrides as apply_to
+from megatron_osprey.config.overrides import with_override
 from megatron_osprey.config.recipes.recipe import Recipe
 from megatron_osprey.config.recipes.registry import get_recipe
 from megatron_osprey.config.recipes.shapes import ModelShape, shape_from
@@ -60,8 +61,9 @@ def load_yaml_recipe(path: str | Path) -> Recipe:
         missing = [k for k in ("stage", "hardware", "precision") if k not in data]
         if missing:
             raise ValueError(f"recipe file {path}: without `base:` it must set {', '.join(missing)}.")
-        recipe = Recipe(name=path.stem, stage=data.pop("stage"), hardware=data.pop("hardware"),
-                        precision=str(data.pop("precision")))
+        recipe = Recipe(
+            name=path.stem, stage=data.pop("stage"), hardware=data.pop("hardware"), precision=str(data.pop("precision"))
+        )
     recipe = dataclasses.replace(recipe, name=str(data.pop("name", path.stem)))
     for keys, value in _flatten(recipe, data, []):
         recipe = with_override(recipe, keys, value, f"{path}: {'.'.join(keys)}", _shape_fields)

@@ -191,19 +191,31 @@ class Recipe:
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
         if self.precision == "mxfp8" and self.hardware != "b200":
-            raise ValueError(f"recipe {self.name}: MXFP8 needs Blackwell (b200); a {self.hardware.upper()} has no "
-                             f"MXFP8 GEMMs: use precision fp8 or bf16.")
+            raise ValueError(
+                f"recipe {self.name}: MXFP8 needs Blackwell (b200); a {self.hardware.upper()} has no "
+                f"MXFP8 GEMMs: use precision fp8 or bf16."
+            )
         if self.drafter.method not in ("osprey", "eagle3"):
-            raise ValueError(f"recipe {self.name}: drafter.method must be osprey or eagle3, got {self.drafter.method!r}.")
+            raise ValueError(
+                f"recipe {self.name}: drafter.method must be osprey or eagle3, got {self.drafter.method!r}."
+            )
         if self.drafter.mode not in ("online", "offline"):
             raise ValueError(f"recipe {self.name}: drafter.mode must be online or offline, got {self.drafter.mode!r}.")
         if self.data.hidden_state_encoding not in ("bf16", "int8"):
             raise ValueError(f"recipe {self.name}: data.hidden_state_encoding must be bf16 or int8.")
         if self.data.export_format not in ("sglang", "hf", "speculators"):
             raise ValueError(f"recipe {self.name}: data.export_format must be sglang, hf or speculators.")
-        for key in ("nodes", "gpus_per_node", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "expert_model_parallel_size", "context_parallel_size", "target_tensor_model_parallel_size",
-                    "target_pipeline_model_parallel_size", "target_expert_model_parallel_size"):
+        for key in (
+            "nodes",
+            "gpus_per_node",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "context_parallel_size",
+            "target_tensor_model_parallel_size",
+            "target_pipeline_model_parallel_size",
+            "target_expert_model_parallel_size",
+        ):
             if int(getattr(self.layout, key)) < 1:
                 raise ValueError(f"recipe {self.name}: layout.{key} must be at least 1.")
 
@@ -274,7 +286,11 @@ def _common(recipe: Recipe, cfg, parallel: ParallelConfig, paths: bool):
     cfg.training.seq_length, cfg.training.train_iters = t.seq_length, t.iterations()
     opt = cfg.optimizer
     opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_style = t.lr, t.min_lr, t.warmup_iters(), t.lr_decay_style
-    opt.weight_decay, opt.clip_grad, opt.use_distributed_optimizer = t.weight_decay, t.clip_grad, t.use_distributed_optimizer
+    opt.weight_decay, opt.clip_grad, opt.use_distributed_optimizer = (
+        t.weight_decay,
+        t.clip_grad,
+        t.use_distributed_optimizer,
+    )
     cfg.logging.log_interval, cfg.logging.wandb_project = t.log_interval, t.wandb_project
     if paths:
         save = recipe.resolved_paths()["save"]
@@ -293,8 +309,11 @@ def _pretrain_config(recipe: Recipe, paths: bool) -> PretrainConfig:
     parallel = ParallelConfig(
         tensor_model_parallel_size=lay.tensor_model_parallel_size,
         pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
-        context_parallel_size=lay.context_parallel_size, expert_model_parallel_size=lay.expert_model_parallel_size,
-        sequence_parallel=lay.sequence_parallel, seed=t.seed)
+        context_parallel_size=lay.context_parallel_size,
+        expert_model_parallel_size=lay.expert_model_parallel_size,
+        sequence_parallel=lay.sequence_parallel,
+        seed=t.seed,
+    )
     cfg = _common(recipe, PretrainConfig(), parallel, paths)
     cfg.model.bf16, cfg.model.transformer_impl = t.bf16, t.transformer_impl
     if t.fp8_format:
@@ -309,10 +328,13 @@ def _pretrain_config(recipe: Recipe, paths: bool) -> PretrainConfig:
 def _distill_config(recipe: Recipe, paths: bool) -> DistillConfig:
     lay, t, dr = recipe.layout, recipe.training, recipe.drafter
     size, sequence_parallel = shared_tensor_parallel(recipe)
-    parallel = ParallelConfig(tensor_model_parallel_size=size,
-                              pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
-                              context_parallel_size=lay.context_parallel_size,
-                              sequence_parallel=sequence_parallel, seed=t.seed)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=size,
+        pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
+        context_parallel_size=lay.context_parallel_size,
+        sequence_parallel=sequence_parallel,
+        seed=t.seed,
+    )
     cfg = _common(recipe, DistillConfig(), parallel, paths)
     if t.lr_warmup_iters is None:  # distillation takes the warmup as a fraction of the run itself
         cfg.optimizer.lr_warmup_iters, cfg.lr_warmup_fraction = 0, t.lr_warmup_fraction or 0.0

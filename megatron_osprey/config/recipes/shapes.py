@@ -54,12 +54,21 @@ class ModelShape:
         }
         if self.family == "minimax_m2":
             # MiniMax-M2 names the per-expert width intermediate_size.
-            config.update(intermediate_size=self.moe_ffn_hidden_size, num_local_experts=self.num_experts,
-                          num_experts_per_tok=self.moe_router_topk, scoring_func="sigmoid",
-                          use_routing_bias=True, rotary_dim=self.rotary_dim, qk_norm_type="per_layer")
+            config.update(
+                intermediate_size=self.moe_ffn_hidden_size,
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.moe_router_topk,
+                scoring_func="sigmoid",
+                use_routing_bias=True,
+                rotary_dim=self.rotary_dim,
+                qk_norm_type="per_layer",
+            )
         elif self.family == "qwen3_moe":
-            config.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
-                          num_experts_per_tok=self.moe_router_topk)
+            config.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_ffn_hidden_size,
+                num_experts_per_tok=self.moe_router_topk,
+            )
         return config
 
     def arch(self) -> ModelArch:
@@ -71,30 +80,98 @@ class ModelShape:
         return self.arch().num_parameters()
 
 
-QWEN3_4B = ModelShape("qwen3_4b", "qwen3", num_layers=36, hidden_size=2560, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, ffn_hidden_size=9728, vocab_size=151_936,
-                      tie_word_embeddings=True)
+QWEN3_4B = ModelShape(
+    "qwen3_4b",
+    "qwen3",
+    num_layers=36,
+    hidden_size=2560,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    ffn_hidden_size=9728,
+    vocab_size=151_936,
+    tie_word_embeddings=True,
+)
 # The Osprey backbone: Qwen3-4B's embedding, first two blocks, final norm and tied head (~591M).
 QWEN3_4B_2LAYER = dataclasses.replace(QWEN3_4B, name="qwen3_4b_2layer", num_layers=2)
-QWEN3_8B = ModelShape("qwen3_8b", "qwen3", num_layers=36, hidden_size=4096, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, ffn_hidden_size=12_288, vocab_size=151_936)
-LLAMA33_70B = ModelShape("llama33_70b", "llama", num_layers=80, hidden_size=8192, num_attention_heads=64,
-                         num_key_value_heads=8, head_dim=128, ffn_hidden_size=28_672, vocab_size=128_256)
-MINIMAX_M25 = ModelShape("minimax_m25", "minimax_m2", num_layers=62, hidden_size=3072, num_attention_heads=48,
-                         num_key_value_heads=8, head_dim=128, ffn_hidden_size=1536, vocab_size=200_064,
-                         num_experts=256, moe_ffn_hidden_size=1536, moe_router_topk=8, rotary_dim=64)
+QWEN3_8B = ModelShape(
+    "qwen3_8b",
+    "qwen3",
+    num_layers=36,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    ffn_hidden_size=12_288,
+    vocab_size=151_936,
+)
+LLAMA33_70B = ModelShape(
+    "llama33_70b",
+    "llama",
+    num_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    ffn_hidden_size=28_672,
+    vocab_size=128_256,
+)
+MINIMAX_M25 = ModelShape(
+    "minimax_m25",
+    "minimax_m2",
+    num_layers=62,
+    hidden_size=3072,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    head_dim=128,
+    ffn_hidden_size=1536,
+    vocab_size=200_064,
+    num_experts=256,
+    moe_ffn_hidden_size=1536,
+    moe_router_topk=8,
+    rotary_dim=64,
+)
 # Toy shapes for CPU runs; TINY_SOURCE matches the small LM `make demo` builds.
-TINY_SOURCE = ModelShape("tiny_source", "qwen3", num_layers=6, hidden_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, ffn_hidden_size=384, vocab_size=512,
-                         tie_word_embeddings=True)
+TINY_SOURCE = ModelShape(
+    "tiny_source",
+    "qwen3",
+    num_layers=6,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    ffn_hidden_size=384,
+    vocab_size=512,
+    tie_word_embeddings=True,
+)
 TINY_BACKBONE = dataclasses.replace(TINY_SOURCE, name="tiny_backbone", num_layers=2)
-TINY_TARGET = ModelShape("tiny_target", "qwen3", num_layers=4, hidden_size=192, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=48, ffn_hidden_size=512, vocab_size=512)
+TINY_TARGET = ModelShape(
+    "tiny_target",
+    "qwen3",
+    num_layers=4,
+    hidden_size=192,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=48,
+    ffn_hidden_size=512,
+    vocab_size=512,
+)
 
-SHAPES: types.MappingProxyType[str, ModelShape] = types.MappingProxyType({
-    s.name: s for s in (QWEN3_4B, QWEN3_4B_2LAYER, QWEN3_8B, LLAMA33_70B, MINIMAX_M25,
-                        TINY_SOURCE, TINY_BACKBONE, TINY_TARGET)
-})
+SHAPES: types.MappingProxyType[str, ModelShape] = types.MappingProxyType(
+    {
+        s.name: s
+        for s in (
+            QWEN3_4B,
+            QWEN3_4B_2LAYER,
+            QWEN3_8B,
+            LLAMA33_70B,
+            MINIMAX_M25,
+            TINY_SOURCE,
+            TINY_BACKBONE,
+            TINY_TARGET,
+        )
+    }
+)
 
 
 def shape_from(value: Any, where: str) -> ModelShape | None:

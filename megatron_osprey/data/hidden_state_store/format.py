@@ -137,8 +137,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def write_safetensors_streamed(path: Path, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...], list]],
-                       metadata: dict[str, str]) -> tuple[str, int]:
+def write_safetensors_streamed(
+    path: Path, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...], list]], metadata: dict[str, str]
+) -> tuple[str, int]:
     """Stream tensors (each a list of pieces) into a safetensors file atomically; return (sha256, size)."""
     # Streaming piece by piece avoids holding a second, concatenated copy of a
     # multi-GB shard in memory; the layout is the standard safetensors one.
@@ -182,8 +183,10 @@ def checked_shard_file(store_dir: Path, name: str, where: Path) -> str:
     """
     root = Path(store_dir).resolve()
     if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-        raise StoreMismatchError(f"{where} names shard {name!r}, which is not a plain file name in {store_dir}; "
-                                 f"the manifest was not written by this store's writers.")
+        raise StoreMismatchError(
+            f"{where} names shard {name!r}, which is not a plain file name in {store_dir}; "
+            f"the manifest was not written by this store's writers."
+        )
     if not (root / name).resolve().is_relative_to(root):
         raise StoreMismatchError(f"{where} names shard {name!r}, which resolves outside {store_dir}; refusing it.")
     return name
@@ -199,8 +202,15 @@ def writer_tag(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}"
 
 
-def estimate_store_bytes(num_tokens: int, hidden_size: int, encoding: str, *, num_aux_layers: int = 3,
-                         outliers_per_token: int = 8, num_samples: int = 0) -> int:
+def estimate_store_bytes(
+    num_tokens: int,
+    hidden_size: int,
+    encoding: str,
+    *,
+    num_aux_layers: int = 3,
+    outliers_per_token: int = 8,
+    num_samples: int = 0,
+) -> int:
     """Upper bound on a store's bytes (int8 assumes zstd saves nothing) for preflight checks."""
     check_encoding(encoding)
     groups = num_aux_layers + 1
@@ -217,7 +227,7 @@ def estimate_store_bytes(num_tokens: int, hidden_size: int, encoding: str, *, nu
 
 
 def check_free_disk(store_dir: str | os.PathLike, needed_bytes: int) -> int:
-    """Raise InsufficientDiskError unless the filesystem of ``store_dir`` has ``needed_bytes`` free; return free bytes."""
+    """Raise InsufficientDiskError unless ``store_dir``'s filesystem has ``needed_bytes`` free; return free bytes."""
     probe = Path(store_dir).absolute()
     while not probe.exists():
         probe = probe.parent

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from megatron_osprey.base.atomic_io import write_bytes_atomic
 from megatron_osprey.data.hidden_state_store.format import (
-    checked_shard_file,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PART_PREFIX,
@@ -17,6 +16,7 @@ from megatron_osprey.data.hidden_state_store.format import (
     ShardRecord,
     StoreHeader,
     StoreMismatchError,
+    checked_shard_file,
     json_bytes,
     read_shard_meta,
 )
@@ -26,14 +26,19 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); it was not written by this store's writers, "
-                         f"which write manifests atomically.") from exc
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); it was not written by this store's writers, "
+            f"which write manifests atomically."
+        ) from exc
 
 
 def check_header(found: StoreHeader, expected: StoreHeader, where: Path) -> None:
     if found != expected:
-        diffs = [f"{k}: {getattr(found, k)!r} != {getattr(expected, k)!r}"
-                 for k in expected.__dataclass_fields__ if getattr(found, k) != getattr(expected, k)]
+        diffs = [
+            f"{k}: {getattr(found, k)!r} != {getattr(expected, k)!r}"
+            for k in expected.__dataclass_fields__
+            if getattr(found, k) != getattr(expected, k)
+        ]
         raise StoreMismatchError(
             f"{where} was written with a different store header ({'; '.join(diffs)}); "
             f"use a new store directory or the original settings."
@@ -55,8 +60,10 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
             raise StoreMismatchError(f"{p} has format version {part.get('format_version')}, expected {FORMAT_VERSION}.")
         check_header(StoreHeader.from_json(part["store"]), header, p)
         if require_complete and not part["complete"]:
-            raise RuntimeError(f"{p} is not complete: writer {part['writer']['tag']!r} has not finished; "
-                               f"rerun it (it resumes) before finalizing.")
+            raise RuntimeError(
+                f"{p} is not complete: writer {part['writer']['tag']!r} has not finished; "
+                f"rerun it (it resumes) before finalizing."
+            )
         world_sizes.add(part["writer"]["world_size"])
         ranks.add(part["writer"]["rank"])
     if require_complete:
@@ -64,7 +71,9 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
             raise StoreMismatchError(f"manifest parts in {store_dir} disagree on world_size: {sorted(world_sizes)}.")
         missing = sorted(set(range(world_sizes.pop())) - ranks)
         if missing:
-            raise RuntimeError(f"{store_dir} has no manifest part from ranks {missing}; run those writers before finalizing.")
+            raise RuntimeError(
+                f"{store_dir} has no manifest part from ranks {missing}; run those writers before finalizing."
+            )
     shards: list[ShardRecord] = []
     seen_ids: dict[str, str] = {}
     for p, part in sorted(loaded, key=lambda item: (item[1]["writer"]["rank"], item[1]["writer"]["tag"])):
@@ -74,8 +83,10 @@ def finalize_store(store_dir: str | os.PathLike, *, require_complete: bool = Tru
                 raise CorruptShardError(f"{f} (listed in {p.name}) is missing or has the wrong size.")
             for sid in json.loads(read_shard_meta(f)["sample_ids"]):
                 if sid in seen_ids:
-                    raise StoreMismatchError(f"sample id {sid!r} is in both {seen_ids[sid]} and {s.file}; "
-                                             f"writers must extract disjoint samples.")
+                    raise StoreMismatchError(
+                        f"sample id {sid!r} is in both {seen_ids[sid]} and {s.file}; "
+                        f"writers must extract disjoint samples."
+                    )
                 seen_ids[sid] = s.file
             shards.append(s)
     num_tokens = sum(s.num_tokens for s in shards)

@@ -18,7 +18,6 @@ from safetensors import safe_open
 from megatron_osprey.base.checksums import file_sha256
 from megatron_osprey.data.hidden_state_quant import Int8Encoded, decompress_int8, dequantize_int8
 from megatron_osprey.data.hidden_state_store.format import (
-    checked_shard_file,
     FORMAT_VERSION,
     HIDDEN_NAMES,
     MANIFEST_NAME,
@@ -28,6 +27,7 @@ from megatron_osprey.data.hidden_state_store.format import (
     ShardRecord,
     StoreHeader,
     StoreMismatchError,
+    checked_shard_file,
 )
 from megatron_osprey.data.hidden_state_store.manifest import read_json
 
@@ -62,21 +62,37 @@ class HiddenStateStore:
         self.store_dir = Path(store_dir)
         path = self.store_dir / MANIFEST_NAME
         if not path.exists():
-            hint = (" It has manifest parts: call finalize_store on it once every writer is done."
-                    if list(self.store_dir.glob(f"{PART_PREFIX}*.json")) else "")
-            raise FileNotFoundError(f"{path} does not exist, so {self.store_dir} is not a finished hidden-state store.{hint}")
+            hint = (
+                " It has manifest parts: call finalize_store on it once every writer is done."
+                if list(self.store_dir.glob(f"{PART_PREFIX}*.json"))
+                else ""
+            )
+            raise FileNotFoundError(
+                f"{path} does not exist, so {self.store_dir} is not a finished hidden-state store.{hint}"
+            )
         self.manifest = read_json(path)
         if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise StoreMismatchError(f"{path} has format version {self.manifest.get('format_version')}; "
-                                     f"this code reads version {FORMAT_VERSION}.")
+            raise StoreMismatchError(
+                f"{path} has format version {self.manifest.get('format_version')}; "
+                f"this code reads version {FORMAT_VERSION}."
+            )
         self.header = StoreHeader.from_json(self.manifest["store"])
-        expected = {"target_id": target_id, "config_hash": config_hash,
-                    "aux_layer_ids": None if aux_layer_ids is None else tuple(aux_layer_ids), "hidden_size": hidden_size}
-        wrong = [f"{k} is {getattr(self.header, k)!r}, expected {v!r}"
-                 for k, v in expected.items() if v is not None and getattr(self.header, k) != v]
+        expected = {
+            "target_id": target_id,
+            "config_hash": config_hash,
+            "aux_layer_ids": None if aux_layer_ids is None else tuple(aux_layer_ids),
+            "hidden_size": hidden_size,
+        }
+        wrong = [
+            f"{k} is {getattr(self.header, k)!r}, expected {v!r}"
+            for k, v in expected.items()
+            if v is not None and getattr(self.header, k) != v
+        ]
         if wrong:
-            raise StoreMismatchError(f"hidden-state store {self.store_dir} does not match this run: {'; '.join(wrong)}. "
-                                     f"Re-extract hidden states for this target or point to the right store.")
+            raise StoreMismatchError(
+                f"hidden-state store {self.store_dir} does not match this run: {'; '.join(wrong)}. "
+                f"Re-extract hidden states for this target or point to the right store."
+            )
         self.shards = [ShardRecord(**s) for s in self.manifest["shards"]]
         for rec in self.shards:
             checked_shard_file(self.store_dir, rec.file, path)
@@ -128,8 +144,10 @@ class HiddenStateStore:
         if not path.exists() or path.stat().st_size != rec.num_bytes:
             raise CorruptShardError(f"shard {path} is missing or its size differs from the manifest; re-extract it.")
         if file_sha256(path) != rec.sha256:
-            raise CorruptShardError(f"shard {path} fails its sha256 check (manifest {rec.sha256[:12]}...); "
-                                    f"the file is corrupt: delete it and its manifest entries and re-extract.")
+            raise CorruptShardError(
+                f"shard {path} fails its sha256 check (manifest {rec.sha256[:12]}...); "
+                f"the file is corrupt: delete it and its manifest entries and re-extract."
+            )
         with self._lock:
             self._verified.add(s)
 
@@ -180,8 +198,12 @@ class HiddenStateStore:
                     out[name] = f.get_slice(name)[a:b]
                 else:
                     fa, fb = shard.frame_offsets[name][j], shard.frame_offsets[name][j + 1]
-                    raw[name] = (f.get_slice(f"{name}.zstd")[fa:fb], f.get_slice(f"{name}.scale")[a:b],
-                                 f.get_slice(f"{name}.outlier_index")[a:b], f.get_slice(f"{name}.outlier_value")[a:b])
+                    raw[name] = (
+                        f.get_slice(f"{name}.zstd")[fa:fb],
+                        f.get_slice(f"{name}.scale")[a:b],
+                        f.get_slice(f"{name}.outlier_index")[a:b],
+                        f.get_slice(f"{name}.outlier_value")[a:b],
+                    )
         # Decoding happens outside the lock so a prefetch thread and the caller overlap.
         for name in HIDDEN_NAMES:
             if h.encoding == "bf16":
@@ -211,9 +233,8 @@ class HiddenStateStore:
     def __iter__(self) -> Iterator[dict]:
         return self.iter_samples()
 
-    def iter_samples(self, indices: Iterable[int] | None = None, prefetch: int = 4,
-                     workers: int = 1) -> Iterator[dict]:
-        """Yield samples in ``indices`` order, read ahead by ``workers`` background threads, at most ``prefetch`` ahead."""
+    def iter_samples(self, indices: Iterable[int] | None = None, prefetch: int = 4, workers: int = 1) -> Iterator[dict]:
+        """Yield samples in ``indices`` order, read ahead by ``workers`` threads, at most ``prefetch`` ahead."""
         if prefetch < 1 or workers < 1:
             raise ValueError(f"prefetch and workers must be >= 1, got {prefetch} and {workers}.")
         pending = iter(range(len(self)) if indices is None else indices)  # may be endless: read lazily
@@ -231,12 +252,26 @@ class HiddenStateStore:
                     future.cancel()
 
 
-def open_store(config: HiddenStateStoreConfig, *, target_id: str | None = None, config_hash: str | None = None,
-               aux_layer_ids: Sequence[int] | None = None, hidden_size: int | None = None,
-               dtype: torch.dtype = torch.bfloat16, dequantize: bool = True) -> HiddenStateStore:
+def open_store(
+    config: HiddenStateStoreConfig,
+    *,
+    target_id: str | None = None,
+    config_hash: str | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    hidden_size: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    dequantize: bool = True,
+) -> HiddenStateStore:
     """Open a finalized store from a config, checking it was extracted for the expected target."""
     if not config.store_dir:
         raise ValueError("hidden-state store_dir is empty; set it to a finalized store directory.")
-    return HiddenStateStore(config.store_dir, target_id=target_id, config_hash=config_hash,
-                            aux_layer_ids=aux_layer_ids, hidden_size=hidden_size,
-                            verify_sha256=config.verify_sha256, dtype=dtype, dequantize=dequantize)
+    return HiddenStateStore(
+        config.store_dir,
+        target_id=target_id,
+        config_hash=config_hash,
+        aux_layer_ids=aux_layer_ids,
+        hidden_size=hidden_size,
+        verify_sha256=config.verify_sha256,
+        dtype=dtype,
+        dequantize=dequantize,
+    )

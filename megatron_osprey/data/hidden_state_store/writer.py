@@ -17,7 +17,6 @@ import torch
 from megatron_osprey.base.atomic_io import temp_name_regex, write_bytes_atomic
 from megatron_osprey.data.hidden_state_quant import Int8Encoded, check_encoding, compress_int8, quantize_int8
 from megatron_osprey.data.hidden_state_store.format import (
-    lock_path,
     FORMAT_VERSION,
     MANIFEST_NAME,
     PART_PREFIX,
@@ -28,6 +27,7 @@ from megatron_osprey.data.hidden_state_store.format import (
     StoreHeader,
     StoreMismatchError,
     json_bytes,
+    lock_path,
     part_name,
     read_shard_meta,
     shard_name,
@@ -135,8 +135,14 @@ class HiddenStateWriter:
 
     # -- writing
 
-    def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
+    def add(
+        self,
+        sample_id: str,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        final_hidden: torch.Tensor,
+    ) -> None:
         """Queue one sample; a full shard is written to disk and recorded."""
         if self._closed:
             raise RuntimeError(f"writer {self.tag} is closed.")
@@ -148,12 +154,21 @@ class HiddenStateWriter:
         if len(self._pending) == self.samples_per_shard:
             self._flush(complete=False)
 
-    def add_batch(self, sample_ids: Sequence[str], input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  aux_hidden: torch.Tensor, final_hidden: torch.Tensor, lengths: Sequence[int]) -> None:
+    def add_batch(
+        self,
+        sample_ids: Sequence[str],
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        final_hidden: torch.Tensor,
+        lengths: Sequence[int],
+    ) -> None:
         """Add the rows of a right-padded batch ([B, S, ...]), row b cut to its first lengths[b] tokens."""
         if not len(sample_ids) == len(lengths) == input_ids.shape[0]:
-            raise ValueError(f"add_batch got {len(sample_ids)} sample ids, {len(lengths)} lengths and "
-                             f"{input_ids.shape[0]} rows; they must match.")
+            raise ValueError(
+                f"add_batch got {len(sample_ids)} sample ids, {len(lengths)} lengths and "
+                f"{input_ids.shape[0]} rows; they must match."
+            )
         for b, (sample_id, n) in enumerate(zip(sample_ids, lengths)):
             n = int(n)
             self.add(sample_id, input_ids[b, :n], loss_mask[b, :n], aux_hidden[b, :n], final_hidden[b, :n])
@@ -237,7 +252,9 @@ class HiddenStateWriter:
             return []
         part = read_json(path)
         if part.get("format_version") != FORMAT_VERSION:
-            raise StoreMismatchError(f"{path} has format version {part.get('format_version')}, expected {FORMAT_VERSION}.")
+            raise StoreMismatchError(
+                f"{path} has format version {part.get('format_version')}, expected {FORMAT_VERSION}."
+            )
         check_header(StoreHeader.from_json(part["store"]), self.header, path)
         w = part["writer"]
         if (w["samples_per_shard"], w["rank"], w["world_size"]) != (self.samples_per_shard, self.rank, self.world_size):
@@ -284,12 +301,20 @@ class HiddenStateWriter:
     def _encode(self, sample_id, input_ids, loss_mask, aux_hidden, final_hidden) -> _EncodedSample:
         h = self.header
         if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"sample {sample_id!r}: input_ids must be a non-empty 1-D tensor, got {tuple(input_ids.shape)}.")
+            raise ValueError(
+                f"sample {sample_id!r}: input_ids must be a non-empty 1-D tensor, got {tuple(input_ids.shape)}."
+            )
         t = input_ids.shape[0]
-        expect = {"loss_mask": (t,), "aux_hidden": (t, h.num_aux_layers * h.hidden_size), "final_hidden": (t, h.hidden_size)}
+        expect = {
+            "loss_mask": (t,),
+            "aux_hidden": (t, h.num_aux_layers * h.hidden_size),
+            "final_hidden": (t, h.hidden_size),
+        }
         for name, tensor in (("loss_mask", loss_mask), ("aux_hidden", aux_hidden), ("final_hidden", final_hidden)):
             if tuple(tensor.shape) != expect[name]:
-                raise ValueError(f"sample {sample_id!r}: {name} has shape {tuple(tensor.shape)}, expected {expect[name]}.")
+                raise ValueError(
+                    f"sample {sample_id!r}: {name} has shape {tuple(tensor.shape)}, expected {expect[name]}."
+                )
         for name, tensor in (("aux_hidden", aux_hidden), ("final_hidden", final_hidden)):
             # One reduction instead of an elementwise mask: NaN and inf both survive a sum.
             if not tensor.is_floating_point() or not bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
@@ -305,11 +330,17 @@ class HiddenStateWriter:
             # Quantize where the tensor lives (GPU in extraction) so only int8 crosses PCIe.
             enc = quantize_int8(tensor, groups, h.outliers_per_token)
             q = _to_cpu(enc.q, torch.int8)
-            frame = (self._pool.submit(compress_int8, q, self.zstd_level) if self._pool is not None
-                     else compress_int8(q, self.zstd_level))
-            meta = Int8Encoded(q=torch.empty(0, dtype=torch.int8), scale=_to_cpu(enc.scale, torch.float32),
-                               outlier_index=_to_cpu(enc.outlier_index, torch.int16),
-                               outlier_value=_to_cpu(enc.outlier_value, torch.bfloat16))
+            frame = (
+                self._pool.submit(compress_int8, q, self.zstd_level)
+                if self._pool is not None
+                else compress_int8(q, self.zstd_level)
+            )
+            meta = Int8Encoded(
+                q=torch.empty(0, dtype=torch.int8),
+                scale=_to_cpu(enc.scale, torch.float32),
+                outlier_index=_to_cpu(enc.outlier_index, torch.int16),
+                outlier_value=_to_cpu(enc.outlier_value, torch.bfloat16),
+            )
             hidden[name] = (meta, frame)
         return _EncodedSample(sample_id, _to_cpu(input_ids, torch.int32), _to_cpu(loss_mask, torch.bool), hidden)
 
@@ -359,10 +390,17 @@ class HiddenStateWriter:
             "sample_ids": json.dumps([s.sample_id for s in samples]),
         }
         sha, size = write_safetensors_streamed(self.store_dir / name, self._shard_tensors(samples), metadata)
-        self._shards.append(ShardRecord(
-            file=name, writer=self.tag, index=index, num_samples=len(samples),
-            num_tokens=sum(s.input_ids.shape[0] for s in samples), num_bytes=size, sha256=sha,
-        ))
+        self._shards.append(
+            ShardRecord(
+                file=name,
+                writer=self.tag,
+                index=index,
+                num_samples=len(samples),
+                num_tokens=sum(s.input_ids.shape[0] for s in samples),
+                num_bytes=size,
+                sha256=sha,
+            )
+        )
         # The part is rewritten after the shard is durable: a crash in between
         # leaves an unlisted (hence partial) shard that the next run rewrites.
         self._write_part(complete=complete)
@@ -372,22 +410,44 @@ class HiddenStateWriter:
         part = {
             "format_version": FORMAT_VERSION,
             "store": self.header.to_json(),
-            "writer": {"tag": self.tag, "rank": self.rank, "world_size": self.world_size,
-                       "samples_per_shard": self.samples_per_shard},
+            "writer": {
+                "tag": self.tag,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "samples_per_shard": self.samples_per_shard,
+            },
             "complete": complete,
             "shards": [asdict(s) for s in self._shards],
         }
         write_bytes_atomic(self._part_path(), json_bytes(part))
 
 
-def open_writer(config: HiddenStateStoreConfig, *, target_id: str, config_hash: str, aux_layer_ids: Sequence[int],
-                hidden_size: int, rank: int = 0, world_size: int = 1, tag: str | None = None) -> HiddenStateWriter:
+def open_writer(
+    config: HiddenStateStoreConfig,
+    *,
+    target_id: str,
+    config_hash: str,
+    aux_layer_ids: Sequence[int],
+    hidden_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    tag: str | None = None,
+) -> HiddenStateWriter:
     """Build a HiddenStateWriter from a config plus the target's identity and this writer's rank."""
     if not config.store_dir:
         raise ValueError("hidden-state store_dir is empty; set it to the directory to extract into.")
     return HiddenStateWriter(
-        config.store_dir, target_id=target_id, config_hash=config_hash, aux_layer_ids=aux_layer_ids,
-        hidden_size=hidden_size, encoding=config.encoding, samples_per_shard=config.samples_per_shard,
-        rank=rank, world_size=world_size, tag=tag, outliers_per_token=config.outliers_per_token,
-        zstd_level=config.zstd_level, threads=config.writer_threads,
+        config.store_dir,
+        target_id=target_id,
+        config_hash=config_hash,
+        aux_layer_ids=aux_layer_ids,
+        hidden_size=hidden_size,
+        encoding=config.encoding,
+        samples_per_shard=config.samples_per_shard,
+        rank=rank,
+        world_size=world_size,
+        tag=tag,
+        outliers_per_token=config.outliers_per_token,
+        zstd_level=config.zstd_level,
+        threads=config.writer_threads,
     )

@@ -160,7 +160,10 @@ class ServerBackend:
             body["chat_template_kwargs"] = {"enable_thinking": params.enable_thinking}
         response = self._client.post(f"{base}/v1/chat/completions", json=body, auth=self._auth[base])
         if response.status_code != 200:
-            raise _HTTPFailure(response.status_code, f"POST {base}/v1/chat/completions answered {response.status_code}: {response.text[:300]}")
+            raise _HTTPFailure(
+                response.status_code,
+                f"POST {base}/v1/chat/completions answered {response.status_code}: {response.text[:300]}",
+            )
         try:
             message = response.json()["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
@@ -200,8 +203,10 @@ class ServerBackend:
                 return {"backend": "server", "model": self._model_name(base)}
             except (_HTTPFailure, BackendRequestError, httpx.TransportError, ValueError) as exc:
                 errors.append(f"{base}: {redact_credentials(str(exc))}")
-        raise BackendRequestError(f"no --server-url answered GET /v1/models to name its model ({'; '.join(errors)}); "
-                                  f"start the servers or pass --served-model-name.")
+        raise BackendRequestError(
+            f"no --server-url answered GET /v1/models to name its model ({'; '.join(errors)}); "
+            f"start the servers or pass --served-model-name."
+        )
 
 
 class _HTTPFailure(Exception):
@@ -248,9 +253,13 @@ class HFBackend:
             raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {config.dtype!r}.")
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtypes[config.dtype], trust_remote_code=config.trust_remote_code
-        ).to(config.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtypes[config.dtype], trust_remote_code=config.trust_remote_code
+            )
+            .to(config.device)
+            .eval()
+        )
         eos = self.model.generation_config.eos_token_id
         stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -320,11 +329,14 @@ class HFBackend:
                 ids = torch.full((len(batch), width), self._pad_id, dtype=torch.long)
                 mask = torch.zeros((len(batch), width), dtype=torch.long)
                 for row, r in enumerate(batch):  # left padding: every row's next token is at the end
-                    ids[row, width - len(r.input_ids):] = torch.tensor(r.input_ids)
-                    mask[row, width - len(r.input_ids):] = 1
+                    ids[row, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
+                    mask[row, width - len(r.input_ids) :] = 1
                 with self._lock, torch.no_grad():
-                    output = self.model.generate(ids.to(self.config.device), attention_mask=mask.to(self.config.device),
-                                                 **self._generation_kwargs(batch[0].max_tokens))
+                    output = self.model.generate(
+                        ids.to(self.config.device),
+                        attention_mask=mask.to(self.config.device),
+                        **self._generation_kwargs(batch[0].max_tokens),
+                    )
                 for row, r in enumerate(batch):
                     new = output[row, width:].tolist()
                     # Rows that stopped early are padded after their stop token; cut at the first stop.
@@ -350,7 +362,9 @@ class HFBackend:
         from megatron_osprey.data.chat_template import render_generation_prompt
 
         prompt = render_generation_prompt(self.tokenizer, messages, params.enable_thinking)
-        input_ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.config.device)
+        input_ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(
+            self.config.device
+        )
         sample = params.temperature > 0
         if not sample and self.config.batch_size > 1:
             return self._complete_batched(input_ids[0].tolist(), params.max_tokens)

@@ -43,7 +43,9 @@ def _parse_request(body: dict[str, Any]) -> tuple[list[dict[str, str]], Sampling
         raise _BadRequest("'temperature' must be a non-negative number")
     if seed is not None and not isinstance(seed, int):
         raise _BadRequest("'seed' must be an integer")
-    return clean, SamplingParams(temperature=float(temperature), max_tokens=max_tokens, seed=seed, enable_thinking=thinking)
+    return clean, SamplingParams(
+        temperature=float(temperature), max_tokens=max_tokens, seed=seed, enable_thinking=thinking
+    )
 
 
 class _Handler(BaseHTTPRequestHandler):

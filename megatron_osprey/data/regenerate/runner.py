@@ -75,7 +75,8 @@ def failures_path_for(output_path: Path) -> Path:
 def settings_path_for(output_path: Path) -> Path:
     """OUT.settings.json: what OUT's rows were made from (input, model, sampling)."""
     return failures_path_for(output_path).with_name(
-        failures_path_for(output_path).name[: -len(".failures.jsonl")] + ".settings.json")
+        failures_path_for(output_path).name[: -len(".failures.jsonl")] + ".settings.json"
+    )
 
 
 def regenerate_settings(config: RegenerateConfig, backend: ChatBackend) -> dict:
@@ -101,9 +102,17 @@ def check_output_settings(config: RegenerateConfig, settings: dict) -> None:
             path.unlink(missing_ok=True)
 
     written = output_path.is_file() and output_path.stat().st_size
-    claim_output(output_path, record, settings, overwrite=config.overwrite, holds="rows regenerated",
-                 unrecorded=f"{record.name} is missing, so what {output_path.name} was made from is unknown"
-                 if written else None, delete=delete)
+    claim_output(
+        output_path,
+        record,
+        settings,
+        overwrite=config.overwrite,
+        holds="rows regenerated",
+        unrecorded=f"{record.name} is missing, so what {output_path.name} was made from is unknown"
+        if written
+        else None,
+        delete=delete,
+    )
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -123,7 +132,11 @@ def regenerate_conversation(conversation: Conversation, backend: ChatBackend, sa
         history.append(dict(message))
         next_role = source[index + 1]["role"] if index + 1 < len(source) else None
         if message["role"] == "user" and next_role != "user":
-            params = sampling if sampling.seed is None else replace(sampling, seed=turn_seed(sampling.seed, conversation.id, turn))
+            params = (
+                sampling
+                if sampling.seed is None
+                else replace(sampling, seed=turn_seed(sampling.seed, conversation.id, turn))
+            )
             history.append({"role": "assistant", "content": backend.complete(history, params)})
             turn += 1
     return Conversation(id=conversation.id, messages=tuple(history), extra=dict(conversation.extra))
@@ -160,11 +173,15 @@ def recover_output(output_path: Path, known_ids: set[str]) -> list[str]:
                     f"{output_path}:{lineno} has id {row.id!r}, which is not in --input; use a fresh --output."
                 )
             if row.id in seen:
-                raise ConversationFormatError(f"{output_path}:{lineno} repeats id {row.id!r}; the output file is corrupt.")
+                raise ConversationFormatError(
+                    f"{output_path}:{lineno} repeats id {row.id!r}; the output file is corrupt."
+                )
             seen.add(row.id)
             ids.append(row.id)
     if cut_at is not None:
-        logger.warning("Dropping an unterminated last line of %s (interrupted write); its row will be redone.", output_path)
+        logger.warning(
+            "Dropping an unterminated last line of %s (interrupted write); its row will be redone.", output_path
+        )
         with output_path.open("rb+") as handle:
             handle.truncate(cut_at)
             handle.flush()

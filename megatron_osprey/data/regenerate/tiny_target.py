@@ -92,26 +92,34 @@ class TinyFamily:
     stop_tokens: tuple[str, ...]
 
 
-FAMILIES = MappingProxyType({
-    "qwen3": TinyFamily(
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        added_tokens=("<think>", "</think>"),
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        stop_tokens=("<|im_end|>", "<|endoftext|>"),
-    ),
-    "llama3": TinyFamily(
-        chat_template=LLAMA3_CHAT_TEMPLATE,
-        special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-        added_tokens=(),
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-        pad_token="<|end_of_text|>",
-        stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
-    ),
-})
+FAMILIES = MappingProxyType(
+    {
+        "qwen3": TinyFamily(
+            chat_template=QWEN3_CHAT_TEMPLATE,
+            special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            added_tokens=("<think>", "</think>"),
+            bos_token=None,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        "llama3": TinyFamily(
+            chat_template=LLAMA3_CHAT_TEMPLATE,
+            special_tokens=(
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ),
+            added_tokens=(),
+            bos_token="<|begin_of_text|>",
+            eos_token="<|eot_id|>",
+            pad_token="<|end_of_text|>",
+            stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
+        ),
+    }
+)
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and the target verifies them.",

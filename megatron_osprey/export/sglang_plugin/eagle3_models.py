@@ -22,8 +22,6 @@ import copy
 from typing import Iterable, Tuple
 
 import torch
-from torch import nn
-
 from sglang.srt.layers.layer_boundary import layer_stack
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import QKVParallelLinear
@@ -35,6 +33,7 @@ from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3 as StockLlamaE
 from sglang.srt.models.qwen3 import Qwen3DecoderLayer
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.utils import add_prefix
+from torch import nn
 
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 
@@ -56,8 +55,13 @@ def _make_fused(layer: nn.Module, config, quant_config, prefix: str) -> nn.Modul
     """Widen a decoder layer's QKV input to 2H and give it the stream norm."""
     attn = layer.self_attn
     attn.qkv_proj = QKVParallelLinear(
-        2 * config.hidden_size, attn.head_dim, attn.total_num_heads, attn.total_num_kv_heads,
-        bias=False, quant_config=quant_config, prefix=add_prefix("qkv_proj", prefix),
+        2 * config.hidden_size,
+        attn.head_dim,
+        attn.total_num_heads,
+        attn.total_num_kv_heads,
+        bias=False,
+        quant_config=quant_config,
+        prefix=add_prefix("qkv_proj", prefix),
     )
     layer.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     return layer
@@ -81,13 +85,16 @@ class OspreyDraftModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=add_prefix("embed_tokens", prefix))
+            config.vocab_size, config.hidden_size, prefix=add_prefix("embed_tokens", prefix)
+        )
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
         self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
         self.kinds = layer_kinds(config)
         if make_layer is _qwen3_layer and "plain" in self.kinds:
-            raise ValueError("a Qwen3-bodied draft has only fused layers (Osprey); plain layers are EAGLE-3's "
-                             "Llama layers. Re-export the drafter with tools/export_checkpoint.py.")
+            raise ValueError(
+                "a Qwen3-bodied draft has only fused layers (Osprey); plain layers are EAGLE-3's "
+                "Llama layers. Re-export the drafter with tools/export_checkpoint.py."
+            )
         layers = []
         with layer_stack():
             for index, kind in enumerate(self.kinds):
@@ -126,8 +133,9 @@ class OspreyLlamaForCausalLMEagle3(StockLlamaEagle3):
         self._draft_window_size = get_spec().speculative_draft_window_size
         self.model = OspreyDraftModel(config, self.make_layer, quant_config, add_prefix("model", prefix))
         self.load_lm_head_from_target = False
-        self.lm_head = ParallelLMHead(config.draft_vocab_size, config.hidden_size, quant_config=quant_config,
-                                      prefix=add_prefix("lm_head", prefix))
+        self.lm_head = ParallelLMHead(
+            config.draft_vocab_size, config.hidden_size, quant_config=quant_config, prefix=add_prefix("lm_head", prefix)
+        )
         logits_config = copy.deepcopy(config)
         logits_config.vocab_size = config.draft_vocab_size  # the draft head's own vocabulary
         self.logits_processor = LogitsProcessor(logits_config)
@@ -155,8 +163,10 @@ class OspreyLlamaForCausalLMEagle3(StockLlamaEagle3):
             shards.setdefault(param_name, set()).add(shard)
         missing = sorted(set(params) - set(shards))
         if missing:
-            raise RuntimeError(f"the draft checkpoint has no weights for {missing[:4]} ({len(missing)} parameters); "
-                               f"re-export it with tools/export_checkpoint.py.")
+            raise RuntimeError(
+                f"the draft checkpoint has no weights for {missing[:4]} ({len(missing)} parameters); "
+                f"re-export it with tools/export_checkpoint.py."
+            )
         self.loaded_own_embedding = True
 
     def set_embed(self, embed):

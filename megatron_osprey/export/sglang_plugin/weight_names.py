@@ -21,7 +21,7 @@ def _getter(config):
 
 
 def layer_kinds(config) -> list[str]:
-    """"fused" (reads cat(side, stream), width 2H) or "plain" per layer, as the export wrote them.
+    """ "fused" (reads cat(side, stream), width 2H) or "plain" per layer, as the export wrote them.
 
     A multi-layer EAGLE-3 config must say which (`eagle3_extra_layers`); nothing is assumed.
     """
@@ -45,7 +45,7 @@ def plugin_param_name(name: str) -> tuple[str, object] | None:
     if name == "lm_head.weight":
         return name, None
     if name.startswith("midlayer."):
-        name = "layers.0." + name[len("midlayer."):]
+        name = "layers.0." + name[len("midlayer.") :]
     for source, fused, shard in STACKED:
         if f".{source}." in name:
             return "model." + name.replace(f".{source}.", f".{fused}."), shard

@@ -45,8 +45,16 @@ def _read_rows(ckpt: SafetensorsCheckpoint, name: str, ids: Tensor, width: int, 
 class TargetHead(torch.nn.Module):
     """Final RMSNorm + LM head of the target: draft-vocab logits and the argmax-in-draft mask."""
 
-    def __init__(self, norm_weight: Tensor, eps: float, head_shard: Tensor, draft_shard: Tensor | None,
-                 vocab_size: int, t2d: Tensor, tp_group=None):
+    def __init__(
+        self,
+        norm_weight: Tensor,
+        eps: float,
+        head_shard: Tensor,
+        draft_shard: Tensor | None,
+        vocab_size: int,
+        t2d: Tensor,
+        tp_group=None,
+    ):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight)
         self.register_buffer("head_shard", head_shard)
@@ -58,8 +66,15 @@ class TargetHead(torch.nn.Module):
         self.tp_group = tp_group
 
     @classmethod
-    def from_hf(cls, target_dir: str | Path, t2d: Tensor, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                dtype: torch.dtype = torch.float32) -> "TargetHead":
+    def from_hf(
+        cls,
+        target_dir: str | Path,
+        t2d: Tensor,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group=None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "TargetHead":
         """Read this TP rank's rows of the target's `lm_head` (or tied embedding) and its final norm."""
         import json
 
@@ -78,7 +93,7 @@ class TargetHead(torch.nn.Module):
             draft_ids = torch.nonzero(t2d).flatten()
             if draft_ids.numel() != vocab:
                 d_start, d_end = _shard_range(draft_ids.numel(), tp_rank, tp_size)
-                mine = draft_ids[d_start:min(d_end, draft_ids.numel())]
+                mine = draft_ids[d_start : min(d_end, draft_ids.numel())]
                 draft = torch.zeros(d_end - d_start, hidden, dtype=dtype)
                 draft[: len(mine)] = _read_rows(ckpt, head_name, mine, hidden, dtype)
         return cls(norm, eps, head, draft, vocab, t2d.bool(), tp_group)

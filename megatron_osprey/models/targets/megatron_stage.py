@@ -24,7 +24,6 @@ from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig
 
-
 # Weight bytes the fingerprint reads per safetensors file: SAMPLES windows of WINDOW bytes spread
 # over the file, so a fine-tune of the same shape (new values in every layer) changes it.
 _FINGERPRINT_SAMPLES = 16
@@ -88,8 +87,12 @@ def load_target(
     # Without the LM head the last stage returns the pre-norm hidden state, which
     # is all extraction needs: no vocab-sized logits, no final norm or LM head to load.
     model = build_gpt_model(
-        arch, parallel, transformer_impl=transformer_impl, params_dtype=params_dtype,
-        post_process=last and with_lm_head, perform_initialization=False,
+        arch,
+        parallel,
+        transformer_impl=transformer_impl,
+        params_dtype=params_dtype,
+        post_process=last and with_lm_head,
+        perform_initialization=False,
     )
     model = model.to(device).eval()
     for param in model.parameters():
@@ -145,8 +148,12 @@ def _stage_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, p
         return output, lambda out: (out.sum() * 0, {})
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([(input_ids, position_ids)]), model=[model],
-        num_microbatches=1, seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0],
+        forward_step_func=forward_step,
+        data_iterator=iter([(input_ids, position_ids)]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=input_ids.shape[1],
+        micro_batch_size=input_ids.shape[0],
         forward_only=True,
     )
     return None

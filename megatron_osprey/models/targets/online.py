@@ -13,10 +13,23 @@ from megatron_osprey.parallel import ParallelConfig
 class OnlineTarget:
     """This rank's (TP / EP-sharded, unpipelined) target; `__call__` returns full-sequence states on every rank."""
 
-    def __init__(self, target_dir: str | Path, parallel: ParallelConfig, device: torch.device, aux_layer_ids,
-                 params_dtype: torch.dtype = torch.float32, transformer_impl: str = "auto"):
-        self.stage = load_target(target_dir, parallel, device, params_dtype=params_dtype,
-                                 transformer_impl=transformer_impl, with_lm_head=False)
+    def __init__(
+        self,
+        target_dir: str | Path,
+        parallel: ParallelConfig,
+        device: torch.device,
+        aux_layer_ids,
+        params_dtype: torch.dtype = torch.float32,
+        transformer_impl: str = "auto",
+    ):
+        self.stage = load_target(
+            target_dir,
+            parallel,
+            device,
+            params_dtype=params_dtype,
+            transformer_impl=transformer_impl,
+            with_lm_head=False,
+        )
         self.aux_layer_ids = list(aux_layer_ids)
         self.final_layer = self.stage.arch.num_layers - 1
         self.capture = LayerCapture(self.stage.model, sorted(set(self.aux_layer_ids + [self.final_layer])))

@@ -49,9 +49,7 @@ class ProjectionRMSNorm(torch.nn.Module):
             )
         self.total_channels = heads * hidden_size
         self.eps = eps
-        self.weight = torch.nn.Parameter(
-            torch.ones(heads // self.tp_size * hidden_size, dtype=config.params_dtype)
-        )
+        self.weight = torch.nn.Parameter(torch.ones(heads // self.tp_size * hidden_size, dtype=config.params_dtype))
         # Each rank holds a distinct slice: the weight is tensor-parallel, not replicated.
         setattr(self.weight, "tensor_model_parallel", True)
         setattr(self.weight, "partition_dim", 0)

@@ -48,10 +48,13 @@ def main(work: Path, result_path: Path, drafter_dir: Path) -> None:
                 steps, _ = model.ttt_forward(ids, aux, 3)
             errors = [(gather_vocab(s)[..., : arch.vocab_size] - e).abs().max().item() for s, e in zip(steps, expected)]
             results[f"{label}_ttt_max_abs"] = max(errors)
-            back = reference_state(model, __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group())
+            back = reference_state(
+                model, __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group()
+            )
             ref_state = reference.state_dict()
             results[f"{label}_reference_state_identical"] = set(back) == set(ref_state) and all(
-                torch.equal(back[k], ref_state[k]) for k in ref_state)
+                torch.equal(back[k], ref_state[k]) for k in ref_state
+            )
             # One backward: W_new gets a gradient on every TP rank's shard.
             model.train()
             logits, _ = model(ids, aux_hidden=aux)

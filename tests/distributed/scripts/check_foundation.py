@@ -15,8 +15,15 @@ from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+from megatron_osprey.testing.tiny_models import (
+    VOCAB,
+    causal_logits,
+    llama_config,
+    make_hf_model,
+    qwen3_config,
+    truncated_logits,
+)
 from megatron_osprey.training.checkpointing import load_checkpoint
-from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config, truncated_logits
 
 
 def gather_vocab(logits):
@@ -58,8 +65,13 @@ def pp_forward(model, ids):
 
     forward_backward = get_forward_backward_func()
     forward_backward(
-        forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
-        num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True,
+        forward_step_func=forward_step,
+        data_iterator=iter([ids]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=ids.shape[1],
+        micro_batch_size=ids.shape[0],
+        forward_only=True,
     )
     return collected[0] if collected else None
 

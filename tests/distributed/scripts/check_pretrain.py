@@ -3,7 +3,6 @@
 Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts them.
 """
 
-import dataclasses
 import datetime
 import json
 import sys
@@ -14,10 +13,10 @@ import torch
 from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
-from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_run
 
 ITERS = 30
@@ -46,9 +45,16 @@ def train(cfg):
         class Tap:
             def __next__(self):
                 batch = next(data_iterator)
-                digests.append(int((batch["tokens"].long() * torch.arange(1, batch["tokens"].numel() + 1)
-                                    .view_as(batch["tokens"])).sum()))
+                digests.append(
+                    int(
+                        (
+                            batch["tokens"].long()
+                            * torch.arange(1, batch["tokens"].numel() + 1).view_as(batch["tokens"])
+                        ).sum()
+                    )
+                )
                 return batch
+
         return gpt_forward_step(Tap(), model)
 
     with parallel_context(cfg.parallel) as state:
@@ -77,8 +83,9 @@ def hf_first_step_loss(work: Path, cfg) -> float:
     hf = AutoModelForCausalLM.from_pretrained(work / "backbone" / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(batch["tokens"]).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
-                                             batch["labels"].reshape(-1)).item()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).double(), batch["labels"].reshape(-1)
+    ).item()
 
 
 def compare_adam_moments(reference: Path, other: Path, iteration: int) -> dict:
@@ -113,8 +120,10 @@ def main(work: Path, result_path: Path) -> None:
             cfg4.eos_token_id = EOD
             make_hf_model(cfg4, work / "hf_source")
         torch.distributed.barrier()
-        prune_backbone(PruneConfig(source=work / "hf_source", output=work / "backbone", num_layers=2,
-                                   transformer_impl="local"), state)
+        prune_backbone(
+            PruneConfig(source=work / "hf_source", output=work / "backbone", num_layers=2, transformer_impl="local"),
+            state,
+        )
         results["hf_first_loss"] = hf_first_step_loss(work, config(work))
         # The independent reference every layout's curve is held to. Building the GPTDataset is
         # collective, so both ranks run it (at the same time, a few seconds).

@@ -68,16 +68,22 @@ def plain_pytorch_run(work: Path, cfg, iters: int):
 
     opt, train = cfg.optimizer, cfg.training
     tokenizer = data.DatasetTokenizer(VOCAB, EOD)
-    sizes = data.split_sizes(train.num_train_iters(), train.global_batch_size, cfg.logging.eval_iters,
-                             cfg.logging.eval_interval)
+    sizes = data.split_sizes(
+        train.num_train_iters(), train.global_batch_size, cfg.logging.eval_iters, cfg.logging.eval_interval
+    )
     dataset = data.build_gpt_datasets(cfg.data, tokenizer, train.seq_length, cfg.parallel.seed, sizes)[0]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(Path(cfg.model.backbone) / "hf", dtype=torch.float32).train()
     params = list(model.parameters())  # the tied embedding / LM head appears once
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": opt.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=0.0, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+        [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": opt.weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ],
+        lr=0.0,
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        eps=opt.adam_eps,
+    )
     decay = opt.lr_decay_iters or train.num_train_iters()
     out = {"loss": [], "lr": []}
     for step in range(iters):
@@ -87,8 +93,9 @@ def plain_pytorch_run(work: Path, cfg, iters: int):
         first = step * train.global_batch_size
         batch = data.stack_samples([dataset[first + i] for i in range(train.global_batch_size)])
         logits = model(batch["tokens"]).logits
-        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                      batch["labels"].reshape(-1), reduction="none")
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="none"
+        )
         mask = batch["loss_mask"].reshape(-1).float()
         loss = (per_token * mask).sum() / mask.sum()
         optimizer.zero_grad()

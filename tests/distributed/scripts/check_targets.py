@@ -27,8 +27,12 @@ LAYOUTS = {
 def hf_layer_outputs(model, ids):
     """Every decoder layer's output (the last one before the final norm), as [b, s, h] tensors."""
     outputs = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: outputs.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach()))
-             for k, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, i, o, k=k: outputs.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach())
+        )
+        for k, layer in enumerate(model.model.layers)
+    ]
     with torch.no_grad():
         result = model(ids, output_hidden_states=True)
     for hook in hooks:
@@ -53,7 +57,8 @@ def main(work: Path, result_path: Path) -> None:
         layers, _, hidden_states = references[family][1]
         # HF's output_hidden_states[i + 1] is layer i's output (the last one is normed).
         results[f"{family}_hf_hooks_match_output_hidden_states"] = all(
-            torch.equal(layers[i], hidden_states[i + 1]) for i in range(len(layers) - 1))
+            torch.equal(layers[i], hidden_states[i + 1]) for i in range(len(layers) - 1)
+        )
 
     for family, (directory, (layers, logits, _)) in references.items():
         num_layers = len(layers)
@@ -68,14 +73,15 @@ def main(work: Path, result_path: Path) -> None:
                     with torch.no_grad():
                         position = torch.arange(ids.shape[1]).expand_as(ids)
                         out = stage.model(ids, position, attention_mask=None)
-                    results[f"{family}_ep2_logits_max_abs"] = (out[..., :logits.shape[-1]] - logits).abs().max().item()
+                    results[f"{family}_ep2_logits_max_abs"] = (out[..., : logits.shape[-1]] - logits).abs().max().item()
                     experts = stage.model.decoder.layers[0].mlp.experts.local_experts
                     results[f"{family}_ep2_local_experts"] = len(experts)
                 got = capture(ids)
                 capture.close()
                 if got is not None:
                     results[f"{family}_{label}_max_abs"] = max(
-                        (got[i] - layers[i]).abs().max().item() for i in range(num_layers))
+                        (got[i] - layers[i]).abs().max().item() for i in range(num_layers)
+                    )
                     results[f"{family}_{label}_layers_seen"] = sorted(got)
 
     # End to end: 7 conversations over 2 data-parallel writers (EP=2: the writer with
@@ -88,7 +94,10 @@ def main(work: Path, result_path: Path) -> None:
         directory = references[family][0]
         store_dir = work / f"store_{family}_{label}"
         config = ExtractConfig(
-            target_dir=str(directory), data_path=str(data), micro_batch_size=2, aux_layer_ids=(0, 2, 4),
+            target_dir=str(directory),
+            data_path=str(data),
+            micro_batch_size=2,
+            aux_layer_ids=(0, 2, 4),
             store=HiddenStateStoreConfig(store_dir=str(store_dir), samples_per_shard=2),
         )
         with parallel_context(LAYOUTS[label]) as state:
@@ -103,8 +112,11 @@ def main(work: Path, result_path: Path) -> None:
                 layers, _, _ = hf_layer_outputs(hf, sample["input_ids"][None])
                 aux = torch.cat([layers[i][0] for i in (0, 2, 4)], dim=-1)
                 # The store keeps bf16: measured in bf16 quanta of the HF value.
-                worst = max(worst, error_in_quanta(sample["aux_hidden"], aux, "bf16", 3),
-                            error_in_quanta(sample["final_hidden"], layers[5][0], "bf16", 1))
+                worst = max(
+                    worst,
+                    error_in_quanta(sample["aux_hidden"], aux, "bf16", 3),
+                    error_in_quanta(sample["final_hidden"], layers[5][0], "bf16", 1),
+                )
             results[f"extract_{family}_{label}_num_samples"] = len(store)
             results[f"extract_{family}_{label}_writers"] = len(store.manifest["writers"])
             results[f"extract_{family}_{label}_quanta"] = worst

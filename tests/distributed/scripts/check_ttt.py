@@ -28,7 +28,9 @@ def run(cfg, target_dir, draft_vocab):
         head = TargetHead.from_hf(target_dir, reference.t2d, state.tp_rank, tp_size, group)
         draft_logits, in_draft = head(batch["final_hidden"])
         logits, _ = model.ttt_forward(drafter_inputs(batch["input_ids"]), batch["aux_hidden"], 5)
-        loss, metrics = ttt_loss(logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, TTTLossConfig(), group)
+        loss, metrics = ttt_loss(
+            logits, draft_logits, batch["loss_mask"], in_draft, draft_vocab, TTTLossConfig(), group
+        )
         loss.backward()
         return loss.item(), {k: v.item() for k, v in metrics.items()}, model.fusion_fc.weight.grad.clone()
 
@@ -41,8 +43,10 @@ def main(work: Path, result_path: Path) -> None:
     results = {}
     for draft_vocab in (200, 300):
         base_loss, base_metrics, base_grad = run(ParallelConfig(), target_dir, draft_vocab)
-        for label, cfg in (("tp2", ParallelConfig(tensor_model_parallel_size=2)),
-                           ("tp2_sp", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))):
+        for label, cfg in (
+            ("tp2", ParallelConfig(tensor_model_parallel_size=2)),
+            ("tp2_sp", ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
+        ):
             loss, metrics, grad = run(cfg, target_dir, draft_vocab)
             key = f"v{draft_vocab}_{label}"
             results[f"{key}_loss_diff"] = abs(loss - base_loss)
