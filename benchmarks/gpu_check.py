@@ -108,7 +108,7 @@ def emit(check: str, ok: bool, **fields) -> dict:
 
 def _drafter_arch(body: dict, target_hidden: int):
     from megatron_osprey.base.arch import ModelArch
-    from megatron_osprey.models.drafter_arch import DrafterArch
+    from megatron_osprey.models.drafter.arch import DrafterArch
 
     vocab = body["vocab_size"]
     return DrafterArch(
@@ -150,7 +150,7 @@ def _run(model, state, seq: int, distributed_optimizer: bool):
 
 
 def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
-    from megatron_osprey.models.drafter import build_drafter_model
+    from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training.setup import build_model_chunks
 
     arch = _drafter_arch(sizes.body, sizes.target_hidden)
@@ -175,7 +175,7 @@ def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
     from megatron_osprey.config.distill import DistillConfig
-    from megatron_osprey.models.targets.lm_head import TargetHead
+    from megatron_osprey.models.target.lm_head import TargetHead
     from megatron_osprey.training.distillation import distill_forward_step
     from megatron_osprey.training.loop import train_step
 
@@ -319,7 +319,7 @@ def _max_diff(a, b) -> float:
 def check_ttt_memory(sizes: Sizes) -> dict:
     import ttt_attention_memory as bench
 
-    from megatron_osprey.models.ttt_attention import ttt_attention_bytes
+    from megatron_osprey.models.drafter.ttt_attention import ttt_attention_bytes
 
     heads, kv, dim = sizes.memory_heads
     on_gpu = torch.cuda.is_available()
@@ -343,9 +343,9 @@ def check_ttt_memory(sizes: Sizes) -> dict:
 
 def check_ttt_loss(sizes: Sizes, state) -> dict:
     from megatron_osprey.losses.ttt import TTTLossConfig, drafter_inputs, ttt_loss
-    from megatron_osprey.models.drafter import build_drafter_model
-    from megatron_osprey.models.drafter_convert import load_reference_state
-    from megatron_osprey.models.reference_drafter import ReferenceDrafter
+    from megatron_osprey.models.drafter.convert import load_reference_state
+    from megatron_osprey.models.drafter.model import build_drafter_model
+    from megatron_osprey.models.drafter.reference import ReferenceDrafter
     from megatron_osprey.training.setup import place_on_device
 
     arch = _drafter_arch(sizes.loss_body, 96)

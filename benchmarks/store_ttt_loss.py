@@ -35,9 +35,9 @@ def main() -> int:
     from megatron_osprey.data.distill_data import ConversationSamples, pad_samples
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes
-    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.models.targets.lm_head import TargetHead
-    from megatron_osprey.models.targets.online import OnlineTarget
+    from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
+    from megatron_osprey.models.target.lm_head import TargetHead
+    from megatron_osprey.models.target.online import OnlineTarget
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_model_weights
     from megatron_osprey.training.distillation import distill_forward_step

@@ -67,7 +67,7 @@ def measure(
     """Peak bytes of a `steps`-step unroll of one attention layer (forward + backward), in this process."""
     import torch
 
-    from megatron_osprey.models.ttt_attention import exact_ttt_attention, ttt_attention
+    from megatron_osprey.models.drafter.ttt_attention import exact_ttt_attention, ttt_attention
 
     fn = {"exact": exact_ttt_attention, "linear": ttt_attention}[impl]
     dtype = getattr(torch, dtype_name)
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             )
         )
         return 0
-    from megatron_osprey.models.ttt_attention import ttt_attention_bytes
+    from megatron_osprey.models.drafter.ttt_attention import ttt_attention_bytes
 
     rows = []
     for steps in args.steps:

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.losses.ttt import TTTLossConfig
-from megatron_osprey.models.drafter import DrafterArch
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.model import DrafterArch
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 
 TARGET_VOCAB, TARGET_HIDDEN, DRAFT_VOCAB, SEQ, BATCH = 300, 48, 200, 20, 2

@@ -33,7 +33,7 @@ from megatron_osprey.data.hidden_state_store import (
     finalize_store,
     open_writer,
 )
-from megatron_osprey.models.targets.megatron_stage import (
+from megatron_osprey.models.target.pipeline_stage import (
     PrefillCapture,
     load_target,
     target_identity,

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from megatron_osprey.eval.prompts import EvalPrompt
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.speculative import (
     DraftSession,
     ReferenceDraftSession,

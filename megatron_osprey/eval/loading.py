@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.models.reference_drafter import CONFIG_NAME, FORMAT_TAG, ReferenceDrafter
+from megatron_osprey.models.drafter.reference import CONFIG_NAME, FORMAT_TAG, ReferenceDrafter
 
 
 @dataclass
@@ -54,8 +54,8 @@ def megatron_run_config(root: Path) -> dict:
 @torch.no_grad()
 def load_megatron_drafter(root: Path) -> LoadedDrafter:
     """Load a Megatron drafter checkpoint (TP=1 here; dist checkpoints reshard) into a ReferenceDrafter."""
-    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-    from megatron_osprey.models.drafter_convert import reference_state
+    from megatron_osprey.models.drafter.convert import reference_state
+    from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_model_weights
 

@@ -233,8 +233,8 @@ def _target_factory(config: EvalConfig, model):
     if model is not None:
         yield lambda aux: HFTargetModel(model, aux)
         return
-    from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
-    from megatron_osprey.models.targets.megatron_stage import load_target
+    from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
+    from megatron_osprey.models.target.pipeline_stage import load_target
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
     with parallel_context(ParallelConfig()) as state:

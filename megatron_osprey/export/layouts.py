@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
-from megatron_osprey.models.reference_drafter import DrafterConfig
+from megatron_osprey.models.drafter.reference import DrafterConfig
 
 EXPORT_TAG = "megatron_osprey.export/1"
 STOCK_SGLANG_ARCH = "LlamaForCausalLMEagle3"

@@ -1,6 +1,6 @@
 """Reference speculative decoding (chain and EAGLE-2 tree; greedy and lossless sampling)."""
 
-from megatron_osprey.models.targets.decoding import HFTargetModel, TargetModel
+from megatron_osprey.models.target.decoding import HFTargetModel, TargetModel
 
 from .config import SpecConfig, SpecResult, acceptance_summary
 from .draft_session import DraftSession, ReferenceDraftSession

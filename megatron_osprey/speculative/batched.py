@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 
 from .config import SpecConfig, SpecResult
 from .generate import emit_tokens

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_osprey.models.reference_drafter import DrafterKVCache, ReferenceDrafter
+from megatron_osprey.models.drafter.reference import DrafterKVCache, ReferenceDrafter
 
 
 class DraftSession(ABC):

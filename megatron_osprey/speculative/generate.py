@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_osprey.models.targets.decoding import TargetModel
+from megatron_osprey.models.target.decoding import TargetModel
 
 from .config import SpecConfig, SpecResult
 from .draft_session import DraftSession

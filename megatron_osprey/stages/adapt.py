@@ -26,8 +26,8 @@ from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.base.run_config import load_run_config, save_run_config
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
-from megatron_osprey.models.drafter_arch import DrafterArch
-from megatron_osprey.models.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
+from megatron_osprey.models.drafter.arch import DrafterArch
+from megatron_osprey.models.drafter.vocab_alignment import align_vocabularies, aligned_rows, alignment_report, view_of
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.cli import config_from_flags, exit_code, is_rank0
 
@@ -46,7 +46,7 @@ class AdaptConfig:
     token_counts: Path | None = None
     variant: str = "osprey"
     overwrite: bool = False
-    alignment_policy: str = "reference"  # or "bytes_and_roles" (models/vocab_alignment.py)
+    alignment_policy: str = "reference"  # or "bytes_and_roles" (models/drafter/vocab_alignment.py)
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def adapted_reference_state(
     backbone_hf: Path, arch: DrafterArch, embed: torch.Tensor, head: torch.Tensor, draft_ids: torch.Tensor
 ):
     """The reference drafter's initial state: backbone layers with [0 | W] QKV, aligned vocab, identity fc."""
-    from megatron_osprey.models.reference_drafter import ReferenceDrafter
+    from megatron_osprey.models.drafter.reference import ReferenceDrafter
 
     drafter = ReferenceDrafter(arch.reference_config())
     state = {}
@@ -161,8 +161,8 @@ def adapt_drafter(config: AdaptConfig, parallel) -> dict:
     """Run Stage 3 (collective over `parallel`); returns the alignment report."""
     from transformers import AutoTokenizer
 
-    from megatron_osprey.models.drafter import build_drafter_model
-    from megatron_osprey.models.drafter_convert import load_reference_state
+    from megatron_osprey.models.drafter.convert import load_reference_state
+    from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training.checkpointing import save_checkpoint
 
     output = Path(config.output)

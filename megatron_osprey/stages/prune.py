@@ -20,8 +20,8 @@ from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.base.run_config import save_run_config
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.gpt import build_gpt_model
-from megatron_osprey.models.prune_importance import prune_by_importance
+from megatron_osprey.models.backbone.gpt import build_gpt_model
+from megatron_osprey.models.backbone.importance import prune_by_importance
 from megatron_osprey.parallel import ParallelConfig, ParallelState, parallel_context
 from megatron_osprey.stages.cli import config_from_flags, exit_code, is_rank0
 from megatron_osprey.training.checkpointing import save_checkpoint

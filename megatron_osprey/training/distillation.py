@@ -17,8 +17,8 @@ from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
-from megatron_osprey.models.targets.lm_head import TargetHead
+from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
+from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing
 from megatron_osprey.training.assembly import TrainSpec, run_training
@@ -133,7 +133,7 @@ def ttt_loss_func(terms, denominator, loss):
 
 def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples
-    from megatron_osprey.models.targets.megatron_stage import target_identity
+    from megatron_osprey.models.target.pipeline_stage import target_identity
 
     if cfg.target.mode == "offline":
         # The store must come from this very target: same taps and width, and the same config and weights.
@@ -268,7 +268,7 @@ class _FrozenTarget:
             cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank, cfg.parallel.tensor_model_parallel_size, tp_group
         ).to(parallel.device)
         if cfg.target.mode == "online":
-            from megatron_osprey.models.targets.online import OnlineTarget
+            from megatron_osprey.models.target.online import OnlineTarget
 
             self.target = OnlineTarget(
                 cfg.target.target,

@@ -42,7 +42,7 @@ def backbone_arch(cfg: PretrainConfig) -> ModelArch:
 
 def model_provider(arch: ModelArch, cfg: PretrainConfig) -> Callable:
     """model_provider(pre_process, post_process, vp_stage) -> this rank's GPTModel stage."""
-    from megatron_osprey.models.gpt import build_gpt_model
+    from megatron_osprey.models.backbone.gpt import build_gpt_model
 
     overrides: dict[str, Any] = {}
     if cfg.model.fp8_format:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from megatron_osprey.base.arch import ModelArch
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.checkpointing import iteration_dir, load_checkpoint
 from tests.distributed.scripts.check_pretrain_fixtures import make_backbone

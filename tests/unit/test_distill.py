@@ -9,8 +9,8 @@ from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
-from megatron_osprey.models.targets.lm_head import TargetHead
-from megatron_osprey.models.targets.online import OnlineTarget
+from megatron_osprey.models.target.lm_head import TargetHead
+from megatron_osprey.models.target.online import OnlineTarget
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.distill_setup import build_distill_setup
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
@@ -71,7 +71,7 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
 
     cfg = tiny_config(setup)
@@ -125,7 +125,7 @@ def test_batch_length_padding_gives_the_fixed_length_loss(setup, tmp_path):
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
 
     cfg = tiny_config(setup)
@@ -215,7 +215,7 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
 
     from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.data.hidden_state_store import StoreMismatchError
-    from megatron_osprey.models.drafter import DrafterArch
+    from megatron_osprey.models.drafter.model import DrafterArch
     from megatron_osprey.testing.distill_setup import write_chat_model
     from megatron_osprey.training.distillation import assistant_token_counts, build_sources
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
-from megatron_osprey.models.vocab_alignment import align_vocabularies, view_of
+from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
+from megatron_osprey.models.drafter.vocab_alignment import align_vocabularies, view_of
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
 from megatron_osprey.training.checkpointing import load_checkpoint
@@ -42,7 +42,7 @@ def test_reference_rule_on_known_tokens(real_tokenizers):
     assert reference.kinds[eot] == "averaged" and reference.sources[eot] == qwen.encode("<|eot_id|>")
     assert reference.kinds[-44:] == ["unused"] * 44 and reference.sources[-1] == []
     matrix = torch.randn(len(qwen), 8)
-    from megatron_osprey.models.vocab_alignment import aligned_rows
+    from megatron_osprey.models.drafter.vocab_alignment import aligned_rows
 
     rows = aligned_rows(matrix, reference)
     assert torch.equal(rows[-1], torch.zeros(8))  # the reference zeroes rows beyond the tokenizer

@@ -10,8 +10,8 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.config.distill_args import distill_config_from_args
 from megatron_osprey.config.recipes import RECIPES, stage_config
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import llama_config, qwen3_config
 from megatron_osprey.training.distillation import drafter_arch
@@ -110,7 +110,7 @@ def _random_reference(arch: DrafterArch, seed: int = 0) -> ReferenceDrafter:
 
 @pytest.mark.parametrize("extra", ["fused", "plain"])
 def test_two_layer_baseline_megatron_equals_reference(qwen3_target, extra):
-    from megatron_osprey.models.drafter_convert import load_reference_state
+    from megatron_osprey.models.drafter.convert import load_reference_state
 
     arch = baseline_arch(qwen3_target, layers=2, extra=extra)
     reference = _random_reference(arch)

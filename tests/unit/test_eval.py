@@ -10,7 +10,7 @@ from megatron_osprey.eval.__main__ import main
 from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.eval.run import write_results
-from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
+from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
 from tests.unit.test_speculative import OracleSession
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from megatron_osprey.export.formats import export_drafter, read_export
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
-from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter, apply_rope
+from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter, apply_rope
 from tests.plugin_state import fused_state
 from tools.export_checkpoint import main as export_main
 
@@ -235,7 +235,7 @@ def test_plugin_package_imports_without_sglang():
 
 def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapted_drafter, tmp_path):
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
+    from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.checkpointing import load_checkpoint
 
@@ -259,7 +259,7 @@ def test_megatron_checkpoint_exported_to_sglang_gives_the_megatron_logits(adapte
             layer.hidden_norm.weight.mul_(1.5)
         export_drafter(reference, "hf", tmp_path / "trained")
         with parallel_context(ParallelConfig()) as state:
-            from megatron_osprey.models.drafter_convert import load_reference_state
+            from megatron_osprey.models.drafter.convert import load_reference_state
 
             model = build_drafter_model(arch, state.config).eval()
             loaded, _ = load_checkpoint(ckpt, model.sharded_state_dict())

@@ -42,7 +42,7 @@ def hf_and_ids(tmp_path):
 def megatron_logits(hf_dir, ids, parallel, transformer_impl: str) -> torch.Tensor:
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-    from megatron_osprey.models.gpt import build_gpt_model
+    from megatron_osprey.models.backbone.gpt import build_gpt_model
     from megatron_osprey.testing.tiny_models import causal_logits
 
     arch = ModelArch.from_hf_config(hf_dir)
@@ -64,7 +64,7 @@ def test_device_placement_on_cuda(tmp_path, parallel):
     hf_dir, ids, expected = hf_and_ids(tmp_path)
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-    from megatron_osprey.models.gpt import build_gpt_model
+    from megatron_osprey.models.backbone.gpt import build_gpt_model
     from megatron_osprey.testing.tiny_models import causal_logits
 
     arch = ModelArch.from_hf_config(hf_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_osprey.models import gpt
+from megatron_osprey.models.backbone import gpt
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.ttt_fixtures import make_drafter
 
@@ -34,7 +34,7 @@ def test_fused_softmax_needs_apex_kernels_not_just_cuda(monkeypatch):
 
 
 def test_every_parameter_buffer_and_rotary_table_moves_to_the_training_device():
-    from megatron_osprey.models.drafter import build_drafter_model
+    from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training import setup
 
     arch, _ = make_drafter()
@@ -52,7 +52,7 @@ def test_every_parameter_buffer_and_rotary_table_moves_to_the_training_device():
 
 
 def test_build_model_chunks_places_chunks_before_wrapping(monkeypatch):
-    from megatron_osprey.models.drafter import build_drafter_model
+    from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training import setup
 
     arch, _ = make_drafter()
@@ -76,7 +76,7 @@ def test_drafter_norms_are_valid_under_sequence_parallel_without_the_cpu_compat_
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_osprey.models.drafter import SequenceParallelRMSNorm, drafter_layer_specs
+    from megatron_osprey.models.drafter.model import SequenceParallelRMSNorm, drafter_layer_specs
     from megatron_osprey.parallel import cpu_compat
 
     config = SimpleNamespace(
@@ -104,7 +104,7 @@ def test_drafter_norms_are_valid_under_sequence_parallel_without_the_cpu_compat_
 
 def test_context_parallel_is_refused_with_the_flag_named():
     from megatron_osprey.config.pretrain import TrainingSection, validate_training
-    from megatron_osprey.models.drafter import build_drafter_model
+    from megatron_osprey.models.drafter.model import build_drafter_model
 
     training = TrainingSection(train_iters=10, micro_batch_size=1, global_batch_size=2, seq_length=64)
     with pytest.raises(ValueError, match="--context-parallel-size 2 is not supported: batches are not split"):
@@ -128,7 +128,7 @@ class _LinearWithExtraState(torch.nn.Linear):
 
 def test_a_local_spec_checkpoint_loads_into_a_model_with_te_extra_state(tmp_path):
     # A TE model's state dict has `_extra_state` entries a local-spec (CPU) Stage 1/3 checkpoint lacks.
-    from megatron_osprey.models.drafter import build_drafter_model
+    from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training.checkpointing import load_model_weights, save_checkpoint
 
     arch, _ = make_drafter()

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import VOCAB, causal_logits, llama_config, make_hf_model, qwen3_config
 

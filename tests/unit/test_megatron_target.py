@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
-from megatron_osprey.models.targets.megatron_decoding import MegatronTargetModel
+from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
+from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
 from megatron_osprey.speculative import (
     HFTargetModel,
     ReferenceDraftSession,

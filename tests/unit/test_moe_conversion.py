@@ -11,7 +11,7 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, dequantize_fp8_blocks
 from megatron_osprey.convert.weight_map import Split, match_rule_indices, rules_for
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import (

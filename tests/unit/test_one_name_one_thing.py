@@ -50,4 +50,4 @@ def test_no_public_name_is_defined_twice():
 def test_the_scan_sees_definitions():
     found = public_definitions()
     assert found["write_json_atomic"] == ["megatron_osprey/base/atomic_io.py"]
-    assert "megatron_osprey/models/reference_drafter.py" in found["VARIANTS"]
+    assert "megatron_osprey/models/drafter/reference.py" in found["VARIANTS"]

@@ -10,7 +10,7 @@ import torch
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
 from megatron_osprey.testing.tiny_models import (

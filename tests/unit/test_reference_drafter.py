@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from megatron_osprey.models.reference_drafter import DrafterConfig, DrafterKVCache, ReferenceDrafter
+from megatron_osprey.models.drafter.reference import DrafterConfig, DrafterKVCache, ReferenceDrafter
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

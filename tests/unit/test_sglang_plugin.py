@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.export.formats import export_drafter
 from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model, eagle3_body
-from megatron_osprey.models.drafter_convert import load_reference_state
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.convert import load_reference_state
+from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import qwen3_config
 from tests.plugin_state import fused_state

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from megatron_osprey.models.reference_drafter import DrafterConfig, ReferenceDrafter
+from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
 from megatron_osprey.speculative import (
     DraftSession,
     HFTargetModel,
@@ -265,7 +265,7 @@ def test_bad_spec_config_raises_naming_the_field():
 
 def test_reference_session_tree_rows_match_plain_chain_decoding():
     """Each tree node sees only its own ancestors: equal to decoding that branch alone."""
-    from megatron_osprey.models.reference_drafter import DrafterKVCache
+    from megatron_osprey.models.drafter.reference import DrafterKVCache
 
     drafter = tiny_drafter(50, 40, "osprey", 5)
     session = ReferenceDraftSession(drafter)

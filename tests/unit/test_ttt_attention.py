@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_osprey.models.ttt_attention import exact_ttt_attention, ttt_attention, ttt_attention_bytes
+from megatron_osprey.models.drafter.ttt_attention import exact_ttt_attention, ttt_attention, ttt_attention_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ from megatron_osprey.losses.ttt import (
     ttt_loss,
     vocab_parallel_argmax,
 )
-from megatron_osprey.models.drafter import build_drafter_model
-from megatron_osprey.models.drafter_convert import load_reference_state
-from megatron_osprey.models.targets.lm_head import TargetHead
+from megatron_osprey.models.drafter.convert import load_reference_state
+from megatron_osprey.models.drafter.model import build_drafter_model
+from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.ttt_fixtures import TARGET_VOCAB, make_batch, make_drafter, make_target, reference_ttt_loss
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.models.drafter import DrafterArch, build_drafter_model
-from megatron_osprey.models.drafter_convert import reference_state
-from megatron_osprey.models.reference_drafter import ReferenceDrafter
+from megatron_osprey.models.drafter.convert import reference_state
+from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
+from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.checkpointing import load_checkpoint
 

@@ -12,7 +12,7 @@ import torch
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.prune import PruneConfig, prune_backbone
 from megatron_osprey.testing.tiny_models import (

@@ -11,7 +11,7 @@ import torch
 
 from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
-from megatron_osprey.models.targets.megatron_stage import PrefillCapture, load_target
+from megatron_osprey.models.target.pipeline_stage import PrefillCapture, load_target
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta

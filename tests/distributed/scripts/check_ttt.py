@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.losses.ttt import TTTLossConfig, drafter_inputs, ttt_loss
-from megatron_osprey.models.drafter import build_drafter_model
-from megatron_osprey.models.drafter_convert import load_reference_state
-from megatron_osprey.models.targets.lm_head import TargetHead
+from megatron_osprey.models.drafter.convert import load_reference_state
+from megatron_osprey.models.drafter.model import build_drafter_model
+from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from tests.ttt_fixtures import make_batch, make_drafter, make_target
 

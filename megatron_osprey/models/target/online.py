@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.models.targets.megatron_stage import LayerCapture, gather_sequence, load_target
+from megatron_osprey.models.target.pipeline_stage import LayerCapture, gather_sequence, load_target
 from megatron_osprey.parallel import ParallelConfig
 
 

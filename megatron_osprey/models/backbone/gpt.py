@@ -67,7 +67,7 @@ def _with_projection_qk_norm(spec):
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_osprey.models.targets.qk_norm import ProjectionRMSNorm
+    from megatron_osprey.models.backbone.qk_norm import ProjectionRMSNorm
 
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention.submodules

@@ -21,7 +21,7 @@ import torch
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig
 
 # Weight bytes the fingerprint reads per safetensors file: SAMPLES windows of WINDOW bytes spread

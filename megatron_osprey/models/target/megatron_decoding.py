@@ -17,14 +17,14 @@ from typing import Iterator
 
 import torch
 
-from megatron_osprey.models.targets.decoding import TargetModel
+from megatron_osprey.models.target.decoding import TargetModel
 
 
 class MegatronTargetModel(TargetModel):
     """TargetModel over a single-rank Megatron-Core GPTModel (with its LM head) and layer hooks."""
 
     def __init__(self, model, aux_layer_ids: list[int], vocab_size: int):
-        from megatron_osprey.models.targets.megatron_stage import LayerCapture
+        from megatron_osprey.models.target.pipeline_stage import LayerCapture
 
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
@@ -37,7 +37,7 @@ class MegatronTargetModel(TargetModel):
     @contextlib.contextmanager
     def open(cls, target_dir: str | Path, aux_layer_ids: list[int]) -> Iterator["MegatronTargetModel"]:
         """Build the target from its HF directory in a one-rank Megatron-Core context."""
-        from megatron_osprey.models.targets.megatron_stage import load_target
+        from megatron_osprey.models.target.pipeline_stage import load_target
         from megatron_osprey.parallel import ParallelConfig, parallel_context
 
         with parallel_context(ParallelConfig()) as state:

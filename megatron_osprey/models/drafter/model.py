@@ -45,14 +45,14 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from torch import Tensor
 
 from megatron_osprey.base.arch import padded_size
-from megatron_osprey.models.drafter_arch import (  # noqa: F401  (re-exported: the drafter's public names)
+from megatron_osprey.models.backbone.gpt import layer_spec, resolve_transformer_impl, transformer_config
+from megatron_osprey.models.drafter.arch import (  # noqa: F401  (re-exported: the drafter's public names)
     EAGLE3_EXTRA_LAYERS,
     VARIANTS,
     DrafterArch,
     eagle3_body,
 )
-from megatron_osprey.models.gpt import layer_spec, resolve_transformer_impl, transformer_config
-from megatron_osprey.models.ttt_attention import ttt_attention
+from megatron_osprey.models.drafter.ttt_attention import ttt_attention
 from megatron_osprey.parallel import ParallelConfig
 
 # ----------------------------------------------------------------------------- attention

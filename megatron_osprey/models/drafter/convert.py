@@ -15,7 +15,7 @@ import torch
 
 from megatron_osprey.convert.sharding import merge_shards, read_shard
 from megatron_osprey.convert.weight_map import Split, WeightRule, match_rule
-from megatron_osprey.models.drafter_arch import DrafterArch
+from megatron_osprey.models.drafter.arch import DrafterArch
 
 _L = "decoder.layers.{layer}"
 _R = "layers.{layer}"

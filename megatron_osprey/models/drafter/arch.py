@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from megatron_osprey.base.arch import ModelArch
 
 # One list of variants for both drafters; the reference drafter needs only torch, not Megatron-Core.
-from megatron_osprey.models.reference_drafter import EAGLE3_EXTRA_LAYERS, VARIANTS, DrafterConfig
+from megatron_osprey.models.drafter.reference import EAGLE3_EXTRA_LAYERS, VARIANTS, DrafterConfig
 
 
 def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:

@@ -13,7 +13,7 @@ import torch
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
-from megatron_osprey.models.gpt import build_gpt_model
+from megatron_osprey.models.backbone.gpt import build_gpt_model
 
 
 def _calibration_batches(path: Path, tokenizer_dir: Path, seq_length: int = 512, limit: int = 64):

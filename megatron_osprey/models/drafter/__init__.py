@@ -1,0 +1,1 @@
+"""The drafters: Osprey (adapted backbone) and the EAGLE-3 baseline, their TTT attention, conversion and adaptation."""
