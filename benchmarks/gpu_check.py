@@ -319,7 +319,7 @@ def _max_diff(a, b) -> float:
 def check_ttt_memory(sizes: Sizes) -> dict:
     import ttt_attention_memory as bench
 
-    from megatron_osprey.models.drafter.ttt_attention import ttt_attention_bytes
+    from megatron_osprey.base.memory import ttt_attention_bytes
 
     heads, kv, dim = sizes.memory_heads
     on_gpu = torch.cuda.is_available()

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             )
         )
         return 0
-    from megatron_osprey.models.drafter.ttt_attention import ttt_attention_bytes
+    from megatron_osprey.base.memory import ttt_attention_bytes
 
     rows = []
     for steps in args.steps:

@@ -10,9 +10,9 @@ Memory model (estimates, meant to catch layouts that cannot fit, not to replace 
   TTT step; under pipeline parallelism the first stage holds PP micro-batches of its layers.
 - TTT attention (distillation): the 34*s*b*h term covers one causal flash attention per step; the
   drafter's TTT attention also keeps, per layer, the diagonal keys of earlier steps and its padded
-  fused-kernel inputs: megatron_osprey.models.drafter.ttt_attention.ttt_attention_bytes, linear in s (measured
+  fused-kernel inputs: megatron_osprey.base.memory.ttt_attention_bytes, linear in s (measured
   by benchmarks/ttt_attention_memory.py). The exact masked attention it replaced kept K*s^2 scores.
-- frozen target: megatron_osprey.models.memory_estimate (weights / (TP*PP*EP) and prefill activations,
+- frozen target: megatron_osprey.base.memory (weights / (TP*PP*EP) and prefill activations,
   with a 3 GiB runtime reserve), in BF16: the frozen target is built in BF16 (or FP32), never FP8, so a
   recipe that asks for a target FP8 forward (drafter.target_fp8_format) is refused rather than planned
   with 1-byte weights it would not get.
@@ -24,10 +24,9 @@ import dataclasses
 import math
 
 from launcher.commands import ENTRY_POINTS
+from megatron_osprey.base.memory import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory, ttt_attention_bytes
 from megatron_osprey.config.recipes.recipe import GPU_MEMORY_GIB, Recipe, shared_tensor_parallel
 from megatron_osprey.config.recipes.shapes import ModelShape
-from megatron_osprey.models.drafter.ttt_attention import ttt_attention_bytes
-from megatron_osprey.models.memory_estimate import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory
 
 TRAINED_STAGES = ("pretrain", "distill")
 TARGET_STAGES = ("distill", "extract")

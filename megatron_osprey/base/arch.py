@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
-
-import torch
 
 # model_type in config.json -> (family, HF class name)
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -228,26 +225,11 @@ class ModelArch:
                     f"{flag} {size} does not divide the model's {name} ({value}); choose a size that divides {value}."
                 )
 
-    def torch_dtype_obj(self) -> torch.dtype:
-        return getattr(torch, self.torch_dtype)
+    def torch_dtype_obj(self):
+        """The torch dtype of the checkpoint's weights (torch is imported here only: planning runs without it)."""
+        import torch
 
-    def rotary_inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies exactly as the HF model computes them (default or llama3)."""
-        dim = self.rotary_dim or self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        if self.rope_scaling is None:
-            return inv_freq
-        factor = float(self.rope_scaling["factor"])
-        low = float(self.rope_scaling["low_freq_factor"])
-        high = float(self.rope_scaling["high_freq_factor"])
-        old_len = float(self.rope_scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return getattr(torch, self.torch_dtype)
 
     def num_parameters(self) -> int:
         """Parameter count of the HF model (embedding counted once when tied)."""

@@ -18,9 +18,9 @@ import os
 import sys
 
 from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+from megatron_osprey.base.memory import check_fits, estimate_target_memory
 from megatron_osprey.data.extract import ExtractConfig, ExtractResult, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
-from megatron_osprey.models.memory_estimate import check_fits, estimate_target_memory
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.cli import config_from_flags, exit_code, is_rank0
 

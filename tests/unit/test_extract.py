@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_osprey.base.arch import default_aux_layer_ids
+from megatron_osprey.base.memory import TargetMemoryError
 from megatron_osprey.data import hidden_state_store
 from megatron_osprey.data.extract import ExtractConfig, contiguous_slice, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import (
@@ -17,7 +18,6 @@ from megatron_osprey.data.hidden_state_store import (
     HiddenStateStoreConfig,
     InsufficientDiskError,
 )
-from megatron_osprey.models.memory_estimate import TargetMemoryError
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.extract import parse_shard
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl

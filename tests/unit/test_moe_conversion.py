@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.memory import TargetMemoryError, check_fits, estimate_target_memory
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint, dequantize_fp8_blocks
 from megatron_osprey.convert.weight_map import Split, match_rule_indices, rules_for
-from megatron_osprey.models.backbone.gpt import build_gpt_model
-from megatron_osprey.models.memory_estimate import TargetMemoryError, check_fits, estimate_target_memory
+from megatron_osprey.models.backbone.gpt import build_gpt_model, rotary_inv_freq
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import (
     VOCAB,
@@ -56,7 +56,7 @@ def test_minimax_arch_reads_routing_partial_rope_and_projection_qk_norm(tmp_path
     assert (arch.num_experts, arch.moe_router_topk, arch.moe_score_function) == (8, 2, "sigmoid")
     assert arch.moe_expert_bias and arch.qk_norm_over_projection
     assert arch.rotary_dim == 16 and arch.rotary_percent == 0.5
-    assert arch.rotary_inv_freq().shape == (8,)
+    assert rotary_inv_freq(arch).shape == (8,)
 
 
 def test_minimax_routing_bias_changes_the_output(tmp_path):

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_osprey.models.drafter.ttt_attention import exact_ttt_attention, ttt_attention, ttt_attention_bytes
+from megatron_osprey.base.memory import ttt_attention_bytes
+from megatron_osprey.models.drafter.ttt_attention import exact_ttt_attention, ttt_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 

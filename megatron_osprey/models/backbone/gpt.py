@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -207,7 +209,26 @@ def build_gpt_model(
     )
     # HF's exact inverse frequencies (llama3 scaling with its own factors, float theta).
     rotary = model.rotary_pos_emb
-    rotary.inv_freq = arch.rotary_inv_freq().to(rotary.inv_freq.device)
+    rotary.inv_freq = rotary_inv_freq(arch).to(rotary.inv_freq.device)
     model.osprey_arch = arch
     model.transformer_impl = impl
     return model
+
+
+def rotary_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as the HF model computes them (default or llama3)."""
+    dim = arch.rotary_dim or arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if arch.rope_scaling is None:
+        return inv_freq
+    factor = float(arch.rope_scaling["factor"])
+    low = float(arch.rope_scaling["low_freq_factor"])
+    high = float(arch.rope_scaling["high_freq_factor"])
+    old_len = float(arch.rope_scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -45,7 +45,12 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from torch import Tensor
 
 from megatron_osprey.base.arch import padded_size
-from megatron_osprey.models.backbone.gpt import layer_spec, resolve_transformer_impl, transformer_config
+from megatron_osprey.models.backbone.gpt import (
+    layer_spec,
+    resolve_transformer_impl,
+    rotary_inv_freq,
+    transformer_config,
+)
 from megatron_osprey.models.drafter.arch import (  # noqa: F401  (re-exported: the drafter's public names)
     EAGLE3_EXTRA_LAYERS,
     VARIANTS,
@@ -253,7 +258,7 @@ class OspreyDrafterModel(MegatronModule):
             rotary_base=int(arch.body.rope_theta),
             use_cpu_initialization=config.use_cpu_initialization,
         )
-        self.rotary_pos_emb.inv_freq = arch.body.rotary_inv_freq().to(self.rotary_pos_emb.inv_freq.device)
+        self.rotary_pos_emb.inv_freq = rotary_inv_freq(arch.body).to(self.rotary_pos_emb.inv_freq.device)
         specs = drafter_layer_specs(arch, transformer_impl)
         self.decoder = TransformerBlock(
             config=config,

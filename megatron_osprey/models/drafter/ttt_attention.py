@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Two channels carry the sink score (hi + lo); the rest pad to the kernels' alignment.
-_SINK_CHANNELS = 2
-_ALIGN = 8
+from megatron_osprey.base.memory import TTT_ALIGN as _ALIGN
+from megatron_osprey.base.memory import TTT_SINK_CHANNELS as _SINK_CHANNELS
 
 
 def _repeat_kv(x: Tensor, groups: int) -> Tensor:
@@ -100,27 +99,3 @@ def exact_ttt_attention(query: Tensor, keys: list[Tensor], values: list[Tensor],
     scores = (query.float() @ all_keys.float().transpose(-1, -2)) * scale
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return (probs @ all_values.float()).to(query.dtype)
-
-
-def ttt_attention_bytes(batch: int, heads: int, seq: int, head_dim: int, steps: int, dtype_bytes: int = 2) -> int:
-    """Activation bytes one layer's TTT attention keeps over a `steps`-step unroll (beyond q, k, v).
-
-    Per step k > 0: the padded q/k/v copies with the sink row (3 x [b, h, s+1, w]),
-    the fused kernel's output and its float32 log-sum-exp, the stacked diagonal keys
-    and values ([b, h, s, k, d] each, repeated over GQA groups) and the float32
-    merged value and output. Step 0 keeps the fused output and log-sum-exp only.
-    The backward adds the gradients of one step's padded copies at a time.
-    Linear in seq and, summed over steps, quadratic only in the small K.
-    """
-    width = -(-(head_dim + _SINK_CHANNELS) // _ALIGN) * _ALIGN
-    rows = batch * heads * seq
-    total = rows * (head_dim * dtype_bytes + 4)  # step 0: output + lse
-    for k in range(1, steps):
-        total += 4 * rows * width * dtype_bytes  # q, k, v copies + output, padded
-        total += rows * 4  # lse
-        total += 2 * rows * k * head_dim * dtype_bytes  # stacked diagonal keys / values
-        total += rows * k * 4 * 2  # scores, probabilities (float32)
-        total += 2 * rows * head_dim * 4  # merged value, float32 output
-    if steps > 1:
-        total += 3 * rows * width * dtype_bytes  # backward: one step's padded q/k/v gradients
-    return total

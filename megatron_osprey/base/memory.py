@@ -1,4 +1,6 @@
-"""Per-GPU memory of a target model for prefill under a TP / PP / EP layout, before loading it.
+"""Memory arithmetic, torch-free (planning runs on login nodes without torch).
+
+The frozen target: per-GPU memory for prefill under a TP / PP / EP layout, before loading it.
 
 Weights: each rank holds 1/TP of attention and dense MLP, 1/EP of the experts
 (each 1/ETP), the replicated norms and router, and on the first / last pipeline
@@ -117,3 +119,33 @@ def check_fits(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
             f"--tensor-model-parallel-size, --pipeline-model-parallel-size or "
             f"--expert-model-parallel-size, or lower --micro-batch-size / --max-length."
         )
+
+
+# TTT attention (models/drafter/ttt_attention.py): two query channels carry the sink score (hi + lo), and the
+# channel count is padded to the fused kernels' alignment.
+TTT_SINK_CHANNELS = 2
+TTT_ALIGN = 8
+
+
+def ttt_attention_bytes(batch: int, heads: int, seq: int, head_dim: int, steps: int, dtype_bytes: int = 2) -> int:
+    """Activation bytes one layer's TTT attention keeps over a `steps`-step unroll (beyond q, k, v).
+
+    Per step k > 0: the padded q/k/v copies with the sink row (3 x [b, h, s+1, w]),
+    the fused kernel's output and its float32 log-sum-exp, the stacked diagonal keys
+    and values ([b, h, s, k, d] each, repeated over GQA groups) and the float32
+    merged value and output. Step 0 keeps the fused output and log-sum-exp only.
+    The backward adds the gradients of one step's padded copies at a time.
+    Linear in seq and, summed over steps, quadratic only in the small K.
+    """
+    width = -(-(head_dim + TTT_SINK_CHANNELS) // TTT_ALIGN) * TTT_ALIGN
+    rows = batch * heads * seq
+    total = rows * (head_dim * dtype_bytes + 4)  # step 0: output + lse
+    for k in range(1, steps):
+        total += 4 * rows * width * dtype_bytes  # q, k, v copies + output, padded
+        total += rows * 4  # lse
+        total += 2 * rows * k * head_dim * dtype_bytes  # stacked diagonal keys / values
+        total += rows * k * 4 * 2  # scores, probabilities (float32)
+        total += 2 * rows * head_dim * 4  # merged value, float32 output
+    if steps > 1:
+        total += 3 * rows * width * dtype_bytes  # backward: one step's padded q/k/v gradients
+    return total
