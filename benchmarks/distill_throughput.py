@@ -24,15 +24,15 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     args = parser.parse_args()
 
-    from megatron_osprey.config.recipes import get_recipe
+    from megatron_osprey.recipes import get_recipe
     from megatron_osprey.parallel import parallel_context
     from megatron_osprey.testing.distill_setup import build_distill_setup
     from megatron_osprey.training.distillation import run_distill
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = build_distill_setup(Path(tmp))
-        cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").config(paths=False)
-        cfg.target.target, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
+        cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
+        cfg.target.path, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
         cfg.data.data_path = [str(setup["data"])]
         cfg.training.train_iters = args.iters
         cfg.training.seq_length = args.seq_length

@@ -125,23 +125,23 @@ def _drafter_arch(body: dict, target_hidden: int):
 
 def _run(model, state, seq: int, distributed_optimizer: bool):
     """A TrainRun of one micro-batch per step around `model` (DDP chunks)."""
-    from megatron_osprey.config.pretrain import CheckpointSection, LoggingSection, OptimizerSection, TrainingSection
+    from megatron_osprey.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
     from megatron_osprey.training.loop import TrainRun
     from megatron_osprey.training.setup import build_optimizer_and_scheduler
 
-    section = OptimizerSection(
+    section = OptimizerConfig(
         lr=1e-4, min_lr=1e-5, lr_decay_style="constant", use_distributed_optimizer=distributed_optimizer
     )
     bf16 = state.device.type == "cuda"
     optimizer, scheduler = build_optimizer_and_scheduler(model, section, bf16=bf16, train_iters=10)
-    training = TrainingSection(micro_batch_size=1, global_batch_size=state.dp_size, seq_length=seq, train_iters=10)
+    training = TrainingConfig(micro_batch_size=1, global_batch_size=state.dp_size, seq_length=seq, train_iters=10)
     return TrainRun(
         model,
         optimizer,
         scheduler,
         training,
-        CheckpointSection(),
-        LoggingSection(),
+        CheckpointConfig(),
+        LoggingConfig(),
         None,
         None,
         state.dp_size,
@@ -161,7 +161,7 @@ def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
     from megatron_osprey.base.arch import ModelArch
-    from megatron_osprey.config.pretrain import PretrainConfig
+    from megatron_osprey.stages.pretrain import PretrainConfig
     from megatron_osprey.training.pretraining import model_provider
     from megatron_osprey.training.setup import build_model_chunks
 
@@ -174,7 +174,7 @@ def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 
 def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
-    from megatron_osprey.config.distill import DistillConfig
+    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.models.target.lm_head import TargetHead
     from megatron_osprey.training.distillation import distill_forward_step
     from megatron_osprey.training.loop import train_step

@@ -31,7 +31,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.config.distill import DistillConfig
+    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.data.distill_data import ConversationSamples, pad_samples
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes

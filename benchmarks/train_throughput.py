@@ -76,7 +76,9 @@ def main(argv=None) -> dict:
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
 
     from megatron_osprey.base.arch import ModelArch
-    from megatron_osprey.config.pretrain import OptimizerSection, PretrainConfig, validate_numerics
+    from megatron_osprey.models.backbone.config import validate_numerics
+    from megatron_osprey.stages.pretrain import PretrainConfig
+    from megatron_osprey.training.config import OptimizerConfig
     from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
     from megatron_osprey.training.gpt_step import gpt_forward_step
@@ -95,7 +97,7 @@ def main(argv=None) -> dict:
         gbs = args.micro_batch_size * args.num_microbatches * state.dp_size
         cfg.training.micro_batch_size, cfg.training.global_batch_size = args.micro_batch_size, gbs
         cfg.training.seq_length, cfg.training.train_iters = seq, warmup + steps
-        section = OptimizerSection(
+        section = OptimizerConfig(
             lr=1e-4, min_lr=1e-5, lr_decay_style="constant", use_distributed_optimizer=args.use_distributed_optimizer
         )
         model = build_model_chunks(

@@ -11,7 +11,7 @@ from pathlib import Path
 # megatron_osprey (an editable install of another checkout, say) would run instead of this one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_osprey.stages.prune import main  # noqa: E402
+from megatron_osprey.recipes import run_stage  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_stage("prune"))

@@ -5,7 +5,7 @@
         --data SPLIT.jsonl [--data ...] --output DIR --drafter-name NAME [--train-domain DOMAIN] \
         [--method osprey] [--max-new-tokens 4096] [--temperature 0 [1]] [--batch-size 1 [16]] [--limit N] [--wait 1800]
 
-Prompts are rendered exactly as `python -m megatron_osprey.eval` renders them (target chat template,
+Prompts are rendered exactly as `python -m megatron_osprey.stages.evaluate` renders them (target chat template,
 the first user message by default, all prompts in file order). AL per request = completion_tokens /
 spec_verify_ct from SGLang's meta_info; throughput = completion tokens / wall time with `--batch-size`
 requests in flight. `--temperature` and `--batch-size` take lists: every combination is one sweep row

@@ -18,7 +18,7 @@ from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_
 
 from .sources import Distribution
 
-PROVENANCE_FILE = "source.json"
+SOURCE_RECORD_FILE = "source.json"
 SOURCES_SUBDIR = "_sources"  # downloaded distributions, beside what is built from them
 
 
@@ -129,7 +129,7 @@ def fetch_members(dist: Distribution, members: set[str], dest: Path, is_valid: C
             "sha256": dist.sha256,
             "members": sorted(members),
         }
-        write_json_atomic(staging / PROVENANCE_FILE, provenance)
+        write_json_atomic(staging / SOURCE_RECORD_FILE, provenance)
         publish_dir(staging, dest, is_valid)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

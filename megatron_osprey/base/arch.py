@@ -27,6 +27,28 @@ def padded_size(size: int, tensor_parallel_size: int, divisible_by: int = 128) -
     return -(-size // multiple) * multiple
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """`org/name` with nothing on disk there: a Hugging Face Hub id, which this project never downloads."""
+    parts = str(text).split("/")
+    return len(parts) == 2 and all(parts) and not str(text).startswith((".", "~")) and not Path(text).exists()
+
+
+def hf_config_file(path: str | Path, what: str = "config", missing_ok: bool = False) -> Path | None:
+    """PATH/config.json (or PATH itself, a config.json); a Hub id or a missing file is refused by name."""
+    if looks_like_hub_id(str(path)):
+        raise ValueError(
+            f"{what} {path} looks like a Hugging Face Hub id; nothing is downloaded here: download the model "
+            f"first (e.g. `huggingface-cli download {path} --local-dir DIR`) and pass DIR."
+        )
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if file.is_file():
+        return file
+    if missing_ok:
+        return None
+    raise FileNotFoundError(f"{what} {path}: no config.json there (expected a HF model directory).")
+
+
 # The target layers whose hidden states feed the drafter (EAGLE-3's fusion takes exactly three).
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
     """SGLang's default taps: [1, L//2 - 1, L - 4] (0-based)."""
@@ -90,10 +112,7 @@ class ModelArch:
     def from_hf_config(cls, config: Any, source: str = "config.json") -> "ModelArch":
         """Build from a transformers config object, a dict, or a path to config.json / its directory."""
         if isinstance(config, (str, Path)):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(f"HF config not found: {path} (expected a config.json).")
+            path = hf_config_file(config, "HF config")
             source = str(path)
             config = json.loads(path.read_text())
         if not isinstance(config, dict):

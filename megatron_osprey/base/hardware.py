@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 
 def have_transformer_engine() -> bool:
     """True when Transformer Engine imports (it needs CUDA to run)."""
@@ -16,4 +14,6 @@ def have_transformer_engine() -> bool:
 
 def transformer_engine_usable() -> bool:
     """True when Transformer Engine is installed and CUDA is present."""
+    import torch
+
     return torch.cuda.is_available() and have_transformer_engine()

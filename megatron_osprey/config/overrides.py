@@ -1,7 +1,7 @@
 """`--set section.key=value` overrides on a tree of dataclasses and dicts: the one implementation.
 
 The stage entry points apply them to their config (PretrainConfig, DistillConfig)
-and the `osprey` launcher to its Recipe (config/recipes). Values are read as YAML, then checked
+and the `osprey` launcher to its Recipe (megatron_osprey/recipes). Values are read as YAML, then checked
 against the field they replace so that a typo does not silently become a string.
 Dataclasses are replaced, never mutated, so frozen ones work too.
 """

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.data.chat_template import ChatTemplateConfig, ChatTokenizer, TokenizedConversation
 from megatron_osprey.data.conversations import read_conversations
 from megatron_osprey.data.hidden_state_store import (
-    HiddenStateStoreConfig,
     check_free_disk,
     estimate_store_bytes,
     finalize_store,
@@ -39,40 +39,6 @@ from megatron_osprey.models.target.pipeline_stage import (
     target_identity,
 )
 from megatron_osprey.parallel import ParallelState
-
-
-@dataclasses.dataclass
-class ExtractConfig:
-    """What to extract, from which target, into which store, and which slice of the data."""
-
-    target_dir: str = ""
-    data_path: str = ""
-    store: HiddenStateStoreConfig = dataclasses.field(default_factory=HiddenStateStoreConfig)
-    aux_layer_ids: tuple[int, ...] | None = None  # None: [1, L//2 - 1, L - 4]
-    max_length: int = 4096
-    micro_batch_size: int = 1
-    shard_index: int = 0
-    num_shards: int = 1
-    params_dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
-    transformer_impl: str = "auto"
-    enable_thinking: bool | None = None
-    finalize: bool = True  # merge the manifest parts once every writer is complete
-    overwrite: bool = False  # a store made from other inputs or settings is deleted instead of refused
-
-    def validate(self) -> None:
-        """Raise one clear error on a bad field."""
-        if not self.target_dir or not Path(self.target_dir).is_dir():
-            raise FileNotFoundError(f"--target {self.target_dir!r} is not a directory (a HF checkpoint).")
-        if not self.data_path or not Path(self.data_path).is_file():
-            raise FileNotFoundError(f"--data {self.data_path!r} is not a file (conversations JSONL).")
-        if not self.store.store_dir:
-            raise ValueError("--output must name the hidden-state store directory.")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(
-                f"--shard {self.shard_index}/{self.num_shards}: the index must be in [0, {self.num_shards})."
-            )
-        if self.micro_batch_size < 1 or self.max_length < 1:
-            raise ValueError("--micro-batch-size and --max-length must be >= 1.")
 
 
 @dataclasses.dataclass
@@ -90,13 +56,13 @@ class ExtractResult:
 SETTINGS_NAME = "extract_settings.json"
 
 
-def extract_settings(config: ExtractConfig, aux_ids) -> dict:
+def extract_settings(config, aux_ids) -> dict:
     """Everything a stored sample depends on besides its id: the data, the target and how it was run."""
     from megatron_osprey.data.fingerprint import file_sha256, model_fingerprint
 
     return {
         "data_sha256": file_sha256(config.data_path),
-        "target": model_fingerprint(config.target_dir),
+        "target": model_fingerprint(config.target.path),
         "aux_layer_ids": list(aux_ids),
         "max_length": config.max_length,
         "enable_thinking": config.enable_thinking,
@@ -107,7 +73,7 @@ def extract_settings(config: ExtractConfig, aux_ids) -> dict:
     }
 
 
-def check_store_settings(config: ExtractConfig, settings: dict, say: Callable[[str], None]) -> None:
+def check_store_settings(config, settings: dict, say: Callable[[str], None]) -> None:
     """Refuse a store made from other inputs or settings (--overwrite: empty it); then record ours.
 
     Run by one process per job before any writer opens the store.
@@ -173,11 +139,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def tokenize_slice(config: ExtractConfig, indices: range) -> list[TokenizedConversation]:
+def tokenize_slice(config, indices: range) -> list[TokenizedConversation]:
     """Tokenize conversations `indices` through the target's chat template, with assistant loss masks."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
     chat = ChatTokenizer(
         tokenizer, ChatTemplateConfig(max_length=config.max_length, enable_thinking=config.enable_thinking)
     )
@@ -215,20 +181,20 @@ def _all_reduce_int(value: int, op, group=None) -> int:
     return int(tensor.item())
 
 
-def _rank_samples(config: ExtractConfig, dp_rank: int, dp_size: int, say) -> list[TokenizedConversation]:
+def _rank_samples(config, shard: tuple[int, int], dp_rank: int, dp_size: int, say) -> list[TokenizedConversation]:
     """This task's slice of the conversations, then this data-parallel replica's part of it, tokenized."""
     total = _count_conversations(config.data_path)
-    task = contiguous_slice(total, config.shard_index, config.num_shards)
+    task = contiguous_slice(total, *shard)
     mine = contiguous_slice(len(task), dp_rank, dp_size)
     say(
-        f"extract: {total} conversations; shard {config.shard_index}/{config.num_shards} holds "
+        f"extract: {total} conversations; shard {shard[0]}/{shard[1]} holds "
         f"{len(task)}, {dp_size} data-parallel replica(s)"
     )
     return tokenize_slice(config, range(task.start + mine.start, task.start + mine.stop))
 
 
 def _preflight_disk(
-    config: ExtractConfig, samples: Sequence[TokenizedConversation], hidden_size: int, num_aux_layers: int, say
+    config, samples: Sequence[TokenizedConversation], hidden_size: int, num_aux_layers: int, say
 ) -> int:
     """Refuse a store the disk cannot hold, before any weight is read: this task's replicas together."""
     from megatron.core import parallel_state as mpu
@@ -316,23 +282,25 @@ def _capture_and_write(
 
 
 def extract_hidden_states(
-    config: ExtractConfig,
+    config,
     state: ParallelState,
+    arch: ModelArch,
     *,
+    shard: tuple[int, int] = (0, 1),
     log: Callable[[str], None] = print,
     on_batch: Callable[[int], None] | None = None,
 ) -> ExtractResult:
-    """Extract this rank's slice into the store; collective over all ranks (call on every rank)."""
+    """Extract slice `shard` (index, count) of the data into the store; collective over all ranks (call on every
+    rank). `config` is the extract stage's ExtractConfig; `arch` its target's parsed config.json."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+    from megatron_osprey.base.arch import resolve_aux_layer_ids
 
-    config.validate()
     start = time.perf_counter()
+    index, count = shard
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     say = log if state.rank == 0 else (lambda message: None)
-    samples = _rank_samples(config, dp_rank, dp_size, say)
-    arch = ModelArch.from_hf_config(config.target_dir)
+    samples = _rank_samples(config, shard, dp_rank, dp_size, say)
     aux_ids = tuple(resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers))
     final_id = arch.num_layers - 1
     if state.rank == 0:
@@ -341,18 +309,21 @@ def extract_hidden_states(
     if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():  # this replica's writer
         from megatron_osprey.data.hidden_state_store import writer_tag
 
-        check_writer_lock_free(
-            config.store.store_dir, writer_tag(config.shard_index * dp_size + dp_rank, config.num_shards * dp_size)
-        )
+        check_writer_lock_free(config.store.store_dir, writer_tag(index * dp_size + dp_rank, count * dp_size))
 
     needed = _preflight_disk(config, samples, arch.hidden_size, len(aux_ids), say)
 
     dtype = resolve_dtype(config.params_dtype, state.device)
     stage = load_target(
-        config.target_dir, state.config, state.device, params_dtype=dtype, transformer_impl=config.transformer_impl
+        config.target.path,
+        state.config,
+        state.device,
+        params_dtype=dtype,
+        transformer_impl=config.transformer_impl,
+        arch=arch,
     )
     capture = PrefillCapture(stage, list(aux_ids) + [final_id])
-    target_id, config_hash = target_identity(arch, config.target_dir)
+    target_id, config_hash = target_identity(arch, config.target.path)
     writer = None
     if capture.is_writer:
         writer = open_writer(
@@ -361,8 +332,8 @@ def extract_hidden_states(
             config_hash=config_hash,
             aux_layer_ids=aux_ids,
             hidden_size=arch.hidden_size,
-            rank=config.shard_index * dp_size + dp_rank,
-            world_size=config.num_shards * dp_size,
+            rank=index * dp_size + dp_rank,
+            world_size=count * dp_size,
         )
     try:
         done_ids = writer.completed_sample_ids() if writer is not None else set()
@@ -383,17 +354,17 @@ def extract_hidden_states(
     torch.distributed.barrier()
     manifest = None
     if config.finalize and state.rank == 0:
-        manifest = _try_finalize(config, say)
+        manifest = _try_finalize(config, count, say)
     torch.distributed.barrier()
     return ExtractResult(written, skipped, written_tokens, time.perf_counter() - start, needed, manifest)
 
 
-def _try_finalize(config: ExtractConfig, say: Callable[[str], None]) -> Path | None:
+def _try_finalize(config, num_shards: int, say: Callable[[str], None]) -> Path | None:
     """Finalize the store; with several array tasks, the last one to finish succeeds."""
     try:
         path = finalize_store(config.store.store_dir)
     except RuntimeError as error:
-        if config.num_shards == 1:
+        if num_shards == 1:
             raise
         say(f"extract: store not finalized yet ({error}); the last array task to finish finalizes it.")
         return None

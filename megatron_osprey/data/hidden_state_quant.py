@@ -27,7 +27,8 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-ENCODINGS = ("bf16", "int8")
+from megatron_osprey.data.hidden_state_store.config import ENCODINGS  # noqa: E402,F401
+
 INT8_MAX = 127
 # Channel indices are stored as int16, which bounds the hidden size per group.
 MAX_INT8_HIDDEN_SIZE = 32767

@@ -6,6 +6,8 @@ under temporary names. With `partitions > 1` the input is cut into record
 ranges, each committed to its own indexed dataset with a completion marker, so
 an interrupted run resumes where it stopped; the partitions are merged with
 IndexedDatasetBuilder.add_index at the end.
+
+`config` is the preprocess stage's PreprocessConfig (stages/preprocess.py).
 """
 
 from __future__ import annotations
@@ -33,27 +35,6 @@ logger = logging.getLogger(__name__)
 
 MARKER_SUFFIX = ".done.json"
 _MARKER_FORMAT = 1
-
-
-@dataclass
-class PreprocessConfig:
-    """Options of tools/preprocess_data.py (flag names match the field names)."""
-
-    input: str
-    tokenizer: str
-    output_prefix: str
-    json_key: str = "text"
-    workers: int = 1
-    partitions: int = 1
-    strict: bool = False
-    overwrite: bool = False
-    split: str = "train"
-    eod_token: Optional[str] = None
-    add_special_tokens: bool = True
-    keep_partitions: bool = False
-    batch_bytes: int = 1 << 20
-    max_reported_problems: int = 10
-    progress: bool = True
 
 
 @dataclass
@@ -117,7 +98,7 @@ def _exists_any(prefix: str) -> bool:
     return os.path.exists(get_bin_path(prefix)) or os.path.exists(get_idx_path(prefix))
 
 
-def _validate(config: PreprocessConfig) -> None:
+def _validate(config) -> None:
     if config.workers < 1:
         raise ValueError(f"--workers must be at least 1 (got {config.workers}).")
     if config.partitions < 1:
@@ -174,7 +155,7 @@ def _clip_to_partitions(batches: Iterable[RecordBatch], bounds: List[int]) -> It
             start = stop
 
 
-def _fingerprint(config: PreprocessConfig, source: TextSource, spec: TokenizerSpec) -> dict:
+def _fingerprint(config, source: TextSource, spec: TokenizerSpec) -> dict:
     return {
         "format": _MARKER_FORMAT,
         "input": source.fingerprint(),
@@ -209,7 +190,7 @@ def _load_done_partition(prefix: str, expected: dict) -> Optional[PreprocessStat
 class _Run:
     """State of one preprocessing run (writers, stats, strict checks)."""
 
-    def __init__(self, config: PreprocessConfig, source: TextSource, spec: TokenizerSpec) -> None:
+    def __init__(self, config, source: TextSource, spec: TokenizerSpec) -> None:
         self.config = config
         self.source = source
         self.spec = spec
@@ -235,7 +216,7 @@ class _Run:
             stats.problems.append(f"{self.source.describe(record)}: {reason}")
 
 
-def _refuse_empty(config: PreprocessConfig, stats: PreprocessStats) -> None:
+def _refuse_empty(config, stats: PreprocessStats) -> None:
     """A dataset with no document is an error, not a result: training on it cannot start."""
     if stats.documents:
         return
@@ -318,7 +299,7 @@ def _encode_partitions(
         raise
 
 
-def _merge_partitions(config: PreprocessConfig, spec: TokenizerSpec) -> None:
+def _merge_partitions(config, spec: TokenizerSpec) -> None:
     final = dataset_prefix(config.output_prefix, config.json_key)
     writer = AtomicIndexedWriter(final, spec.token_dtype)
     try:
@@ -335,7 +316,7 @@ def _merge_partitions(config: PreprocessConfig, spec: TokenizerSpec) -> None:
             remove_indexed_dataset(prefix)
 
 
-def preprocess(config: PreprocessConfig) -> PreprocessResult:
+def preprocess(config) -> PreprocessResult:
     """Tokenize --input into PREFIX_<key>_document.bin/.idx; see the module docstring."""
     _validate(config)
     spec = load_tokenizer_spec(config.tokenizer, config.eod_token)

@@ -59,7 +59,7 @@ class DemoConfig:
     distill_epochs: float = 2.0
     distill_batch: int = 4
     distill_lr: float = 1e-3  # both arms; chosen before any eval, never tuned on eval prompts
-    ttt_steps: int = 5  # the paper trains every arm with 5
+    ttt_steps: int | None = None  # None: the TTT loss's default, the paper's (every arm trains with it)
     draft_vocab_fraction: float = 0.25  # EAGLE-3's reduced vocabulary: 32k of Llama-3's 128k
     regenerate_tokens: int = 96
     eval_tokens: int = 64
@@ -278,7 +278,7 @@ def pretrain_argv(
 ) -> list:
     argv = [
         "-m",
-        "megatron_osprey.pretrain",
+        "megatron_osprey.stages.pretrain",
         source_flag,
         source,
         "--data-path",
@@ -455,7 +455,7 @@ def distill_argv(
     )
     argv = [
         "-m",
-        "megatron_osprey.distill",
+        "megatron_osprey.stages.distill",
         *flags,
         "--target",
         target,
@@ -479,8 +479,7 @@ def distill_argv(
         str(cfg.distill_lr),
         "--min-lr",
         str(cfg.distill_lr / 10),
-        "--ttt-steps",
-        str(cfg.ttt_steps),
+        *(["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []),
         "--transformer-impl",
         "local",
         "--save",
@@ -509,7 +508,7 @@ def eval_argv(
     lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
     argv = [
         "-m",
-        "megatron_osprey.eval",
+        "megatron_osprey.stages.evaluate",
         "--target",
         target,
         "--output",
@@ -641,7 +640,9 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
                 )
                 drafters.append({"name": name, "method": method, "domain": domain, "seed": seed, "path": save})
 
-    steps.header("evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.eval)")
+    steps.header(
+        "evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.stages.evaluate)"
+    )
     eval_dir = output / "eval"
     if len(cfg.seeds) == 1 and not cfg.eval_replay:
         steps.run("eval", eval_argv(cfg, target, eval_dir, drafters, data))

@@ -1,16 +1,20 @@
-"""The AL benchmark: every drafter on every eval split against one HF target; writes results and the matrix."""
+"""The AL benchmark: every drafter on every eval split against one HF target; writes results and the matrix.
+
+`config` is the evaluate stage's EvaluateConfig (stages/evaluate.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.eval import benchmark
+from megatron_osprey.eval.config import DrafterSpec  # noqa: F401  (the drafters a run names)
 from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
@@ -20,53 +24,11 @@ RESULTS_TAG = "megatron_osprey.eval/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-@dataclass
-class DrafterSpec:
-    """A drafter to evaluate: its name, directory, training domain and method (None: from its run_config)."""
-
-    name: str
-    path: Path
-    train_domain: str | None = None
-    method: str | None = None
-
-
-@dataclass
-class EvalConfig:
-    """python -m megatron_osprey.eval settings (defaults: the paper's serving config and benchmark protocol).
-
-    `temperature` and `draft_tokens` take one value or a list; every combination is one sweep row.
-    """
-
-    target: Path
-    drafters: list[DrafterSpec]
-    data: list[Path]
-    output: Path
-    steps: int = 5
-    topk: int = 1
-    draft_tokens: int | None | list = 6
-    temperature: float | list = 0.0
-    max_new_tokens: int = 4096  # the paper's benchmark; CPU runs pass less
-    prompt_messages: str = "first_user"  # the paper's: the first user message only
-    limit: int | None = None
-    verify_lossless: bool = False
-    dtype: str = "float32"
-    device: str = "auto"
-    enable_thinking: bool | None = None
-    seed: int = 0
-    progress: bool = True
-    target_backend: str = "hf"  # or "megatron": the Megatron-Core model (exact recompute, no KV cache)
-    truncate_prompts: bool = False  # keep a too-long prompt's last tokens instead of refusing it
-    overwrite: bool = False  # replace an existing OUTPUT/results.json
-    batch_size: int = 1  # > 1: the batched greedy-chain engine (same tokens and AL, several requests per forward)
-    replay: bool = False  # AL by replaying the target's greedy output: one target forward per prompt for all drafters
-    extra: dict = field(default_factory=dict)
-
-
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def sweep_settings(config: EvalConfig) -> list[dict]:
+def sweep_settings(config) -> list[dict]:
     """One SpecConfig keyword set per (temperature, draft tokens) combination, in flag order.
 
     With topk 1 a chain of d draft tokens has d - 1 steps (SGLang's rule), so each --draft-tokens
@@ -91,7 +53,7 @@ def sweep_settings(config: EvalConfig) -> list[dict]:
     return settings
 
 
-def check_engine(config: EvalConfig, settings: list[dict]) -> None:
+def check_engine(config, settings: list[dict]) -> None:
     """--replay and --batch-size above 1 decode greedy chains on the HF target only (one error per bad flag)."""
     if config.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
@@ -144,7 +106,7 @@ def _eos_ids(target_dir: Path, generation_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _load_target(config: EvalConfig):
+def _load_target(config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = Path(config.target)
@@ -162,7 +124,7 @@ def _load_target(config: EvalConfig):
     return model, tokenizer, device
 
 
-def _target_facts(config: EvalConfig, model) -> tuple[object, object]:
+def _target_facts(config, model) -> tuple[object, object]:
     """(model config, generation config) without loading weights when the HF model is not used."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -175,9 +137,7 @@ def _target_facts(config: EvalConfig, model) -> tuple[object, object]:
     return AutoConfig.from_pretrained(str(config.target)), generation
 
 
-def fit_prompts(
-    prompts: list, path: Path, config: EvalConfig, max_positions: int | None, draft_tokens: int
-) -> tuple[list, int]:
+def fit_prompts(prompts: list, path: Path, config, max_positions: int | None, draft_tokens: int) -> tuple[list, int]:
     """Refuse (or, with --truncate-prompts, left-truncate) prompts whose decode would pass the target's positions.
 
     A prompt plus --max-new-tokens plus one verify step's draft tokens must fit in
@@ -228,7 +188,7 @@ def check_drafter_fits_target(path: Path, drafter_config, target: Path, target_c
 
 
 @contextlib.contextmanager
-def _target_factory(config: EvalConfig, model):
+def _target_factory(config, model):
     """Yields make(aux_layer_ids) -> TargetModel, for the HF model or a Megatron-Core stage."""
     if model is not None:
         yield lambda aux: HFTargetModel(model, aux)
@@ -242,7 +202,11 @@ def _target_factory(config: EvalConfig, model):
         yield lambda aux: MegatronTargetModel(stage.model, aux, stage.arch.vocab_size)
 
 
-def run_eval(config: EvalConfig) -> dict:
+# Fields of the evaluate stage's config that results.json lists elsewhere (drafters, splits) or not at all.
+_NOT_RECORDED = ("drafters", "names", "train_domain", "method", "data", "extra")
+
+
+def run_eval(config) -> dict:
     """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
     settings = sweep_settings(config)
     if config.verify_lossless and any(kw["temperature"] != 0 for kw in settings):
@@ -360,7 +324,7 @@ def run_eval(config: EvalConfig) -> dict:
     results = {
         "format": RESULTS_TAG,
         "config": {
-            **{k: v for k, v in asdict(config).items() if k not in ("drafters", "data", "extra")},
+            **{k: v for k, v in asdict(config).items() if k not in _NOT_RECORDED},
             "target": str(config.target),
             "output": str(config.output),
             "eos_token_ids": list(eos),

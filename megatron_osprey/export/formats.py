@@ -11,9 +11,9 @@ import torch
 from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
 from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.export import layouts
+from megatron_osprey.export.config import FORMATS  # noqa: E402,F401
 from megatron_osprey.models.drafter.reference import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter
 
-FORMATS = ("sglang", "hf", "speculators")
 # Used when the checkpoint does not say (a bare reference dir): Llama-3's context.
 DEFAULT_MAX_POSITIONS = 131072
 

@@ -32,27 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-MASK_ALIGNMENTS = ("predicted", "reference")
-NORMALIZATIONS = ("tokens", "reference")
-
-
-@dataclasses.dataclass
-class TTTLossConfig:
-    """K steps (5 for both arms in the paper) weighted decay**k; the two conventions of the module docstring."""
-
-    ttt_steps: int = 5
-    decay: float = 0.8
-    mask_alignment: str = "predicted"
-    normalization: str = "tokens"
-
-    def __post_init__(self) -> None:
-        if self.mask_alignment not in MASK_ALIGNMENTS:
-            raise ValueError(f"--ttt-mask-alignment must be one of {MASK_ALIGNMENTS}, got {self.mask_alignment!r}.")
-        if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--ttt-normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}.")
-
-    def weights(self) -> list[float]:
-        return [self.decay**k for k in range(self.ttt_steps)]
+from megatron_osprey.losses.config import TTTLossConfig
 
 
 def _tp(group):

@@ -12,61 +12,7 @@ from typing import Iterator
 import torch
 
 from megatron_osprey.parallel import cpu_compat
-
-
-@dataclasses.dataclass
-class ParallelConfig:
-    """Parallel layout, with Megatron-LM's argument names."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    distributed_backend: str | None = None  # None: nccl with CUDA, gloo without
-    distributed_timeout_minutes: float = 10.0
-    seed: int = 1234
-
-    def model_parallel_size(self) -> int:
-        """Ranks that hold one copy of the (dense) model."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-
-    def validate(self, world_size: int) -> None:
-        """Raise one clear error when the layout does not fit `world_size` ranks."""
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
-        mp = self.model_parallel_size()
-        if world_size % mp:
-            raise ValueError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                f"({self.pipeline_model_parallel_size}) x --context-parallel-size "
-                f"({self.context_parallel_size}) = {mp}."
-            )
-        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        expert_mp = etp * self.expert_model_parallel_size * self.pipeline_model_parallel_size
-        if world_size % expert_mp:
-            raise ValueError(
-                f"world size {world_size} is not divisible by --expert-model-parallel-size "
-                f"({self.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) x "
-                f"--pipeline-model-parallel-size ({self.pipeline_model_parallel_size})."
-            )
-        if not self.distributed_timeout_minutes > 0:
-            raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1.")
-        if self.context_parallel_size > 1 and not torch.cuda.is_available():
-            raise ValueError(
-                "--context-parallel-size > 1 needs Transformer Engine attention on CUDA; it cannot run on the CPU."
-            )
+from megatron_osprey.parallel.config import ParallelConfig
 
 
 def _parallel_state_property(getter: str) -> property:

@@ -1,30 +1,126 @@
-"""What every stage's main() shares: a config from its flags, and errors as one line plus an exit code.
+"""What every stage's main() shares: one parser shape, a config from a recipe and flags, and errors as one line.
 
-The exit codes are the same for every stage: 0 done; 2 bad input or an unusable file (one
-`error: ...` line on stderr, no traceback); 1 a run that failed on its own (a non-finite
-training loss). A stage may add its own 1 (regeneration: some rows failed; evaluation: a
-lossless mismatch).
+Every stage reads its command line the same way:
+
+    python -m megatron_osprey.stages.STAGE [--recipe NAME[:DOMAIN]|FILE.yaml [--run-dir DIR]] [flags] [--set K=V ...]
+
+Precedence: the stage Config's defaults < the recipe's config for this stage (recipe-level `--set` keys such as
+`paths.target=DIR` shape the recipe first) < typed flags < this stage's `--set` keys (`training.lr=2e-4`).
+A recipe is resolved by the recipe registry, which sits above the stages (its recipes build the stages'
+configs): a stage module run as a program hands it in (`megatron_osprey.recipes.run_stage`).
+
+The exit codes are the same for every stage: 0 done; 2 bad input or an unusable file (one `error: ...` line on
+stderr, no traceback); 1 a run that failed on its own (a non-finite training loss). A stage may add its own 1
+(regeneration: some rows failed; evaluation: a lossless mismatch).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_osprey.base import provenance
+from megatron_osprey.config.flags import FlagGroups, add_flag_groups, apply_flags
+from megatron_osprey.config.overrides import apply_overrides
 
 # Bad input, an output made from other inputs, an unreadable input, a read-only or full disk.
 INPUT_ERRORS = (ValueError, OSError)
 
+# (spec, stage, overrides, run_dir) -> (the stage's config from the recipe, the overrides left for the stage)
+RecipeResolver = Callable[[str, str, list[str], str | None], tuple[Any, list[str]]]
 
-def config_from_flags(config_class, args):
-    """`config_class` filled from the parsed flags of the same names; fields without a flag keep their default."""
-    names = {field.name for field in dataclasses.fields(config_class)}
-    return config_class(**{name: value for name, value in vars(args).items() if name in names})
+
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """How a stage was started: its name, the recipe it came from and its command line (for provenance.json)."""
+
+    stage: str
+    recipe: str | None = None
+    command: tuple[str, ...] = ()
+
+    def record(self, directory: str | Path, config, inputs: dict, outputs: dict[str, str | Path]) -> Path:
+        """Write DIRECTORY/provenance.json for this run: the config, the checked inputs and the hashed outputs."""
+        return provenance.write_provenance(
+            directory, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
+        )
+
+
+def check_inputs(paths: dict[str, str | Path | None]) -> dict[str, dict[str, str]]:
+    """Each named input's path and sha256, refusing one whose producer recorded other bytes (None: skipped)."""
+    return {name: provenance.check_input(name, path) for name, path in paths.items() if path is not None}
+
+
+def stage_parser(stage: str, description: str, groups: FlagGroups) -> argparse.ArgumentParser:
+    """The parser every stage has: --recipe, --run-dir, --set and the stage's flag groups (typed flags only)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m megatron_osprey.stages.{stage}",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    recipe = parser.add_argument_group("recipe")
+    recipe.add_argument(
+        "--recipe",
+        metavar="NAME[:DOMAIN]|FILE.yaml",
+        help="start from a recipe's config for this stage (`osprey recipes` lists them)",
+    )
+    recipe.add_argument(
+        "--run-dir", metavar="DIR", help="with --recipe: the run directory whose layout gives every path"
+    )
+    recipe.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key (training.lr=2e-4) or, with --recipe, a recipe key (paths.target=DIR); "
+        "repeatable, applied last",
+    )
+    add_flag_groups(parser, groups)
+    return parser
+
+
+def parse_config(
+    argv: list[str] | None,
+    stage: str,
+    config_class: type,
+    groups: FlagGroups,
+    description: str,
+    recipes: RecipeResolver | None = None,
+):
+    """(The stage's resolved config, how it was invoked) from argv (see the module docstring); bad input exits 2
+    with one line."""
+    parser = stage_parser(stage, description, groups)
+    typed = vars(parser.parse_args(argv))
+    spec, run_dir, overrides = typed.pop("recipe", None), typed.pop("run_dir", None), typed.pop("overrides", [])
+    try:
+        if spec is None:
+            if run_dir is not None:
+                raise ValueError("--run-dir takes its layout from a recipe; pass --recipe NAME too.")
+            config, stage_overrides = config_class(), overrides
+        elif recipes is None:
+            raise ValueError(
+                f"--recipe needs the recipe registry: run this stage as `python -m megatron_osprey.stages.{stage}` "
+                f"(or call megatron_osprey.recipes.run_stage)."
+            )
+        else:
+            config, stage_overrides = recipes(spec, stage, overrides, run_dir)
+        apply_flags(config, typed)
+        config = apply_overrides(config, stage_overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    command = ("python", "-m", f"megatron_osprey.stages.{stage}", *(sys.argv[1:] if argv is None else argv))
+    return config, Invocation(stage, spec, command)
 
 
 def exit_code(
-    call: Callable[[], int | None], *, also: tuple[type[BaseException], ...] = (), describe: Callable[[str], str] = str
+    call: Callable[[], int | None],
+    *,
+    also: tuple[type[BaseException], ...] = (),
+    describe: Callable[[str], str] = str,
 ) -> int:
     """Run `call` and return its exit code (None: 0); on an input error (or one in `also`) print it as one
     line and return 2; on a non-finite loss, 1.
@@ -41,27 +137,19 @@ def exit_code(
         return 1
 
 
-def in_process_groups(config, train: Callable):
-    """`train(config, state)` on this rank inside the process groups `config.parallel` describes (collective)."""
+def in_process_groups(parallel, work: Callable):
+    """`work(state)` on this rank inside the process groups `parallel` describes (collective)."""
     from megatron_osprey.parallel import parallel_context
 
-    with parallel_context(config.parallel) as state:
-        return train(config, state)
+    with parallel_context(parallel) as state:
+        return work(state)
 
 
-def training_main(config, run: Callable[[object], object]) -> int:
-    """Run a training stage on this rank and return its exit code.
-
-    wandb stays offline unless the user chose a mode (WANDB_MODE); the API key is wandb's to read, never ours.
-    """
+def resolve_wandb_mode(config) -> None:
+    """wandb stays offline unless the user chose a mode (WANDB_MODE); the API key is wandb's to read, never ours."""
     config.logging.wandb_mode = os.environ.get("WANDB_MODE", "offline")
-
-    def train() -> None:  # its result is for programmatic callers, not an exit code
-        run(config)
-
-    return exit_code(train)
 
 
 def is_rank0() -> bool:
-    """Rank 0 of a torchrun job, or a single process: the one that prints the summary."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """Rank 0 of a torchrun or srun job, or a single process: the one that prints the summary."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0

@@ -1,35 +1,148 @@
 """Stage 4: distill the adapted drafter against a frozen target (TTT loss), online or from a hidden-state store.
 
-    torchrun --nproc_per_node=N -m megatron_osprey.stages.distill --recipe NAME --drafter-init ADAPTED_DIR \\
-        --target TARGET_DIR --mode online|offline [--hidden-states STORE] [flags ...]
-        (see --help; `-m megatron_osprey.distill` is the same)
+    torchrun --nproc_per_node=N -m megatron_osprey.stages.distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
+        --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
+        [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
-Config: DistillConfig (megatron_osprey/config/distill.py; flags and --recipe in config/distill_args.py).
-The training itself is training/distillation.py on the shared assembly of training/.
+Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
+seq 4096, TTT 5 (losses/config.py). The training itself is training/distillation.py on the shared assembly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
-from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.distill_args import distill_config_from_args
-from megatron_osprey.stages.cli import in_process_groups, training_main
+from megatron_osprey.config.flags import under
+from megatron_osprey.data.config import DISTILL_DATA_FLAGS, DISTILL_MODES, DistillDataConfig
+from megatron_osprey.losses.config import TTT_FLAGS, TTTLossConfig
+from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DistillDrafterConfig
+from megatron_osprey.models.target.config import TARGET_FLAGS, TARGET_LAYOUT_FLAGS, TargetConfig
+from megatron_osprey.parallel.config import ParallelConfig
+from megatron_osprey.stages.cli import (
+    Invocation,
+    check_inputs,
+    exit_code,
+    in_process_groups,
+    is_rank0,
+    parse_config,
+    resolve_wandb_mode,
+)
+from megatron_osprey.stages.pretrain import SHARED_TRAINING_FLAGS
+from megatron_osprey.training.config import (
+    CheckpointConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    validate_optimizer,
+    validate_training,
+)
 
 
-def run(config: DistillConfig):
+def _adaptation_optimizer() -> OptimizerConfig:
+    """The paper's adaptation schedule (Stage 2's defaults are the optimizer's own)."""
+    return OptimizerConfig(lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0)
+
+
+@dataclasses.dataclass
+class DistillConfig:
+    """Everything Stage 4 runs from: the drafter, the frozen target, the data, the TTT loss and training."""
+
+    drafter: DistillDrafterConfig = dataclasses.field(default_factory=DistillDrafterConfig)
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    data: DistillDataConfig = dataclasses.field(default_factory=DistillDataConfig)
+    ttt: TTTLossConfig = dataclasses.field(default_factory=TTTLossConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=_adaptation_optimizer)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int) -> None:
+        """Checks that need no model or data."""
+        drafter, target, data = self.drafter, self.target, self.data
+        drafter.validate()
+        if drafter.drafter_init and not (Path(drafter.drafter_init) / "megatron").is_dir():
+            raise FileNotFoundError(
+                f"--drafter-init {drafter.drafter_init}: no megatron/ there (expected the output of the adapt stage)."
+            )
+        if not target.path or not (Path(target.path) / "config.json").is_file():
+            raise FileNotFoundError(f"--target {target.path}: no config.json there (a HF model directory).")
+        if data.mode not in DISTILL_MODES:
+            raise ValueError(f"--mode must be one of {DISTILL_MODES}, got {data.mode!r}.")
+        if data.mode == "offline" and not data.hidden_states:
+            raise ValueError("--mode offline needs --hidden-states STORE (the extract stage's output).")
+        if data.mode == "online" and not data.data_path:
+            raise ValueError("--mode online needs --data-path CONVERSATIONS.jsonl.")
+        for path in data.data_path:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--data-path {path} does not exist.")
+        if self.parallel.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                "distillation runs the drafter and the online target without pipeline parallelism: use "
+                "--pipeline-model-parallel-size 1 (extract hidden states with PP and train --mode offline "
+                "for targets that need it)."
+            )
+        target.fold_into(self.parallel)
+        if self.ttt.ttt_steps < 1:
+            raise ValueError(f"--ttt-steps must be >= 1, got {self.ttt.ttt_steps}.")
+        validate_training(self.training, self.parallel, world_size)
+        validate_optimizer(self.optimizer, self.training)
+
+
+FLAGS = {
+    "drafter": under("drafter", DRAFTER_FLAGS) + under("ttt", TTT_FLAGS),
+    "target and data": under("target", TARGET_FLAGS + TARGET_LAYOUT_FLAGS) + under("data", DISTILL_DATA_FLAGS),
+    **SHARED_TRAINING_FLAGS,
+}
+
+
+def _inputs(config: DistillConfig) -> dict:
+    """What distillation reads: the adapted drafter, the conversations and (offline) the hidden-state store."""
+    inputs = {f"data{i}": path for i, path in enumerate(config.data.data_path)}
+    if config.drafter.drafter_init:
+        init = Path(config.drafter.drafter_init)
+        inputs |= {"drafter_init": init / "megatron", "drafter_config": init / "run_config.yaml"}
+    if config.data.mode == "offline":
+        inputs["hidden_states"] = config.data.hidden_states
+    return inputs
+
+
+def run(config: DistillConfig, invocation: Invocation = Invocation("distill")):
     """Distill; every rank of the job calls it. Online, the frozen target runs on the same ranks and
-    model-parallel groups; offline, the ranks read the hidden-state store instead."""
+    model-parallel groups; offline, the ranks read the hidden-state store instead.
+
+    With --save, SAVE/provenance.json records the checkpoint that export and evaluate read."""
     from megatron_osprey.training.distillation import run_distill
 
-    return in_process_groups(config, run_distill)
+    inputs = check_inputs(_inputs(config)) if is_rank0() else {}
+    result = in_process_groups(config.parallel, lambda state: run_distill(config, state))
+    save = Path(config.checkpoint.save) if config.checkpoint.save else None
+    if is_rank0() and save is not None and save.is_dir():
+        invocation.record(save, config, inputs, {"checkpoint": save})
+    return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the flags (--help), distill; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
-    return training_main(distill_config_from_args(argv), run)
+def config_from_args(argv: list[str] | None = None, recipes=None):
+    """(The resolved config, its Invocation); `--help` lists the flags; `recipes` resolves --recipe."""
+    return parse_config(argv, "distill", DistillConfig, FLAGS, __doc__, recipes)
+
+
+def main(argv: list[str] | None = None, recipes=None) -> int:
+    """Parse the flags, distill; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
+    config, invocation = config_from_args(argv, recipes)
+    resolve_wandb_mode(config)
+
+    def train() -> None:  # its result is for programmatic callers, not an exit code
+        run(config, invocation)
+
+    return exit_code(train)
 
 
 if __name__ == "__main__":
-    # The guard matters: every checkpoint save starts a multiprocessing Manager with spawn.
-    sys.exit(main())
+    # The job door. The recipe registry builds this module's config, so only the program imports it. The guard
+    # matters too: every checkpoint save starts a multiprocessing Manager with spawn.
+    from megatron_osprey.recipes import run_stage
+
+    sys.exit(run_stage("distill"))

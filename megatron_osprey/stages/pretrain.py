@@ -1,33 +1,139 @@
 """Stage 2: pretrain the pruned backbone on web text (next-token loss), with Megatron-LM's flags.
 
-    torchrun --nproc_per_node=N -m megatron_osprey.stages.pretrain --recipe NAME --backbone PRUNED_DIR \\
-        --data-path PREFIX [Megatron-LM flags ...]      (see --help; `-m megatron_osprey.pretrain` is the same)
+    torchrun --nproc_per_node=N -m megatron_osprey.stages.pretrain --backbone PRUNED_DIR --data-path PREFIX \\
+        [--recipe NAME [--run-dir DIR]] [Megatron-LM flags ...] [--set section.key=value ...]
 
-Config: PretrainConfig (megatron_osprey/config/pretrain.py; flags and --recipe in config/args.py).
 The training itself is training/pretraining.py on the shared assembly of training/.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
-from megatron_osprey.config.args import config_from_args
-from megatron_osprey.config.pretrain import PretrainConfig
-from megatron_osprey.stages.cli import in_process_groups, training_main
+from megatron_osprey.config.flags import under, without
+from megatron_osprey.data.config import INDEXED_DATA_FLAGS, IndexedDataConfig
+from megatron_osprey.models.backbone.config import BACKBONE_FLAGS, BackboneConfig
+from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
+from megatron_osprey.stages.cli import (
+    Invocation,
+    check_inputs,
+    exit_code,
+    in_process_groups,
+    is_rank0,
+    parse_config,
+    resolve_wandb_mode,
+)
+from megatron_osprey.training.config import (
+    CHECKPOINT_FLAGS,
+    LOGGING_FLAGS,
+    OPTIMIZER_FLAGS,
+    TRAINING_FLAGS,
+    CheckpointConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    validate_optimizer,
+    validate_training,
+)
 
 
-def run(config: PretrainConfig):
-    """Pretrain; every rank of the job calls it. Returns the PretrainResult (train state, loss history)."""
+@dataclasses.dataclass
+class PretrainConfig:
+    """Everything Stage 2 runs from: the backbone, the indexed text and the shared training sections."""
+
+    model: BackboneConfig = dataclasses.field(default_factory=BackboneConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: IndexedDataConfig = dataclasses.field(default_factory=IndexedDataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int) -> None:
+        """Checks that need no model: flags that contradict each other or cannot run here."""
+        self.model.validate()
+        validate_training(self.training, self.parallel, world_size)
+        validate_optimizer(self.optimizer, self.training)
+        if not self.data.data_path:
+            raise ValueError("--data-path is required: one PREFIX or `WEIGHT PREFIX` pairs.")
+        if self.training.exit_signal_handler and not self.checkpoint.save:
+            raise ValueError("--exit-signal-handler needs --save: a signal saves a checkpoint, then exits.")
+
+
+FLAGS = {
+    "model": under("model", BACKBONE_FLAGS),
+    "distributed": under("parallel", PARALLEL_FLAGS),
+    "training": under("training", TRAINING_FLAGS),
+    "learning rate": under("optimizer", OPTIMIZER_FLAGS),
+    "data": under("data", INDEXED_DATA_FLAGS),
+    "checkpointing": under("checkpoint", CHECKPOINT_FLAGS),
+    "logging": under("logging", LOGGING_FLAGS),
+}
+# Flags of the shared training sections that Stage 4 also takes (it runs no validation split).
+SHARED_TRAINING_FLAGS = {
+    "distributed": FLAGS["distributed"],
+    "training": FLAGS["training"],
+    "learning rate": FLAGS["learning rate"],
+    "checkpointing": FLAGS["checkpointing"],
+    "logging": without(FLAGS["logging"], ("--eval-interval", "--eval-iters")),
+}
+
+
+def _inputs(config: PretrainConfig) -> dict:
+    """What pretraining reads: the backbone (the prune stage's output) and the indexed text files."""
+    inputs = {}
+    if config.model.backbone:
+        backbone = Path(config.model.backbone)
+        inputs |= {"backbone": backbone / "megatron", "backbone_config": backbone / "run_config.yaml"}
+    prefixes = [p for p in config.data.data_path if not _is_weight(p)]
+    for i, prefix in enumerate(prefixes):
+        inputs |= {f"data{i}.bin": f"{prefix}.bin", f"data{i}.idx": f"{prefix}.idx"}
+    return inputs
+
+
+def _is_weight(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def run(config: PretrainConfig, invocation: Invocation = Invocation("pretrain")):
+    """Pretrain; every rank of the job calls it. Returns the PretrainResult (train state, loss history).
+
+    With --save, SAVE/provenance.json records the backbone Stage 3 reads (SAVE/hf, SAVE/run_config.yaml)."""
     from megatron_osprey.training.pretraining import run_pretrain
 
-    return in_process_groups(config, run_pretrain)
+    inputs = check_inputs(_inputs(config)) if is_rank0() else {}
+    result = in_process_groups(config.parallel, lambda state: run_pretrain(config, state))
+    save = Path(config.checkpoint.save) if config.checkpoint.save else None
+    if is_rank0() and save is not None and (save / "hf").is_dir():
+        invocation.record(save, config, inputs, {"hf": save / "hf", "run_config": save / "run_config.yaml"})
+    return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the flags (--help), pretrain; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
-    return training_main(config_from_args(argv), run)
+def config_from_args(argv: list[str] | None = None, recipes=None):
+    """(The resolved config, its Invocation); `--help` lists the flags; `recipes` resolves --recipe."""
+    return parse_config(argv, "pretrain", PretrainConfig, FLAGS, __doc__, recipes)
+
+
+def main(argv: list[str] | None = None, recipes=None) -> int:
+    """Parse the flags, pretrain; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
+    config, invocation = config_from_args(argv, recipes)
+    resolve_wandb_mode(config)
+
+    def train() -> None:  # its result is for programmatic callers, not an exit code
+        run(config, invocation)
+
+    return exit_code(train)
 
 
 if __name__ == "__main__":
-    # The guard matters: every checkpoint save starts a multiprocessing Manager with spawn.
-    sys.exit(main())
+    # The job door. The recipe registry builds this module's config, so only the program imports it. The guard
+    # matters too: every checkpoint save starts a multiprocessing Manager with spawn.
+    from megatron_osprey.recipes import run_stage
+
+    sys.exit(run_stage("pretrain"))

@@ -1,158 +1,186 @@
 """Regenerate every assistant turn of a conversations JSONL with the target model.
 
-    python tools/regenerate.py --input prompts.jsonl --output regen.jsonl \\
+    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl \\
         --backend server --server-url http://10.0.0.1:30000 --server-url http://10.0.0.2:30000 \\
         --temperature 0 --max-tokens 2048 --concurrency 64 --retries 3
-    python tools/regenerate.py --input prompts.jsonl --output regen.jsonl --backend hf --model ./tiny_target
+    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl --backend hf --model DIR
 
-(python -m megatron_osprey.stages.regenerate takes the same flags)
-
-Rerunning the same command resumes: ids already in the output are skipped. Failed rows
-are listed in OUT.failures.jsonl. The API key comes from $OPENAI_API_KEY (or the variable
-named by --api-key-env) and is never printed.
+Rerunning the same command resumes: ids already in the output are skipped. Failed rows are listed in
+OUT.failures.jsonl. The API key comes from $OPENAI_API_KEY (or the variable named by --api-key-env) and is
+never printed. The runner is data/regenerate/.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
-from megatron_osprey.data.regenerate import (
-    HFBackend,
-    HFBackendConfig,
-    RegenerateConfig,
-    RegenerateSummary,
-    SamplingParams,
-    ServerBackend,
-    ServerBackendConfig,
-    regenerate_file,
-)
-from megatron_osprey.data.regenerate.backends import BackendRequestError, ChatBackend, redact_credentials
-from megatron_osprey.stages.cli import exit_code
+from megatron_osprey.config.flags import STORE_TRUE, Flag, under
+from megatron_osprey.data.regenerate.backends import BackendRequestError, SamplingParams, redact_credentials
+from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
+
+BACKENDS = ("server", "hf")
+BACKEND_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def run(config: RegenerateConfig, backend: ChatBackend) -> RegenerateSummary:
-    """Regenerate config.input_path into config.output_path with `backend` (closed afterwards)."""
-    try:
-        return regenerate_file(config, backend)
-    finally:
-        backend.close()
+@dataclasses.dataclass
+class RegenerateConfig:
+    """The files, the backend (a server pool or an in-process HF model) and the sampling of one run."""
+
+    input: str | None = None
+    output: str | None = None
+    backend: str = "server"
+    server_url: list[str] = dataclasses.field(default_factory=list)  # server backend: the pool
+    served_model_name: str | None = None  # None: ask /v1/models
+    api_key_env: str | None = None  # the variable holding the API key (default OPENAI_API_KEY if set)
+    timeout: float = 600.0
+    retries: int = 3
+    backoff: float = 1.0
+    model: str | None = None  # hf backend: a local HF model directory
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_size: int = 1
+    trust_remote_code: bool = False
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    concurrency: int = 8
+    progress: bool = True
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        """One clear sentence per bad setting, before any request."""
+        checks = [
+            (not self.input, "--input is required."),
+            (not self.output, "--output is required."),
+            (self.backend not in BACKENDS, f"--backend must be one of {BACKENDS}."),
+            (self.sampling.temperature < 0, "--temperature must be >= 0."),
+            (self.sampling.max_tokens < 1, "--max-tokens must be >= 1."),
+            (self.concurrency < 1, "--concurrency must be >= 1."),
+            (self.retries < 0, "--retries must be >= 0."),
+            (self.batch_size < 1, "--batch-size must be >= 1."),
+        ]
+        for failed, message in checks:
+            if failed:
+                raise ValueError(message)
+        if not Path(self.input).is_file():
+            raise FileNotFoundError(f"--input {self.input} does not exist.")
+        if self.backend == "server":
+            if not self.server_url:
+                raise ValueError("--backend server needs at least one --server-url.")
+            for url in self.server_url:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--server-url {redact_credentials(url)!r} must start with http:// or https://.")
+            if self.api_key_env and not os.environ.get(self.api_key_env):
+                raise ValueError(f"--api-key-env {self.api_key_env}: that environment variable is empty or unset.")
+        elif self.model is None:
+            raise ValueError("--backend hf needs --model DIR.")
+        elif not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model} is not a Hugging Face model directory (no config.json).")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser."""
-    p = argparse.ArgumentParser(description="Regenerate assistant turns with the target model (resumable).")
-    p.add_argument("--input", required=True, type=Path, help="conversations JSONL (prompts)")
-    p.add_argument("--output", required=True, type=Path, help="regenerated conversations JSONL (appended, resumable)")
-    p.add_argument("--backend", choices=("server", "hf"), default="server")
-    p.add_argument("--server-url", action="append", default=[], help="OpenAI-compatible server root; repeat for a pool")
-    p.add_argument("--served-model-name", default=None, help="model name for requests (default: ask /v1/models)")
-    p.add_argument("--api-key-env", default=None, help="env var holding the API key (default OPENAI_API_KEY if set)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--retries", type=int, default=3, help="extra attempts per request on transient errors")
-    p.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds (doubles each retry)")
-    p.add_argument("--model", type=Path, default=None, help="local HF model directory (hf backend)")
-    p.add_argument("--device", default="cpu", help="torch device (hf backend)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=1,
-        help="hf backend, greedy: generate up to this many concurrent turns together (needs --concurrency >= it)",
-    )
-    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from --model (hf backend)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=None, help="per-turn seeds derived from this (sampling only)")
-    thinking = p.add_mutually_exclusive_group()
-    thinking.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None)
-    thinking.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
-    p.add_argument("--concurrency", type=int, default=8, help="conversations in flight")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete an --output made from other input, another model or other sampling (default: refuse)",
-    )
-    return p
+FLAGS = {
+    "files": [
+        Flag("--input", "input", {"help": "conversations JSONL (prompts)"}),
+        Flag("--output", "output", {"help": "regenerated conversations JSONL (appended, resumable)"}),
+        Flag(
+            "--overwrite",
+            "overwrite",
+            {**STORE_TRUE, "help": "delete an --output made from other input, another model or other sampling"},
+        ),
+        Flag("--concurrency", "concurrency", {"type": int, "help": "conversations in flight"}),
+        Flag("--no-progress", "progress", {"action": "store_false"}),
+    ],
+    "backend": [
+        Flag("--backend", "backend", {"choices": list(BACKENDS)}),
+        Flag("--server-url", "server_url", {"action": "append", "help": "OpenAI-compatible server; repeat for a pool"}),
+        Flag("--served-model-name", "served_model_name", {"help": "model name for requests (default: /v1/models)"}),
+        Flag("--api-key-env", "api_key_env", {"help": "env var holding the API key (default OPENAI_API_KEY if set)"}),
+        Flag("--timeout", "timeout", {"type": float, "help": "seconds per request"}),
+        Flag("--retries", "retries", {"type": int, "help": "extra attempts per request on transient errors"}),
+        Flag("--backoff", "backoff", {"type": float, "help": "first retry delay in seconds (doubles each retry)"}),
+        Flag("--model", "model", {"help": "local HF model directory (hf backend)"}),
+        Flag("--device", "device", {"help": "torch device (hf backend)"}),
+        Flag("--dtype", "dtype", {"choices": list(BACKEND_DTYPES)}),
+        Flag(
+            "--batch-size",
+            "batch_size",
+            {"type": int, "help": "hf backend, greedy: generate up to this many concurrent turns together"},
+        ),
+        Flag("--trust-remote-code", "trust_remote_code", {**STORE_TRUE, "help": "allow model code (hf backend)"}),
+    ],
+    "sampling": under(
+        "sampling",
+        [
+            Flag("--temperature", "temperature", {"type": float}),
+            Flag("--max-tokens", "max_tokens", {"type": int}),
+            Flag("--seed", "seed", {"type": int, "help": "per-turn seeds derived from this (sampling only)"}),
+            Flag("--enable-thinking", "enable_thinking", {"action": "store_true"}),
+            Flag("--disable-thinking", "enable_thinking", {"action": "store_false"}),
+        ],
+    ),
+}
 
 
-def build_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ChatBackend:
-    """The server pool or the local HF model the flags name (a bad flag: parser.error, exit 2)."""
-    if args.backend == "server":
-        if not args.server_url:
-            parser.error("--backend server needs at least one --server-url.")
-        for url in args.server_url:
-            if not url.startswith(("http://", "https://")):
-                parser.error(f"--server-url {redact_credentials(url)!r} must start with http:// or https://.")
-        key_env = args.api_key_env or "OPENAI_API_KEY"
-        api_key = os.environ.get(key_env) or None
-        if args.api_key_env and api_key is None:
-            parser.error(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset.")
+def build_backend(config: RegenerateConfig):
+    """The server pool or the local HF model the config names; the API key is read here, never stored."""
+    from megatron_osprey.data.regenerate import HFBackend, HFBackendConfig, ServerBackend, ServerBackendConfig
+
+    if config.backend == "server":
+        api_key = os.environ.get(config.api_key_env or "OPENAI_API_KEY") or None
         return ServerBackend(
             ServerBackendConfig(
-                urls=tuple(args.server_url),
+                urls=tuple(config.server_url),
                 api_key=api_key,
-                model=args.served_model_name,
-                timeout_s=args.timeout,
-                retries=args.retries,
-                backoff_s=args.backoff,
-                max_connections=max(64, args.concurrency),
+                model=config.served_model_name,
+                timeout_s=config.timeout,
+                retries=config.retries,
+                backoff_s=config.backoff,
+                max_connections=max(64, config.concurrency),
             )
         )
-    if args.model is None:
-        parser.error("--backend hf needs --model DIR.")
-    if not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model} is not a Hugging Face model directory (no config.json).")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1.")
     return HFBackend(
         HFBackendConfig(
-            model_dir=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            trust_remote_code=args.trust_remote_code,
-            batch_size=args.batch_size,
+            model_dir=Path(config.model),
+            device=config.device,
+            dtype=config.dtype,
+            trust_remote_code=config.trust_remote_code,
+            batch_size=config.batch_size,
         )
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, regenerate; returns 0 when every row is done, 1 when some failed, 2 on bad input."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0.")
-    if args.max_tokens < 1:
-        parser.error("--max-tokens must be >= 1.")
-    if args.concurrency < 1:
-        parser.error("--concurrency must be >= 1.")
-    if args.retries < 0:
-        parser.error("--retries must be >= 0.")
-    if not args.input.is_file():
-        parser.error(f"--input {args.input} does not exist.")
+def run(config: RegenerateConfig, invocation: Invocation = Invocation("regenerate")):
+    """Regenerate config.input into config.output; returns the RegenerateSummary."""
+    from megatron_osprey.data.regenerate import RegenerationRun, regenerate_file
 
-    backend = build_backend(parser, args)
-    config = RegenerateConfig(
-        input_path=args.input,
-        output_path=args.output,
-        sampling=SamplingParams(
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            enable_thinking=args.enable_thinking,
-        ),
-        concurrency=args.concurrency,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
+    config.validate()
+    inputs = check_inputs({"prompts": config.input, "model_config": _model_config(config)})
+    backend = build_backend(config)
+    files = RegenerationRun(
+        Path(config.input), Path(config.output), config.sampling, config.concurrency, config.progress, config.overwrite
     )
+    try:
+        summary = regenerate_file(files, backend)
+    finally:
+        backend.close()
+    if not summary.failed:
+        invocation.record(Path(config.output).parent, config, inputs, {"conversations": config.output})
+    return summary
+
+
+def _model_config(config: RegenerateConfig) -> Path | None:
+    return Path(config.model) / "config.json" if config.backend == "hf" else None
+
+
+def main(argv: list[str] | None = None, recipes=None) -> int:
+    """Parse the flags, regenerate; returns 0 when every row is done, 1 when some failed, 2 on bad input."""
+    config, invocation = parse_config(argv, "regenerate", RegenerateConfig, FLAGS, __doc__, recipes)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     def regenerate_and_report() -> int:
-        summary = run(config, backend)
+        summary = run(config, invocation)
         print(
             f"regenerate: {summary.total} rows, {summary.already_done} already done, "
             f"{summary.succeeded} regenerated, {summary.failed} failed -> {summary.output_path}",
@@ -171,4 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The job door; the recipe registry builds this module's config, so only the program imports it.
+    from megatron_osprey.recipes import run_stage
+
+    sys.exit(run_stage("regenerate"))

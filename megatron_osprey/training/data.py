@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.pretrain import DataSection
+from megatron_osprey.data.config import IndexedDataConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +174,9 @@ def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_
     return [train_iters * global_batch_size, valid, 0]
 
 
-def build_gpt_datasets(data: DataSection, tokenizer: DatasetTokenizer, seq_length: int, seed: int, sizes: list[int]):
+def build_gpt_datasets(
+    data: IndexedDataConfig, tokenizer: DatasetTokenizer, seq_length: int, seed: int, sizes: list[int]
+):
     """Train / valid / test GPTDatasets (blended when weighted); collective: call on every rank."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig

@@ -1,4 +1,8 @@
-"""Stage 4 assembled: drafter, frozen target (online) or hidden-state store (offline), TTT loss, shared loop."""
+"""Stage 4 assembled: drafter, frozen target (online) or hidden-state store (offline), TTT loss, shared loop.
+
+`cfg` is stages/distill.py's DistillConfig: its sections drafter, target, data, ttt and the shared training
+sections (training/config.py).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from megatron.core.utils import unwrap_model
 
 from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.config.distill import DistillConfig
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms
@@ -36,14 +39,13 @@ class DistillResult:
     arch: DrafterArch
 
 
-def drafter_arch(cfg: DistillConfig) -> DrafterArch:
+def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
     """Osprey: Stage 3's saved arch. EAGLE-3: Llama-style layers of the target's width, K-token draft vocab."""
     if cfg.drafter.drafter_init:
         saved = load_run_config(cfg.drafter.drafter_init)
         if "drafter" not in saved:
             raise ValueError(f"--drafter-init {cfg.drafter.drafter_init}: run_config.yaml has no drafter section.")
         return DrafterArch.from_dict(saved["drafter"])
-    target = ModelArch.from_hf_config(Path(cfg.target.target))
     return DrafterArch(
         body=eagle3_body(target, cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
@@ -70,14 +72,14 @@ def top_k_ids(counts: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_eagle3(model, cfg: DistillConfig, arch: DrafterArch, draft_ids: torch.Tensor, parallel: ParallelState) -> None:
+def init_eagle3(model, cfg, arch: DrafterArch, draft_ids: torch.Tensor, parallel: ParallelState) -> None:
     """EAGLE-3 from scratch: the target's frozen embedding, the draft vocabulary's d2t / t2d."""
     from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
     from megatron_osprey.convert.sharding import read_shard
     from megatron_osprey.convert.weight_map import DENSE_RULES
 
     embedding_rule = DENSE_RULES[0]
-    with SafetensorsCheckpoint(cfg.target.target) as ckpt:
+    with SafetensorsCheckpoint(cfg.target.path) as ckpt:
         shard = read_shard(
             ckpt,
             embedding_rule,
@@ -93,7 +95,7 @@ def init_eagle3(model, cfg: DistillConfig, arch: DrafterArch, draft_ids: torch.T
     model.t2d[draft_ids] = True
 
 
-def distill_forward_step(target: Callable | None, head: TargetHead, cfg: DistillConfig, draft_vocab: int, tp_group):
+def distill_forward_step(target: Callable | None, head: TargetHead, cfg, draft_vocab: int, tp_group):
     """forward_step(data_iterator, model) -> (loss, loss_func) over one micro-batch."""
 
     def forward_step(data_iterator, model):
@@ -131,15 +133,15 @@ def ttt_loss_func(terms, denominator, loss):
     return loss, count.to(torch.int), report
 
 
-def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
+def build_sources(cfg, arch: DrafterArch, target: ModelArch, tokenizer):
     from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples
     from megatron_osprey.models.target.pipeline_stage import target_identity
 
-    if cfg.target.mode == "offline":
+    if cfg.data.mode == "offline":
         # The store must come from this very target: same taps and width, and the same config and weights.
-        _, fingerprint = target_identity(ModelArch.from_hf_config(cfg.target.target), cfg.target.target)
+        _, fingerprint = target_identity(target, cfg.target.path)
         return StoreSamples(
-            cfg.target.hidden_states,
+            cfg.data.hidden_states,
             aux_layer_ids=list(arch.aux_layer_ids),
             hidden_size=arch.target_hidden_size,
             config_hash=fingerprint,
@@ -147,7 +149,7 @@ def build_sources(cfg: DistillConfig, arch: DrafterArch, tokenizer):
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
-def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> str:
+def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
 
     Rank 0 counts (a pass over the data) and broadcasts, so every rank refuses together.
@@ -160,8 +162,8 @@ def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> st
     torch.distributed.broadcast(counts, src=0)
     samples, tokens = counts.tolist()
     data = (
-        f"--hidden-states {cfg.target.hidden_states}"
-        if cfg.target.mode == "offline"
+        f"--hidden-states {cfg.data.hidden_states}"
+        if cfg.data.mode == "offline"
         else f"--data-path {' '.join(cfg.data.data_path)}"
     )
     if tokens == 0:
@@ -176,17 +178,17 @@ def check_loss_tokens(cfg: DistillConfig, source, parallel: ParallelState) -> st
     )
 
 
-def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
+def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     from transformers import AutoTokenizer
 
     cfg.validate(parallel.world_size)
-    cfg.optimizer.lr_warmup_iters = cfg.warmup_iters()
     if cfg.checkpoint.save:
         checkpointing.check_writable(cfg.checkpoint.save, "--save")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.target)
-    arch = drafter_arch(cfg)
-    source = build_sources(cfg, arch, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
+    target = ModelArch.from_hf_config(cfg.target.path)  # the one parse of its config.json, passed down
+    arch = drafter_arch(cfg, target)
+    source = build_sources(cfg, arch, target, tokenizer)
     length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
     loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
     draft_ids = None
@@ -196,7 +198,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         "stage": "distill",
         "config": cfg,
         "drafter": arch.to_dict(),
-        "target": cfg.target.target,
+        "target": cfg.target.path,
         "train_domain": cfg.data.domain,
         "world_size": parallel.world_size,
     }
@@ -211,7 +213,7 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
         else:
             init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
 
-    frozen = _FrozenTarget(cfg, arch, dtype, parallel)
+    frozen = _FrozenTarget(cfg, arch, target, dtype, parallel)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     # Pad each micro-batch to its own longest sample (a multiple that sequence parallelism can split).
     multiple = math.lcm(PAD_MULTIPLE, cfg.parallel.tensor_model_parallel_size)
@@ -253,8 +255,8 @@ def run_distill(cfg: DistillConfig, parallel: ParallelState) -> DistillResult:
 class _FrozenTarget:
     """The frozen target's part of a distillation step: its LM head always, its forward when online."""
 
-    def __init__(self, cfg: DistillConfig, arch: DrafterArch, dtype: torch.dtype, parallel: ParallelState):
-        self.cfg, self.arch, self.dtype, self.parallel = cfg, arch, dtype, parallel
+    def __init__(self, cfg, arch: DrafterArch, target: ModelArch, dtype: torch.dtype, parallel: ParallelState):
+        self.cfg, self.arch, self.target_arch, self.dtype, self.parallel = cfg, arch, target, dtype, parallel
         self.target = None
 
     def forward_step(self, model: list) -> Callable:
@@ -265,18 +267,24 @@ class _FrozenTarget:
         drafter = unwrap_model(model[0])
         tp_group = mpu.get_tensor_model_parallel_group()
         head = TargetHead.from_hf(
-            cfg.target.target, drafter.t2d.cpu(), parallel.tp_rank, cfg.parallel.tensor_model_parallel_size, tp_group
+            cfg.target.path,
+            drafter.t2d.cpu(),
+            parallel.tp_rank,
+            cfg.parallel.tensor_model_parallel_size,
+            tp_group,
+            arch=self.target_arch,
         ).to(parallel.device)
-        if cfg.target.mode == "online":
+        if cfg.data.mode == "online":
             from megatron_osprey.models.target.online import OnlineTarget
 
             self.target = OnlineTarget(
-                cfg.target.target,
+                cfg.target.path,
                 cfg.parallel,
                 parallel.device,
                 self.arch.aux_layer_ids,
                 params_dtype=self.dtype,
                 transformer_impl=cfg.drafter.transformer_impl,
+                arch=self.target_arch,
             )
         return distill_forward_step(self.target, head, cfg, self.arch.draft_vocab_size, tp_group)
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from megatron_osprey.config.pretrain import CheckpointSection, LoggingSection, TrainingSection
+from megatron_osprey.training.config import CheckpointConfig, LoggingConfig, TrainingConfig
 from megatron_osprey.training.metrics import MetricsLogger
 from megatron_osprey.training.scheduler import current_lr
 from megatron_osprey.training.signals import Deadline, SignalFlag, any_rank
@@ -43,16 +43,16 @@ class TrainRun:
     model: list
     optimizer: object
     scheduler: object
-    training: TrainingSection
-    checkpoint: CheckpointSection
-    logging: LoggingSection
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
     metrics: MetricsLogger
     save: Callable[[TrainState], None] | None  # None: no --save
     dp_size: int
     device: torch.device
 
 
-def num_microbatches(training: TrainingSection, dp_size: int) -> int:
+def num_microbatches(training: TrainingConfig, dp_size: int) -> int:
     return training.global_batch_size // (training.micro_batch_size * dp_size)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_osprey.base.atomic_io import write_text_atomic
-from megatron_osprey.config.pretrain import LoggingSection
+from megatron_osprey.training.config import LoggingConfig
 from megatron_osprey.training.flops import mfu
 
 WANDB_ID_FILE = "wandb_run_id.txt"
@@ -55,7 +55,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        cfg: LoggingSection,
+        cfg: LoggingConfig,
         throughput: ThroughputModel,
         *,
         is_writer: bool,
@@ -181,7 +181,7 @@ def format_line(iteration: int, total: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-def _start_wandb(cfg: LoggingSection, save_dir: str | None, run_config: dict[str, Any]):
+def _start_wandb(cfg: LoggingConfig, save_dir: str | None, run_config: dict[str, Any]):
     """wandb (offline unless WANDB_MODE said otherwise), resuming the run stored beside the checkpoints."""
     import wandb
 

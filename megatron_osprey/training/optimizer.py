@@ -1,13 +1,13 @@
-"""Megatron-Core's optimizer (AdamW, ± distributed optimizer) from an OptimizerSection."""
+"""Megatron-Core's optimizer (AdamW, ± distributed optimizer) from an OptimizerConfig."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_osprey.config.pretrain import OptimizerSection
+from megatron_osprey.training.config import OptimizerConfig
 
 
-def optimizer_config(section: OptimizerSection, bf16: bool):
+def optimizer_config(section: OptimizerConfig, bf16: bool):
     """megatron.core OptimizerConfig for AdamW with clipping, fp32 master weights."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -26,7 +26,7 @@ def optimizer_config(section: OptimizerSection, bf16: bool):
     )
 
 
-def build_optimizer(model_chunks: list, section: OptimizerSection, bf16: bool):
+def build_optimizer(model_chunks: list, section: OptimizerConfig, bf16: bool):
     """get_megatron_optimizer over DDP-wrapped model chunks."""
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -40,7 +40,7 @@ def uses_torch_adam_fallback() -> bool:
     return not distrib_optimizer.HAVE_APEX_OR_TE
 
 
-def sharding_metadata(section: OptimizerSection) -> dict:
+def sharding_metadata(section: OptimizerConfig) -> dict:
     """The metadata Megatron-LM passes to sharded_state_dict: the distributed optimizer's format.
 
     `fully_reshardable` (any TP/PP/DP on load) fails on the torch.optim fallback:

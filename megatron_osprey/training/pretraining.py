@@ -1,4 +1,8 @@
-"""Stage 2 assembled: the backbone's GPTModel, GPT datasets and the shared loop, from a PretrainConfig."""
+"""Stage 2 assembled: the backbone's GPTModel, GPT datasets and the shared loop, from the pretrain stage's config.
+
+`cfg` is stages/pretrain.py's PretrainConfig: its sections model (BackboneConfig), data (IndexedDataConfig) and
+the shared training sections (training/config.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ from megatron.core.utils import unwrap_model
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.config.pretrain import PretrainConfig, validate_against_model
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, data
@@ -29,7 +32,7 @@ class PretrainResult:
     notes: list[str]
 
 
-def backbone_arch(cfg: PretrainConfig) -> ModelArch:
+def backbone_arch(cfg) -> ModelArch:
     """The architecture: the Stage 1 run_config.yaml's hf_config, or the HF model's config.json."""
     if cfg.model.backbone:
         source = Path(cfg.model.backbone) / "run_config.yaml"
@@ -40,7 +43,7 @@ def backbone_arch(cfg: PretrainConfig) -> ModelArch:
     return ModelArch.from_hf_config(cfg.model.hf_model)
 
 
-def model_provider(arch: ModelArch, cfg: PretrainConfig) -> Callable:
+def model_provider(arch: ModelArch, cfg) -> Callable:
     """model_provider(pre_process, post_process, vp_stage) -> this rank's GPTModel stage."""
     from megatron_osprey.models.backbone.gpt import build_gpt_model
 
@@ -57,7 +60,7 @@ def model_provider(arch: ModelArch, cfg: PretrainConfig) -> Callable:
     )
 
 
-def initial_weights(arch: ModelArch, cfg: PretrainConfig, state: ParallelState) -> Callable[[list], None]:
+def initial_weights(arch: ModelArch, cfg, state: ParallelState) -> Callable[[list], None]:
     """Loads the backbone (Stage 1 dist checkpoint, resharded) or the HF weights into fresh chunks."""
     from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 
@@ -71,13 +74,21 @@ def initial_weights(arch: ModelArch, cfg: PretrainConfig, state: ParallelState) 
     return initialize
 
 
-def run_pretrain(
-    cfg: PretrainConfig, parallel: ParallelState, forward_step: Callable = gpt_forward_step
-) -> PretrainResult:
+def validate_against_model(cfg, arch: ModelArch) -> None:
+    """Checks that need the architecture: sequence length and TP/PP divisibility."""
+    if cfg.training.seq_length > arch.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length {cfg.training.seq_length} exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings}); use --seq-length <= {arch.max_position_embeddings}."
+        )
+    arch.validate_parallel(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+
+
+def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forward_step) -> PretrainResult:
     """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
     cfg.validate(parallel.world_size)
     arch = backbone_arch(cfg)
-    validate_against_model(cfg, arch.max_position_embeddings, arch)
+    validate_against_model(cfg, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
     if cfg.checkpoint.save:
         checkpointing.check_writable(cfg.checkpoint.save, "--save")
@@ -152,9 +163,7 @@ def run_pretrain(
     return PretrainResult(result.state, result.history, result.notes)
 
 
-def export_backbone(
-    cfg: PretrainConfig, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState
-) -> None:
+def export_backbone(cfg, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
     """A finished run also leaves SAVE/hf/ and SAVE/run_config.yaml: the layout Stage 3 reads as --backbone."""
     from megatron_osprey.base.hf_files import copy_tokenizer_files
     from megatron_osprey.base.run_config import save_run_config

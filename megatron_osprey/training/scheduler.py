@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from megatron_osprey.config.pretrain import OptimizerSection
+from megatron_osprey.training.config import OptimizerConfig
 
 
-def build_scheduler(optimizer, section: OptimizerSection, train_iters: int):
+def build_scheduler(optimizer, section: OptimizerConfig, train_iters: int):
     """Linear warmup, then constant / linear / cosine / inverse-sqrt / WSD decay to --min-lr."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -15,7 +15,7 @@ def build_scheduler(optimizer, section: OptimizerSection, train_iters: int):
         init_lr=0.0,
         max_lr=section.lr,
         min_lr=section.min_lr,
-        lr_warmup_steps=section.lr_warmup_iters,
+        lr_warmup_steps=section.warmup_iters(train_iters),
         lr_decay_steps=decay_iters,
         lr_decay_style=section.lr_decay_style,
         start_wd=section.weight_decay,

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from megatron_osprey.config.pretrain import OptimizerSection
 from megatron_osprey.parallel import ParallelConfig
+from megatron_osprey.training.config import OptimizerConfig
 
 
 def training_device() -> torch.device:
@@ -77,7 +77,7 @@ def build_model_chunks(
     ]
 
 
-def build_optimizer_and_scheduler(model: list, section: OptimizerSection, *, bf16: bool, train_iters: int):
+def build_optimizer_and_scheduler(model: list, section: OptimizerConfig, *, bf16: bool, train_iters: int):
     """get_megatron_optimizer + OptimizerParamScheduler, and the hooks the schedules call."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config

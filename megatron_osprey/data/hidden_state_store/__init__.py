@@ -5,26 +5,40 @@ are stated there); writer: one writer's shards and manifest part, resumable; man
 the parts merged into manifest.json; reader: random access and prefetching iteration.
 """
 
+from importlib import import_module
+
 from megatron_osprey.base.checksums import file_sha256
-from megatron_osprey.data.hidden_state_store.format import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    CorruptShardError,
-    HiddenStateStoreConfig,
-    InsufficientDiskError,
-    ShardRecord,
-    StoreHeader,
-    StoreMismatchError,
-    check_free_disk,
-    estimate_store_bytes,
-    lock_path,
-    part_name,
-    shard_name,
-    writer_tag,
-)
-from megatron_osprey.data.hidden_state_store.manifest import finalize_store
-from megatron_osprey.data.hidden_state_store.reader import HiddenStateStore, open_store
-from megatron_osprey.data.hidden_state_store.writer import HiddenStateWriter, open_writer
+from megatron_osprey.data.hidden_state_store.config import HiddenStateStoreConfig
+
+# The other names load torch with their module, so that the config above imports without it.
+_LAZY = {
+    "format": (
+        "FORMAT_VERSION",
+        "MANIFEST_NAME",
+        "CorruptShardError",
+        "InsufficientDiskError",
+        "ShardRecord",
+        "StoreHeader",
+        "StoreMismatchError",
+        "check_free_disk",
+        "estimate_store_bytes",
+        "lock_path",
+        "part_name",
+        "shard_name",
+        "writer_tag",
+    ),
+    "manifest": ("finalize_store",),
+    "reader": ("HiddenStateStore", "open_store"),
+    "writer": ("HiddenStateWriter", "open_writer"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",

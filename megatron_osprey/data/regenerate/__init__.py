@@ -10,8 +10,8 @@ from megatron_osprey.data.regenerate.backends import (
     ServerBackendConfig,
 )
 from megatron_osprey.data.regenerate.runner import (
-    RegenerateConfig,
     RegenerateSummary,
+    RegenerationRun,
     failures_path_for,
     regenerate_conversation,
     regenerate_file,
@@ -22,7 +22,7 @@ __all__ = [
     "ChatBackend",
     "HFBackend",
     "HFBackendConfig",
-    "RegenerateConfig",
+    "RegenerationRun",
     "RegenerateSummary",
     "SamplingParams",
     "ServerBackend",

@@ -1,6 +1,7 @@
 """A small OpenAI-compatible chat server on loopback, backed by any ChatBackend.
 
-Serves ``GET /v1/models`` and ``POST /v1/chat/completions`` (non-streaming). Meant for
+Serves ``GET /health`` (no key, like SGLang's), ``GET /v1/models`` and ``POST /v1/chat/completions``
+(non-streaming). Meant for
 tests and the CPU demo; production regeneration talks to SGLang or vLLM instead.
 
 To serve a local HF model directory: ``python tools/serve_local.py --model DIR --port 8000``.
@@ -72,6 +73,8 @@ class _Handler(BaseHTTPRequestHandler):
         return key is None or self.headers.get("Authorization") == f"Bearer {key}"
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        if self.path.rstrip("/") == "/health":  # as SGLang's: liveness only, no key needed, nothing disclosed
+            return self._send(HTTPStatus.OK, {})
         if not self._authorized():
             return self._error(HTTPStatus.UNAUTHORIZED, "invalid API key")
         if self.path.rstrip("/") != "/v1/models":

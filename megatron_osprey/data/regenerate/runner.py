@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class RegenerateConfig:
+class RegenerationRun:
     """Files, sampling and parallelism of one regeneration run."""
 
     input_path: Path
@@ -79,7 +79,7 @@ def settings_path_for(output_path: Path) -> Path:
     )
 
 
-def regenerate_settings(config: RegenerateConfig, backend: ChatBackend) -> dict:
+def regenerate_settings(config: RegenerationRun, backend: ChatBackend) -> dict:
     """Everything a regenerated row depends on besides its id."""
     from dataclasses import asdict
 
@@ -89,7 +89,7 @@ def regenerate_settings(config: RegenerateConfig, backend: ChatBackend) -> dict:
     return {"input_sha256": file_sha256(config.input_path), "model": identity, "sampling": asdict(config.sampling)}
 
 
-def check_output_settings(config: RegenerateConfig, settings: dict) -> None:
+def check_output_settings(config: RegenerationRun, settings: dict) -> None:
     """Refuse an output made from other inputs or settings (--overwrite: delete it); then record ours."""
     from megatron_osprey.data.fingerprint import claim_output
 
@@ -220,7 +220,7 @@ def _scan_input(input_path: Path) -> list[str]:
     return [c.id for c in read_conversations(input_path)]
 
 
-def regenerate_file(config: RegenerateConfig, backend: ChatBackend) -> RegenerateSummary:
+def regenerate_file(config: RegenerationRun, backend: ChatBackend) -> RegenerateSummary:
     """Regenerate all rows of ``config.input_path`` not yet in ``config.output_path``."""
     from tqdm import tqdm
 

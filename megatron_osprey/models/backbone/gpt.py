@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.hardware import transformer_engine_usable
+from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS  # noqa: E402,F401
 from megatron_osprey.parallel import ParallelConfig
-
-TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 def have_fused_softmax() -> bool:

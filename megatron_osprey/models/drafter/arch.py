@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_osprey.base.arch import ModelArch
-
-# One list of variants for both drafters; the reference drafter needs only torch, not Megatron-Core.
-from megatron_osprey.models.drafter.reference import EAGLE3_EXTRA_LAYERS, VARIANTS, DrafterConfig
+from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
 
 
 def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
@@ -113,6 +111,8 @@ class DrafterArch:
 
     def reference_config(self):
         """The plain-PyTorch reference drafter's config for the same drafter."""
+        from megatron_osprey.models.drafter.reference import DrafterConfig
+
         body = self.body
         return DrafterConfig(
             hidden_size=body.hidden_size,

@@ -46,12 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
+from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_TAG = "megatron_osprey.reference_drafter/1"
-VARIANTS = ("osprey", "eagle3")
-EAGLE3_EXTRA_LAYERS = ("plain", "fused")
 
 
 @dataclass

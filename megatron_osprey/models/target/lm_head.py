@@ -74,14 +74,14 @@ class TargetHead(torch.nn.Module):
         tp_size: int = 1,
         tp_group=None,
         dtype: torch.dtype = torch.float32,
+        arch=None,
     ) -> "TargetHead":
-        """Read this TP rank's rows of the target's `lm_head` (or tied embedding) and its final norm."""
-        import json
+        """Read this TP rank's rows of the target's `lm_head` (or tied embedding) and its final norm; `arch` is
+        the target's parsed config.json (a ModelArch) when the caller has it already."""
+        from megatron_osprey.base.arch import ModelArch
 
-        config = json.loads((Path(target_dir) / "config.json").read_text())
-        config = config.get("text_config", config)
-        vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
-        eps = float(config.get("rms_norm_eps", 1e-6))
+        arch = arch or ModelArch.from_hf_config(target_dir)
+        vocab, hidden, eps = arch.vocab_size, arch.hidden_size, arch.rms_norm_eps
         with SafetensorsCheckpoint(target_dir) as ckpt:
             head_name = "lm_head.weight" if ckpt.has("lm_head.weight") else "model.embed_tokens.weight"
             norm = ckpt.read("model.norm.weight").to(dtype)

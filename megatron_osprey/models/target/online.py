@@ -21,6 +21,7 @@ class OnlineTarget:
         aux_layer_ids,
         params_dtype: torch.dtype = torch.float32,
         transformer_impl: str = "auto",
+        arch=None,
     ):
         self.stage = load_target(
             target_dir,
@@ -29,6 +30,7 @@ class OnlineTarget:
             params_dtype=params_dtype,
             transformer_impl=transformer_impl,
             with_lm_head=False,
+            arch=arch,
         )
         self.aux_layer_ids = list(aux_layer_ids)
         self.final_layer = self.stage.arch.num_layers - 1

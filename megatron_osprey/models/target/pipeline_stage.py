@@ -78,11 +78,13 @@ def load_target(
     params_dtype: torch.dtype = torch.float32,
     transformer_impl: str = "auto",
     with_lm_head: bool = False,
+    arch: ModelArch | None = None,
 ) -> TargetStage:
-    """Build this rank's stage and load its slices (needs initialized model-parallel state)."""
+    """Build this rank's stage and load its slices (needs initialized model-parallel state); `arch` is the
+    target's parsed config.json when the caller has it already."""
     from megatron.core import parallel_state as mpu
 
-    arch = ModelArch.from_hf_config(target_dir)
+    arch = arch or ModelArch.from_hf_config(target_dir)
     last = mpu.is_pipeline_last_stage()
     # Without the LM head the last stage returns the pre-norm hidden state, which
     # is all extraction needs: no vocab-sized logits, no final norm or LM head to load.

@@ -1,0 +1,143 @@
+"""Provenance: what each stage read and wrote, by path and sha256, so that a chain of stages stays honest.
+
+Every stage writes OUTPUT_DIR/provenance.json:
+
+    {"stage", "recipe", "command", "config", "inputs": {name: {"path", "sha256"}}, "outputs": {name: {...}}}
+
+(OUTPUT_DIR is the stage's output directory, or the directory of its output file). Before a stage reads an
+input it looks for the record of the stage that made it (a provenance.json in the input, or up to two
+directories above it) and refuses the input when its sha256 differs from what that stage recorded, naming
+both: a stage rerun by hand, or an edited file, cannot silently feed a later stage.
+
+The sha256 of a directory is over its files in a fixed order (sorted relative paths, each with its own
+sha256). Files a directory's own manifest already checksums (the shards of a hidden-state store, listed
+with their sha256 in manifest.json, which its reader verifies) are counted by that record instead of being
+read again, so a terabyte store costs a manifest read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.checksums import file_sha256
+
+PROVENANCE_FILE = "provenance.json"
+FORMAT = "megatron_osprey.provenance/1"
+# Left by a stage while it runs or by tools around it; never part of what a stage hands on.
+_SKIPPED_PREFIXES = (".tmp_", ".old_", ".write_probe", ".lock", "events.out.tfevents")
+_SKIPPED_DIRS = ("tensorboard", "wandb", "__pycache__")
+
+
+class ProvenanceError(ValueError):
+    """An input's bytes differ from what the stage that made it recorded."""
+
+
+def _recorded_in_manifest(directory: Path) -> dict[str, str]:
+    """relative file -> sha256 that directory/manifest.json records (a hidden-state store), else {}."""
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        return {}
+    try:
+        shards = json.loads(manifest.read_text()).get("shards", [])
+        return {str(s["file"]): str(s["sha256"]) for s in shards if "file" in s and "sha256" in s}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def digest(path: str | Path) -> str:
+    """sha256 of a file, or of a directory's files in sorted order (see the module docstring)."""
+    path = Path(path)
+    if path.is_file():
+        return file_sha256(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist.")
+    recorded = _recorded_in_manifest(path)
+    lines = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith(_SKIPPED_PREFIXES))
+        for name in sorted(files):
+            if name == PROVENANCE_FILE or name.startswith(_SKIPPED_PREFIXES):
+                continue
+            file = Path(root) / name
+            relative = file.relative_to(path).as_posix()
+            lines.append(f"{relative}\t{recorded.get(relative) or file_sha256(file)}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _producer(path: Path) -> tuple[dict, Path] | None:
+    """The provenance record (and its directory) whose outputs name `path`, looking in it and two levels up."""
+    resolved = path.resolve()
+    for directory in [path, *path.parents][:3]:
+        record_path = directory / PROVENANCE_FILE
+        if not record_path.is_file():
+            continue
+        try:
+            record = json.loads(record_path.read_text())
+        except ValueError:
+            continue
+        for entry in record.get("outputs", {}).values():
+            if (directory / entry["path"]).resolve() == resolved:
+                return record, directory
+    return None
+
+
+def check_input(name: str, path: str | Path) -> dict[str, str]:
+    """{"path", "sha256"} of an input, refused when its producer recorded other bytes."""
+    path = Path(path)
+    found = _producer(path)
+    sha = digest(path)
+    if found is not None:
+        record, directory = found
+        recorded = next(e for e in record["outputs"].values() if (directory / e["path"]).resolve() == path.resolve())
+        if recorded["sha256"] != sha:
+            raise ProvenanceError(
+                f"input {name} {path} has sha256 {sha[:12]}..., but the {record.get('stage')} stage that wrote it "
+                f"recorded {recorded['sha256'][:12]}... in {directory / PROVENANCE_FILE}: it changed since. Rerun "
+                f"the {record.get('stage')} stage, or every stage after it, so the chain reads what it recorded."
+            )
+    return {"path": str(path.resolve()), "sha256": sha}
+
+
+def write_provenance(
+    directory: str | Path,
+    stage: str,
+    inputs: dict[str, dict[str, str]],
+    outputs: dict[str, str | Path],
+    *,
+    config: Any = None,
+    recipe: str | None = None,
+    command: list[str] | None = None,
+) -> Path:
+    """Write DIRECTORY/provenance.json; outputs are hashed now and recorded relative to DIRECTORY."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    recorded = {}
+    for name, path in outputs.items():
+        path = Path(path)
+        relative = os.path.relpath(path.resolve(), directory.resolve())
+        recorded[name] = {"path": Path(relative).as_posix(), "sha256": digest(path)}
+    from megatron_osprey.base.run_config import to_plain
+
+    record = {
+        "format": FORMAT,
+        "stage": stage,
+        "recipe": recipe,
+        "command": command,
+        "config": to_plain(config),
+        "inputs": inputs,
+        "outputs": recorded,
+    }
+    target = directory / PROVENANCE_FILE
+    write_text_atomic(target, json.dumps(record, indent=2, sort_keys=False) + "\n")
+    return target
+
+
+def read_provenance(directory: str | Path) -> dict | None:
+    """DIRECTORY/provenance.json, or None when the directory holds none."""
+    path = Path(directory) / PROVENANCE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

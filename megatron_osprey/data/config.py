@@ -1,0 +1,50 @@
+"""What the training stages read: Megatron indexed text (Stage 2) and conversations or a hidden-state store
+(Stage 4). Torch-free: recipes and `osprey plan` read these."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_osprey.config.flags import Flag
+
+DISTILL_MODES = ("online", "offline")
+
+
+@dataclasses.dataclass
+class IndexedDataConfig:
+    """Megatron indexed data: `[weight] prefix` pairs or one prefix, and the split."""
+
+    data_path: list[str] = dataclasses.field(default_factory=list)
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    eod_token_id: int | None = None  # None: the model config's eos_token_id
+
+
+@dataclasses.dataclass
+class DistillDataConfig:
+    """Conversations JSONL (target-regenerated) through the target's chat template, online; or, offline, the
+    hidden-state store the extract stage wrote from them."""
+
+    mode: str = "online"  # online: the frozen target runs in the job; offline: the store
+    data_path: list[str] = dataclasses.field(default_factory=list)
+    hidden_states: str | None = None  # offline: the extract stage's store
+    domain: str | None = None  # the training domain's name, recorded for the train x eval matrix
+    enable_thinking: bool | None = None
+    shuffle: bool = True
+
+
+INDEXED_DATA_FLAGS = [
+    Flag("--data-path", "data_path", {"nargs": "+", "help": "PREFIX, or WEIGHT PREFIX [WEIGHT PREFIX ...]"}),
+    Flag("--split", "split", {"help": "train,valid,test weights, e.g. 969,30,1"}),
+    Flag("--data-cache-path", "data_cache_path", {}),
+    Flag("--eod-token-id", "eod_token_id", {"type": int}),
+]
+DISTILL_DATA_FLAGS = [
+    Flag("--mode", "mode", {"choices": list(DISTILL_MODES)}),
+    Flag("--data-path", "data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
+    Flag("--hidden-states", "hidden_states", {"help": "offline: the store the extract stage wrote"}),
+    Flag("--domain", "domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
+    Flag("--enable-thinking", "enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
+    Flag("--no-shuffle", "shuffle", {"action": "store_false"}),
+]

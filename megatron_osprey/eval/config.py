@@ -1,0 +1,18 @@
+"""What an evaluation names (torch-free: recipes and `osprey plan` read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass
+class DrafterSpec:
+    """A drafter to evaluate: its name, directory, training domain and method (None: from its run_config)."""
+
+    name: str
+    path: Path
+    train_domain: str | None = None
+    method: str | None = None

@@ -1,0 +1,216 @@
+"""The shared training loop's own configs (batch and length, optimizer and schedule, checkpoints, logging),
+their checks and their Megatron-LM-named flags. Torch-free: recipes and `osprey plan` read them.
+
+A training stage composes these sections with its model and data sections (stages/pretrain.py,
+stages/distill.py); the loop reads only these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_osprey.config.flags import STORE_TRUE, Flag
+from megatron_osprey.parallel.config import ParallelConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """Batch geometry, run length and the ways a run ends early."""
+
+    micro_batch_size: int = 1
+    # None: one micro-batch per data-parallel rank (Megatron-LM's default); validate() fills it in.
+    global_batch_size: int | None = None
+    seq_length: int = 4096
+    train_iters: int | None = None
+    train_samples: int | None = None
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    # Megatron's --check-for-nan-in-loss-and-grad stops at the first; fp16 loss scaling may want a little slack.
+    max_nonfinite_loss_steps: int = 1  # stop after this many consecutive NaN/inf losses; 0: never
+
+    def num_train_iters(self) -> int:
+        """--train-iters, or --train-samples rounded up to whole global batches."""
+        if self.train_iters is not None:
+            return self.train_iters
+        return math.ceil(self.train_samples / self.global_batch_size)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW, its schedule and clipping (Megatron-LM names)."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    lr_warmup_iters: int = 0
+    # Warmup as a share of the run (Megatron-LM's --lr-warmup-fraction); --lr-warmup-iters wins when set.
+    lr_warmup_fraction: float | None = None
+    lr_decay_iters: int | None = None  # None: decay over the whole run
+    lr_decay_style: str = "cosine"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "exponential"
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    use_distributed_optimizer: bool = False
+    # On resume, take --lr/--min-lr/--train-iters... from the flags, not the checkpoint (Megatron's flag).
+    override_opt_param_scheduler: bool = False
+    # Megatron-LM's default is the DP-reshardable distributed-optimizer format.
+    dist_ckpt_optim_fully_reshardable: bool = False
+
+    def warmup_iters(self, train_iters: int) -> int:
+        """--lr-warmup-iters, else --lr-warmup-fraction of the run's iterations."""
+        if self.lr_warmup_iters or self.lr_warmup_fraction is None:
+            return self.lr_warmup_iters
+        return int(round(self.lr_warmup_fraction * train_iters))
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Dist checkpoints: where to save and load, how often, what to restore."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    ckpt_step: int | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """Console, TensorBoard and wandb; evaluation cadence; MFU's peak."""
+
+    log_interval: int = 10
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_mode: str = "offline"  # the stage resolves WANDB_MODE into this
+    peak_tflops: float | None = None  # per device; None: look the GPU up, n/a on CPU
+    progress_bar: bool = True
+
+
+def validate_training(training: TrainingConfig, parallel: ParallelConfig, world_size: int) -> None:
+    """Batch sizes divide, and the run has a length; an unset global batch becomes micro-batch x DP."""
+    if (training.train_iters is None) == (training.train_samples is None):
+        raise ValueError("pass exactly one of --train-iters or --train-samples.")
+    if training.max_nonfinite_loss_steps < 0:
+        raise ValueError(f"--max-nonfinite-loss-steps must be >= 0, got {training.max_nonfinite_loss_steps}.")
+    for name in ("micro_batch_size", "global_batch_size", "seq_length"):
+        value = getattr(training, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    if parallel.context_parallel_size != 1:
+        # Megatron-Core expects each CP rank to hold its zigzag slice of the sequence
+        # (get_batch_on_this_cp_rank) and scales the rotary table by CP; our batches are whole
+        # sequences, so CP > 1 would train on wrong positions without an error. The drafter's TTT
+        # attention is not context-parallel either.
+        raise ValueError(
+            f"--context-parallel-size {parallel.context_parallel_size} is not supported: batches are not split "
+            f"per context-parallel rank; use --context-parallel-size 1 (and --sequence-parallel for long sequences)."
+        )
+    parallel.validate(world_size)
+    dp = world_size // parallel.model_parallel_size()
+    if training.global_batch_size is None:
+        training.global_batch_size = training.micro_batch_size * dp
+    if training.global_batch_size % (training.micro_batch_size * dp):
+        raise ValueError(
+            f"--global-batch-size {training.global_batch_size} is not divisible by --micro-batch-size "
+            f"{training.micro_batch_size} x data-parallel size {dp} = {training.micro_batch_size * dp}."
+        )
+    if training.seq_length % parallel.tensor_model_parallel_size and parallel.sequence_parallel:
+        raise ValueError(
+            f"--seq-length {training.seq_length} must be divisible by --tensor-model-parallel-size "
+            f"{parallel.tensor_model_parallel_size} with --sequence-parallel."
+        )
+
+
+def validate_optimizer(optimizer: OptimizerConfig, training: TrainingConfig) -> None:
+    """Schedule names and lengths that Megatron's scheduler accepts."""
+    if optimizer.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"--lr-decay-style must be one of {LR_DECAY_STYLES}, got {optimizer.lr_decay_style!r}.")
+    if optimizer.lr_decay_style == "WSD":
+        if not optimizer.lr_wsd_decay_iters:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (the length of the final decay).")
+        if optimizer.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}.")
+    if optimizer.min_lr > optimizer.lr:
+        raise ValueError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}.")
+    decay = optimizer.lr_decay_iters or training.num_train_iters()
+    warmup = optimizer.warmup_iters(training.num_train_iters())
+    if warmup >= decay:  # Megatron's scheduler asserts warmup < decay
+        raise ValueError(
+            f"--lr-warmup-iters {warmup} must be below the decay length {decay} (--lr-decay-iters, else the run's "
+            f"length)."
+        )
+
+
+TRAINING_FLAGS = [
+    Flag("--micro-batch-size", "micro_batch_size", {"type": int}),
+    Flag("--global-batch-size", "global_batch_size", {"type": int}),
+    Flag("--seq-length", "seq_length", {"type": int}),
+    Flag("--train-iters", "train_iters", {"type": int}),
+    Flag("--train-samples", "train_samples", {"type": int}),
+    Flag("--exit-interval", "exit_interval", {"type": int}),
+    Flag("--exit-duration-in-mins", "exit_duration_in_mins", {"type": float}),
+    Flag("--exit-signal-handler", "exit_signal_handler", STORE_TRUE),
+    Flag(
+        "--max-nonfinite-loss-steps",
+        "max_nonfinite_loss_steps",
+        {"type": int, "help": "stop with an error after N consecutive NaN/inf losses (default 1; 0: never)"},
+    ),
+]
+OPTIMIZER_FLAGS = [
+    Flag("--lr", "lr", {"type": float}),
+    Flag("--min-lr", "min_lr", {"type": float}),
+    Flag("--lr-warmup-iters", "lr_warmup_iters", {"type": int}),
+    Flag("--lr-warmup-fraction", "lr_warmup_fraction", {"type": float, "help": "warmup as a share of the run"}),
+    Flag("--lr-decay-iters", "lr_decay_iters", {"type": int}),
+    Flag("--lr-decay-style", "lr_decay_style", {"choices": list(LR_DECAY_STYLES)}),
+    Flag("--lr-wsd-decay-iters", "lr_wsd_decay_iters", {"type": int}),
+    Flag("--lr-wsd-decay-style", "lr_wsd_decay_style", {}),
+    Flag("--weight-decay", "weight_decay", {"type": float}),
+    Flag("--clip-grad", "clip_grad", {"type": float}),
+    Flag("--adam-beta1", "adam_beta1", {"type": float}),
+    Flag("--adam-beta2", "adam_beta2", {"type": float}),
+    Flag("--adam-eps", "adam_eps", {"type": float}),
+    Flag("--use-distributed-optimizer", "use_distributed_optimizer", STORE_TRUE),
+    Flag("--dist-ckpt-optim-fully-reshardable", "dist_ckpt_optim_fully_reshardable", STORE_TRUE),
+    Flag(
+        "--override-opt-param-scheduler",
+        "override_opt_param_scheduler",
+        {
+            "action": "store_true",
+            "help": "on resume, switch to the schedule these flags give (Megatron-LM's "
+            "--override-opt_param-scheduler) instead of refusing a change",
+        },
+    ),
+]
+CHECKPOINT_FLAGS = [
+    Flag("--save", "save", {}),
+    Flag("--load", "load", {}),
+    Flag("--save-interval", "save_interval", {"type": int}),
+    Flag("--ckpt-step", "ckpt_step", {"type": int}),
+    Flag("--no-load-optim", "no_load_optim", STORE_TRUE),
+    Flag("--no-load-rng", "no_load_rng", STORE_TRUE),
+]
+LOGGING_FLAGS = [
+    Flag("--log-interval", "log_interval", {"type": int}),
+    Flag("--eval-interval", "eval_interval", {"type": int}),
+    Flag("--eval-iters", "eval_iters", {"type": int}),
+    Flag("--tensorboard-dir", "tensorboard_dir", {}),
+    Flag("--wandb-project", "wandb_project", {}),
+    Flag("--wandb-exp-name", "wandb_exp_name", {}),
+    Flag("--wandb-save-dir", "wandb_save_dir", {}),
+    Flag("--peak-tflops", "peak_tflops", {"type": float, "help": "per-device peak for MFU"}),
+    Flag("--no-progress-bar", "progress_bar", {"action": "store_false"}),
+]
