@@ -1,1 +1,1 @@
-"""The `osprey` command: recipes -> local torchrun / python, or sbatch jobs from launcher/slurm/."""
+"""The `osprey` command: recipes -> local torchrun / python, or sbatch jobs from the top-level slurm/ templates."""

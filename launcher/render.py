@@ -1,15 +1,14 @@
-"""Render launcher/slurm/<template>.sbatch for a recipe and stage: `{{ name }}` placeholders, nothing else.
+"""Render slurm/<template>.sbatch for one stage of a recipe: `{{ name }}` placeholders, nothing else.
 
-Every template gets the same variables, so a new template (e.g. launcher/slurm/eval_sglang.sbatch) needs no code:
-  job_name, run_name, recipe, stage, nodes, gpus_per_node, ntasks_per_node, cpus_per_task, time, array,
-  sbatch_options (extra #SBATCH lines: partition, account), repo (the checkout, else the current
-  directory: where jobs run and relative paths resolve), log_dir, container_image,
-  container_mounts, entry (the entry point's argv after `python`, shell-quoted), extra_args (the
-  passthrough flags, shell-quoted), save_dir, train_iters, servers_per_node, server_tp, server_port,
-  server_timeout, json_key, target_tp, target_pp, target_ep, eval_steps, eval_topk, eval_draft_tokens,
-  and path_<key> for every resolved recipe path (path_target, path_save, path_export, path_eval_output, ...).
-An unknown placeholder is an error naming the template; values are plain words, so a template may put
-them inside double quotes.
+Every template gets the same variables, so a new template needs no code:
+  job_name, run_name, recipe, stage, nodes, ntasks_per_node, cpus_per_task, time, sbatch_options (extra #SBATCH
+  lines: partition, account, GPUs, memory, array), repo (where jobs run and relative paths resolve), run_dir,
+  log_dir, stage_dir, python (the interpreter `osprey` runs on), container_image, container_mounts, entry (the job's
+  argv after the interpreter, shell-quoted: the stage module, --recipe, --run-dir, --set ...), train_iters,
+  servers_per_node, server_tp, server_port, server_timeout, server_mem, reasoning_parser, context_length,
+  batch_sizes, hardware, path_target, eval_data, method, train_domain, export_dir.
+An unknown placeholder is an error naming the template; values are plain words, so a template may put them inside
+double quotes.
 """
 
 from __future__ import annotations
@@ -19,33 +18,35 @@ import math
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
-from launcher.commands import entry_args, work_dir
-from megatron_osprey.config.recipes.recipe import Recipe
+from launcher.commands import job_args, work_dir
+from megatron_osprey.recipes.layout import logs_dir, stage_dir
+from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, Recipe
 
-# Inside the package (package-data in pyproject.toml), so an installed wheel has them too.
-TEMPLATE_DIR = Path(__file__).resolve().parent / "slurm"
-STAGE_TEMPLATES = {
-    "preprocess": "preprocess",
-    "pretrain": "pretrain",
-    "regenerate": "regenerate",
-    "extract": "extract",
-    "distill": "distill",
-    "eval": "eval_sglang",
-    "export": "export",
-    "prune": "export",
-    "adapt": "export",
-}
+# The templates: the top-level slurm/ of a checkout, or the copy an installed wheel carries (package data).
+TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "slurm", Path(__file__).resolve().parent / "slurm")
+STAGE_TEMPLATES = {stage: "distributed" for stage in DISTRIBUTED_STAGES}
+STAGE_TEMPLATES |= {"regenerate": "regenerate"}
+# Evaluation on GPUs serves the exported drafter with SGLang; on CPU it runs the project's own engine.
+GPU_EVAL_TEMPLATE = "eval_sglang"
+DEFAULT_TEMPLATE = "stage"
 # GPUs in one H100 / B200 node: the regeneration server pool fills whole nodes.
 GPUS_PER_NODE = 8
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Characters that would change the meaning of a double-quoted shell word.
-_UNSAFE = re.compile(r'["$`\\\n\r]')
-# Values on #SBATCH lines: sbatch reads the whole line as options, so a space or newline would add options
-# (or shell lines); these take plain names, times and paths only.
+_UNSAFE = re.compile(r"[\"'$`\\\n\r]")
+# Values on #SBATCH lines: sbatch reads the whole line as options; these take plain names, times and paths only.
 _SBATCH_SAFE = re.compile(r"[A-Za-z0-9_.,:@+/%=-]+")
-_SBATCH_VALUES = ("job_name", "time", "log_dir", "partition", "account")
+_SBATCH_VALUES = ("job_name", "time", "log_dir", "partition", "account", "mem")
+
+
+def template_dir() -> Path:
+    for candidate in TEMPLATE_DIRS:
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"no Slurm templates at {' or '.join(map(str, TEMPLATE_DIRS))}.")
 
 
 @dataclasses.dataclass
@@ -57,107 +58,17 @@ class SubmitOptions:
     time: str | None = None
     container_image: str | None = None
     container_mounts: str | None = None
-    template_dir: Path = TEMPLATE_DIR
+    python: str | None = None  # the jobs' interpreter; default: the one running `osprey`
+    template_dir: Path | None = None
 
 
 def template_name(recipe: Recipe, stage: str) -> str:
-    """The template a stage renders: the recipe's slurm.templates override, else the stage default."""
-    name = recipe.slurm.templates.get(stage) or STAGE_TEMPLATES.get(stage)
-    if name is None:
-        raise ValueError(f"stage {stage!r} has no Slurm template; run it locally with `osprey {stage}`.")
-    return name
-
-
-def _resources(recipe: Recipe, stage: str) -> dict[str, object]:
-    """Nodes, GPUs, tasks and array range of the job `stage` submits."""
-    lay, d = recipe.layout, recipe.data
-    if stage in ("pretrain", "distill"):
-        return dict(nodes=lay.nodes, gpus_per_node=lay.gpus_per_node, ntasks_per_node=lay.gpus_per_node, array="")
-    if stage == "extract":
-        return dict(
-            nodes=lay.nodes,
-            gpus_per_node=lay.gpus_per_node,
-            ntasks_per_node=lay.gpus_per_node,
-            array=f"0-{d.extract_shards - 1}",
-        )
-    if stage == "preprocess":
-        return dict(nodes=1, gpus_per_node=0, ntasks_per_node=1, array=f"0-{d.preprocess_files - 1}")
-    if stage == "regenerate":
-        per_node = max(1, GPUS_PER_NODE // d.regenerate_server_tensor_parallel_size)
-        return dict(
-            nodes=math.ceil(d.regenerate_servers / per_node),
-            gpus_per_node=GPUS_PER_NODE,
-            ntasks_per_node=per_node,
-            array="",
-            servers_per_node=per_node,
-        )
-    if stage == "eval":
-        gpus = lay.target_tensor_model_parallel_size * lay.target_pipeline_model_parallel_size
-        return dict(nodes=1, gpus_per_node=gpus, ntasks_per_node=1, array="")
-    return dict(nodes=1, gpus_per_node=1, ntasks_per_node=1, array="")
-
-
-def template_context(recipe: Recipe, stage: str, options: SubmitOptions, extra: list[str] | None = None) -> dict:
-    """Every variable a template may use (see the module docstring)."""
-    paths = recipe.resolved_paths()
-    partition = options.partition or recipe.slurm.partition or os.environ.get("SBATCH_PARTITION")
-    account = options.account or recipe.slurm.account or os.environ.get("SBATCH_ACCOUNT")
-    _check_sbatch_value("partition", partition, "--partition, slurm.partition or SBATCH_PARTITION")
-    _check_sbatch_value("account", account, "--account, slurm.account or SBATCH_ACCOUNT")
-    sbatch_lines = [f"#SBATCH --partition={partition}"] if partition else []
-    sbatch_lines += [f"#SBATCH --account={account}"] if account else []
-    cpus = recipe.data.preprocess_workers if stage == "preprocess" else recipe.slurm.cpus_per_task
-    resources = _resources(recipe, stage)
-    entry_kwargs = {"server_urls": []} if stage == "regenerate" else {}
-    lay, d = recipe.layout, recipe.data
-    repo = work_dir()
-    context = {
-        "job_name": f"osprey-{stage}-{recipe.run_name}",
-        "run_name": recipe.run_name,
-        "recipe": recipe.name,
-        "stage": stage,
-        "cpus_per_task": cpus,
-        "time": options.time or recipe.slurm.time,
-        "sbatch_options": "\n".join(sbatch_lines),
-        "repo": str(repo),
-        "log_dir": paths["logs"],
-        "container_image": (
-            options.container_image or recipe.slurm.container_image or os.environ.get("CONTAINER_IMAGE", "")
-        ),
-        "container_mounts": (options.container_mounts or recipe.slurm.container_mounts or f"{repo}:{repo}"),
-        "entry": shlex.join(entry_args(recipe, stage, extra, **entry_kwargs)) if stage != "preprocess" else "",
-        "extra_args": shlex.join([*recipe.extra_args, *(extra or [])]),
-        "save_dir": paths["save"],
-        "train_iters": recipe.training.iterations(),
-        "servers_per_node": 1,
-        "server_tp": d.regenerate_server_tensor_parallel_size,
-        "server_port": 30000,
-        "server_timeout": 1800,
-        "json_key": d.tokenizer_json_key,
-        "target_tp": lay.target_tensor_model_parallel_size,
-        "target_pp": lay.target_pipeline_model_parallel_size,
-        "target_ep": lay.target_expert_model_parallel_size,
-        "eval_steps": d.eval_steps,
-        "eval_topk": d.eval_topk,
-        "eval_draft_tokens": d.eval_draft_tokens,
-        "eval_data": " ".join(recipe.domain_path("eval_data", domain) for domain in recipe.drafter.eval_domains)
-        if recipe.target is not None
-        else "",
-        "method": recipe.drafter.method,
-        "train_domain": recipe.drafter.domain or "",
-        **resources,
-        **{f"path_{key}": value for key, value in paths.items()},
-    }
-    for key, value in context.items():
-        if key not in ("entry", "extra_args", "sbatch_options") and _UNSAFE.search(str(value)):
-            raise ValueError(
-                f"{key} = {value!r} contains a quote, $, backslash or newline; "
-                "use a plain path or name in the recipe, --set or the environment."
-            )
-    for key in _SBATCH_VALUES:
-        if key in context:
-            _check_sbatch_value(key, context[key], "the recipe or --set")
-    return context
+    """The template a stage renders: the recipe's slurm.templates override, else the stage's default."""
+    if stage in recipe.slurm.templates:
+        return recipe.slurm.templates[stage]
+    if stage == "evaluate" and recipe.hardware != "cpu":
+        return GPU_EVAL_TEMPLATE
+    return STAGE_TEMPLATES.get(stage, DEFAULT_TEMPLATE)
 
 
 def _check_sbatch_value(key: str, value, source: str) -> None:
@@ -167,6 +78,94 @@ def _check_sbatch_value(key: str, value, source: str) -> None:
             f"{key} = {value!r} (from {source}) may hold only letters, digits and _ . , : @ + / % = -; "
             "a space, quote or newline would add lines or options to the sbatch script."
         )
+
+
+def _sbatch_lines(recipe: Recipe, stage: str, options: SubmitOptions, tasks: int) -> list[str]:
+    res = recipe.stage_resources(stage)
+    partition = options.partition or recipe.slurm.partition or os.environ.get("SBATCH_PARTITION")
+    account = options.account or recipe.slurm.account or os.environ.get("SBATCH_ACCOUNT")
+    _check_sbatch_value("partition", partition, "--partition, slurm.partition or SBATCH_PARTITION")
+    _check_sbatch_value("account", account, "--account, slurm.account or SBATCH_ACCOUNT")
+    _check_sbatch_value("mem", res.mem, f"resources.{stage}.mem")
+    lines = [f"#SBATCH --partition={partition}"] if partition else []
+    lines += [f"#SBATCH --account={account}"] if account else []
+    if recipe.hardware != "cpu":
+        gpus = GPUS_PER_NODE if stage == "regenerate" else res.gpus_per_node if stage != "evaluate" else tasks
+        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    if res.mem:
+        lines.append(f"#SBATCH --mem={res.mem}")
+    if res.array_tasks > 1:
+        lines.append(f"#SBATCH --array=0-{res.array_tasks - 1}")
+    return lines
+
+
+def template_context(
+    recipe: Recipe,
+    spec: str,
+    stage: str,
+    run_dir: str,
+    overrides: list[str] | None = None,
+    options: SubmitOptions | None = None,
+    extra: list[str] | None = None,
+) -> dict:
+    """Every variable a template may use (see the module docstring)."""
+    options = options or SubmitOptions()
+    config = recipe.config(stage, run_dir)
+    res, pool = recipe.stage_resources(stage), recipe.servers
+    for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
+        if int(getattr(res, key)) < 1:
+            raise ValueError(f"resources.{stage}.{key} must be at least 1, got {getattr(res, key)}.")
+    servers_per_node = max(1, GPUS_PER_NODE // pool.tensor_parallel_size) if recipe.hardware != "cpu" else 1
+    nodes = math.ceil(pool.servers / servers_per_node) if stage == "regenerate" else res.nodes
+    tasks = res.gpus_per_node if stage in STAGE_TEMPLATES else 1
+    training = getattr(config, "training", None)
+    repo = work_dir()
+    context = {
+        "job_name": f"osprey-{stage}-{recipe.run_name}",
+        "run_name": recipe.run_name,
+        "recipe": recipe.name,
+        "stage": stage,
+        "hardware": recipe.hardware,
+        "nodes": nodes,
+        "ntasks_per_node": servers_per_node if stage == "regenerate" else tasks,
+        "cpus_per_task": res.cpus_per_task,
+        "time": options.time or res.time,
+        "sbatch_options": "\n".join(_sbatch_lines(recipe, stage, options, pool.tensor_parallel_size)),
+        "repo": str(repo),
+        "run_dir": str(run_dir),
+        "log_dir": logs_dir(run_dir),
+        "stage_dir": stage_dir(run_dir, stage),
+        "python": options.python or sys.executable,
+        "container_image": (
+            options.container_image or recipe.slurm.container_image or os.environ.get("CONTAINER_IMAGE", "")
+        ),
+        "container_mounts": options.container_mounts or recipe.slurm.container_mounts or f"{repo}:{repo}",
+        "entry": shlex.join(job_args(spec, stage, run_dir, overrides, extra)),
+        "train_iters": training.num_train_iters() if training is not None else 0,
+        "servers_per_node": servers_per_node,
+        "server_tp": pool.tensor_parallel_size,
+        "server_port": pool.port,
+        "server_timeout": pool.startup_timeout,
+        "server_mem": res.mem or "",
+        "reasoning_parser": pool.reasoning_parser or "",
+        "context_length": pool.context_length or "",
+        "batch_sizes": " ".join(str(b) for b in pool.batch_sizes),
+        "path_target": recipe.path("target"),
+        "eval_data": " ".join(recipe.path("eval_data", domain) for domain in recipe.eval_domains),
+        "method": "eagle3" if recipe.distill is not None and recipe.distill.drafter.baseline else "osprey",
+        "train_domain": recipe.domain or "",
+        "export_dir": stage_dir(run_dir, "export"),
+    }
+    for key, value in context.items():
+        if key not in ("entry", "sbatch_options") and _UNSAFE.search(str(value)):
+            raise ValueError(
+                f"{key} = {value!r} contains a quote, $, backslash or newline; "
+                "use a plain path or name in the recipe, --set or the environment."
+            )
+    for key in _SBATCH_VALUES:
+        if key in context:
+            _check_sbatch_value(key, context[key], "the recipe or --set")
+    return context
 
 
 def render_text(text: str, context: dict, source: str) -> str:
@@ -179,11 +178,20 @@ def render_text(text: str, context: dict, source: str) -> str:
     return _PLACEHOLDER.sub(lambda m: str(context[m.group(1)]), text)
 
 
-def render(recipe: Recipe, stage: str, options: SubmitOptions | None = None, extra: list[str] | None = None) -> str:
+def render(
+    recipe: Recipe,
+    spec: str,
+    stage: str,
+    run_dir: str,
+    overrides: list[str] | None = None,
+    options: SubmitOptions | None = None,
+    extra: list[str] | None = None,
+) -> str:
     """The sbatch script for `stage` of `recipe`, ready for sbatch."""
     options = options or SubmitOptions()
     name = template_name(recipe, stage)
-    path = Path(options.template_dir) / f"{name}.sbatch"
+    path = Path(options.template_dir or template_dir()) / f"{name}.sbatch"
     if not path.is_file():
         raise FileNotFoundError(f"Slurm template {path} does not exist (stage {stage} renders {name}.sbatch).")
-    return render_text(path.read_text(), template_context(recipe, stage, options, extra), str(path))
+    context = template_context(recipe, spec, stage, run_dir, overrides, options, extra)
+    return render_text(path.read_text(), context, str(path))

@@ -1,0 +1,163 @@
+"""Stage 3 + 4 recipes: one chain per target x method x hardware, from the pretrained backbone to the exported drafter.
+
+Chains (`osprey pipeline` runs them in order; each stage reads what the one before it wrote):
+    Osprey:  adapt -> regenerate -> distill -> export -> evaluate   (adapt reads paths.backbone: a pretrain run's
+             output directory, RUN/pretrain of a backbone recipe)
+    EAGLE-3: regenerate -> distill -> export -> evaluate             (from scratch, the target's frozen embedding)
+
+Budgets, from the paper and its release (`osprey plan` prints each recipe's):
+- Qwen3-8B: 3 epochs over 65,000 regenerated examples per domain at global batch 2 (one 4,096-token sequence per GPU on
+  2 GPUs): 97,500 updates at lr 1e-4, 4% warmup, clip 1.0 (the paper).
+- Llama-3.3-70B: the release's examples/llama33-70b/train.sh: 8 GPUs, global batch 8, a 100,000-sample split x 3
+  epochs = 37,500 updates at lr 1e-4, the target at TP 4 in the same job. Here the drafter shares the target's TP
+  group (DP 2), so the global batch of 8 is 4 micro-batches per DP rank; batch and updates are the release's.
+- MiniMax-M2.5: the paper adapts on code only, 70,000 regenerated prompts. Neither the paper nor the release fixes the
+  batch or the epochs for it: 3 epochs at global batch 8 (the 70B release's) are this project's choice.
+
+Regeneration follows the release's scripts/osprey/regenerate_data.sh: temperature 1.0, 4,096 new tokens, SGLang's
+reasoning parser (qwen3; minimax-append-think for MiniMax-M2.5), a context of 2 x 4,096 + 2,048. Greedy is the named
+option `--set regenerate.sampling.temperature=0`. The frozen target runs in BF16 (no FP8 target forward exists), so
+the recipes are BF16 only; the drafter's GEMMs are BF16 too.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_osprey.data.config import DistillDataConfig
+from megatron_osprey.data.regenerate.backends import SamplingParams
+from megatron_osprey.losses.config import TTTLossConfig
+from megatron_osprey.models.drafter.config import DistillDrafterConfig
+from megatron_osprey.models.target.config import TargetConfig
+from megatron_osprey.parallel.config import ParallelConfig
+from megatron_osprey.recipes.recipe import Recipe, Resources, ServerPool
+from megatron_osprey.stages.adapt import AdaptConfig
+from megatron_osprey.stages.distill import DistillConfig
+from megatron_osprey.stages.evaluate import EvaluateConfig
+from megatron_osprey.stages.export import ExportConfig
+from megatron_osprey.stages.regenerate import RegenerateConfig
+from megatron_osprey.training.config import CheckpointConfig, LoggingConfig, TrainingConfig
+
+EPOCHS = 3
+REGENERATE_MAX_TOKENS = 4096
+# The paper's 5 train/eval domains, plus this project's extra eval domains.
+PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
+EXTRA_EVAL_DOMAINS = ("science", "multilingual")
+MINIMAX_AUX = [1, 30, 58]  # the paper's choice for MiniMax-M2.5
+# EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
+
+
+class TargetLayout:
+    """How one target runs on one node of one GPU type: GPUs, target TP/EP, the server pool, the budget."""
+
+    def __init__(self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat"):
+        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp
+        self.examples, self.global_batch, self.budget = examples, global_batch, budget
+        self.reasoning_parser, self.domain = reasoning_parser, domain
+
+
+_QWEN3_8B = dict(
+    examples=65_000,
+    global_batch=2,
+    budget="the paper: 3 epochs x 65,000 examples / global batch 2 = 97,500 updates",
+    reasoning_parser="qwen3",
+)
+_LLAMA = dict(
+    examples=100_000,
+    global_batch=8,
+    budget="the release (examples/llama33-70b/train.sh): 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
+    reasoning_parser=None,
+)
+_MINIMAX = dict(
+    examples=70_000,
+    global_batch=8,
+    budget="the paper's 70,000 code prompts; 3 epochs and global batch 8 are this project's choice (not fixed "
+    "by the paper or the release for MiniMax-M2.5)",
+    reasoning_parser="minimax-append-think",
+    domain="code",
+)
+LAYOUTS = {
+    ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
+    ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
+    ("llama33_70b", "h100"): TargetLayout(8, 4, 1, 4, **_LLAMA),
+    ("llama33_70b", "b200"): TargetLayout(8, 4, 1, 4, **_LLAMA),
+    # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
+    ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
+    ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
+}
+
+
+def adaptation_steps(examples: int, global_batch: int, epochs: int = EPOCHS) -> int:
+    """Updates for `epochs` passes over `examples` at `global_batch` sequences per update."""
+    return math.ceil(epochs * examples / global_batch)
+
+
+def target_recipe(target: str, method: str, hardware: str, domain: str | None, eagle3_layers: int = 1) -> Recipe:
+    """The chain that trains one drafter for `target` on `domain` with `method` (osprey or eagle3)."""
+    lay = LAYOUTS[(target, hardware)]
+    domain = domain or lay.domain
+    eagle3 = method == "eagle3"
+    aux = MINIMAX_AUX if target == "minimax_m25" else None
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=lay.tp,
+        expert_model_parallel_size=lay.ep,
+        # Experts are spread by EP alone: TP x EP would need more GPUs than the node has.
+        expert_tensor_parallel_size=1 if lay.ep > 1 else None,
+        sequence_parallel=lay.ep > 1,  # MoE with TP needs sequence parallelism in Megatron-Core
+    )
+    distill = DistillConfig(
+        drafter=DistillDrafterConfig(
+            baseline="eagle3" if eagle3 else None,
+            eagle3_num_layers=eagle3_layers,
+            aux_layer_ids=aux if eagle3 else None,
+            transformer_impl="transformer_engine",
+            bf16=True,
+        ),
+        target=TargetConfig(),
+        data=DistillDataConfig(mode="online"),
+        ttt=TTTLossConfig(),
+        parallel=parallel,
+        training=TrainingConfig(
+            micro_batch_size=1,
+            global_batch_size=lay.global_batch,
+            seq_length=4096,
+            train_iters=adaptation_steps(lay.examples, lay.global_batch),
+        ),
+        checkpoint=CheckpointConfig(save_interval=1000),
+        logging=LoggingConfig(wandb_project="osprey"),
+    )
+    sampling = SamplingParams(temperature=1.0, max_tokens=REGENERATE_MAX_TOKENS)
+    recipe = Recipe(
+        name="",
+        hardware=hardware,
+        precision="bf16",
+        chain=("regenerate", "distill", "export", "evaluate") if eagle3 else PIPELINE_OSPREY,
+        target=target,
+        source="qwen3_4b",
+        domain=domain,
+        eval_domains=list(PAPER_DOMAINS),
+        budget=lay.budget,
+        servers=ServerPool(
+            servers=8 // lay.server_tp,
+            tensor_parallel_size=lay.server_tp,
+            reasoning_parser=lay.reasoning_parser,
+            context_length=2 * REGENERATE_MAX_TOKENS + 2048,
+        ),
+        resources={
+            "adapt": Resources(cpus_per_task=16, time="01:00:00"),
+            "regenerate": Resources(gpus_per_node=8, cpus_per_task=16, time="24:00:00"),
+            "distill": Resources(gpus_per_node=lay.gpus, time="48:00:00"),
+            "export": Resources(cpus_per_task=8, time="00:30:00"),
+            "evaluate": Resources(gpus_per_node=max(lay.server_tp, 1), time="08:00:00"),
+        },
+        adapt=None if eagle3 else AdaptConfig(aux_layer_ids=aux),
+        regenerate=RegenerateConfig(backend="server", sampling=sampling, concurrency=64),
+        distill=distill,
+        export=ExportConfig(format="sglang"),
+        evaluate=EvaluateConfig(),
+    )
+    return recipe
+
+
+PIPELINE_OSPREY = ("adapt", "regenerate", "distill", "export", "evaluate")

@@ -1,0 +1,176 @@
+"""The Recipe: a target x stage chain x hardware x precision, as the stages' own configs plus a launch section.
+
+A recipe holds the very config dataclass each of its stages runs (stages/X.py's Config) with every setting but
+the paths; `Recipe.config(stage, run_dir)` returns that config with the paths of one run directory filled in
+(recipes/layout.py: each stage reads what the stage before it wrote). Beside the configs, the launch section
+holds only what a stage cannot know: nodes, GPUs and time per job, the Slurm account and container, the
+server pool, and the external inputs (the source LM, the target, the text and prompts).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from megatron_osprey.stages.adapt import AdaptConfig
+from megatron_osprey.stages.distill import DistillConfig
+from megatron_osprey.stages.evaluate import EvaluateConfig
+from megatron_osprey.stages.export import ExportConfig
+from megatron_osprey.stages.extract import ExtractConfig
+from megatron_osprey.stages.preprocess import PreprocessConfig
+from megatron_osprey.stages.pretrain import PretrainConfig
+from megatron_osprey.stages.prune import PruneConfig
+from megatron_osprey.stages.regenerate import RegenerateConfig
+
+# The pipeline's stages in chain order.
+STAGES = ("prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "export", "evaluate")
+HARDWARE = ("h100", "b200", "cpu")
+# Usable memory per device in GiB as the driver reports it (H100 SXM 80 GB, B200 192 GB).
+GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
+# Stages that run one process per GPU (or per CPU task) with torch.distributed.
+DISTRIBUTED_STAGES = ("prune", "pretrain", "adapt", "extract", "distill")
+
+
+@dataclasses.dataclass
+class Resources:
+    """One stage's job: nodes, processes (GPUs) per node, array tasks, CPUs, time."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1  # also the tasks per node of a distributed stage
+    array_tasks: int = 1  # > 1: a Slurm array (preprocess files, extract shards)
+    cpus_per_task: int = 16
+    time: str = "04:00:00"
+    mem: str | None = None  # e.g. 64G; None: the partition's default
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass
+class Slurm:
+    """Scheduler settings; partition, account and container image may also come from the environment."""
+
+    partition: str | None = None
+    account: str | None = None
+    container_image: str | None = None
+    container_mounts: str | None = None
+    templates: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> template name override
+
+
+@dataclasses.dataclass
+class ServerPool:
+    """The SGLang servers a regenerate or evaluate job starts (in their own environment, SGLANG_PYTHON)."""
+
+    servers: int = 1
+    tensor_parallel_size: int = 1
+    port: int = 30000
+    startup_timeout: int = 1800  # seconds until every server answers /health
+    reasoning_parser: str | None = None  # SGLang's --reasoning-parser (qwen3, minimax-append-think)
+    context_length: int | None = None  # None: the model's
+    batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's sweep
+
+
+@dataclasses.dataclass
+class Paths:
+    """External inputs and the run directory; {root}, {name}, {target}, {source} and {domain} are filled in."""
+
+    root: str = "osprey_runs"
+    run_dir: str = "{root}/{name}"
+    source: str = "{root}/models/{source}"  # the HF small LM the prune stage cuts
+    pretrain_text: str = "{root}/data/pretrain_text.jsonl"  # preprocess --input
+    backbone: str = "{root}/backbone"  # adapt's input when the chain has no pretrain (a pretrained backbone)
+    target: str = "{root}/models/{target}"  # the target's HF directory (config.json suffices to plan)
+    prompts: str = "{root}/data/prompts/{domain}.jsonl"  # regenerate --input
+    conversations: str = "{root}/data/{target}/{domain}.jsonl"  # when the chain has no regenerate
+    eval_data: str = "{root}/data/eval/{domain}.jsonl"  # one split per eval domain
+    token_counts: str | None = None  # adapt's reduced draft vocabulary (osprey data writes it)
+
+
+@dataclasses.dataclass
+class Recipe:
+    """Everything one chain of stages needs: the stages' configs, the launch section and the external inputs."""
+
+    name: str
+    hardware: str
+    precision: str
+    chain: tuple[str, ...]  # the stages `osprey pipeline` runs, in order
+    target: str | None = None  # target preset name: {target} in paths, the plan's shape without a config.json
+    source: str | None = None  # source LM preset name: {source} in paths, the prune stage's shape
+    domain: str | None = None  # the training domain of per-domain recipes
+    eval_domains: list[str] = dataclasses.field(default_factory=list)
+    budget: str = ""  # where the training length comes from (paper, release, or neither), for `osprey plan`
+    paths: Paths = dataclasses.field(default_factory=Paths)
+    slurm: Slurm = dataclasses.field(default_factory=Slurm)
+    servers: ServerPool = dataclasses.field(default_factory=ServerPool)
+    resources: dict[str, Resources] = dataclasses.field(default_factory=dict)
+    prune: PruneConfig | None = None
+    preprocess: PreprocessConfig | None = None
+    pretrain: PretrainConfig | None = None
+    adapt: AdaptConfig | None = None
+    regenerate: RegenerateConfig | None = None
+    extract: ExtractConfig | None = None
+    distill: DistillConfig | None = None
+    export: ExportConfig | None = None
+    evaluate: EvaluateConfig | None = None
+
+    def validate(self) -> None:
+        """Raise one clear sentence for a field outside its allowed values."""
+        if self.hardware not in HARDWARE:
+            raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
+        if self.precision == "mxfp8" and self.hardware != "b200":
+            raise ValueError(
+                f"recipe {self.name}: MXFP8 needs Blackwell (b200); a {self.hardware.upper()} has no MXFP8 GEMMs: "
+                f"use precision fp8 or bf16."
+            )
+        for stage in self.chain:
+            if stage not in STAGES:
+                raise ValueError(f"recipe {self.name}: chain stage {stage!r} is not one of {', '.join(STAGES)}.")
+            if getattr(self, stage) is None:
+                raise ValueError(f"recipe {self.name}: its chain runs {stage} but it has no {stage} config.")
+        for stage, res in self.resources.items():
+            for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
+                if int(getattr(res, key)) < 1:
+                    raise ValueError(f"recipe {self.name}: resources.{stage}.{key} must be at least 1.")
+
+    @property
+    def run_name(self) -> str:
+        """The recipe name, with the domain appended for per-domain runs (job names, run directories)."""
+        return f"{self.name}_{self.domain}" if self.domain else self.name
+
+    def path(self, key: str, domain: str | None = None) -> str:
+        """paths.<key> with its placeholders filled in (`domain` for another domain's file)."""
+        template = getattr(self.paths, key)
+        if template is None:
+            return None
+        values = {
+            "root": self.paths.root,
+            "name": self.run_name,
+            "target": self.target or "no_target",
+            "source": self.source or "no_source",
+            "domain": domain or self.domain or "all",
+        }
+        try:
+            return str(template).format(**values)
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(
+                f"recipe {self.name}: paths.{key} = {template!r} uses a placeholder other than "
+                f"{{root}}, {{name}}, {{target}}, {{source}}, {{domain}}."
+            ) from None
+
+    def stage_resources(self, stage: str) -> Resources:
+        """The job resources of `stage` (one process on one node unless the recipe says otherwise)."""
+        return self.resources.get(stage) or Resources()
+
+    def config(self, stage: str, run_dir: str | None = None) -> Any:
+        """The config `stage` runs, its paths those of `run_dir` (default: paths.run_dir)."""
+        from megatron_osprey.recipes.layout import wire_paths
+
+        base = getattr(self, stage, None) if stage in STAGES else None
+        if base is None:
+            has = ", ".join(s for s in STAGES if getattr(self, s) is not None)
+            raise ValueError(f"recipe {self.name} has no {stage} stage; it has: {has}.")
+        config = copy.deepcopy(base)
+        wire_paths(self, stage, config, run_dir or self.path("run_dir"))
+        return config
