@@ -1,0 +1,50 @@
+"""One real single-node Slurm per test session (`launcher.cluster.up` in a temporary state directory).
+
+Skipped only where the machine cannot run it: not root, or Slurm/munge missing and no apt-get to install them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launcher.cluster import DAEMONS, cluster_env, down, up
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: runs jobs on a real single-node Slurm started by `osprey cluster up`")
+
+
+def cannot_run_reason() -> str | None:
+    """Why this machine cannot start the cluster, or None."""
+    if os.geteuid() != 0:
+        return "the local Slurm runs slurmctld and slurmd as root; these tests need root"
+    if not all(shutil.which(name) for name in DAEMONS) and shutil.which("apt-get") is None:
+        return "Slurm and munge are not installed and there is no apt-get to install them"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The running cluster's environment (SLURM_CONF set, also in os.environ for the session); stopped at the end."""
+    reason = cannot_run_reason()
+    if reason:
+        pytest.skip(reason)
+    # Not under pytest's tmp_path: munged refuses a socket below a directory that others cannot enter (0700).
+    state_dir = Path(tempfile.mkdtemp(prefix="osprey-slurm-"))
+    up(state_dir, timeout=60)
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
+    try:
+        yield {"state_dir": state_dir, "env": cluster_env(state_dir)}
+    finally:
+        down(state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
