@@ -204,6 +204,41 @@ class ModelArch:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
+    @property
+    def default_aux_layer_ids(self) -> list[int]:
+        """The target layers EAGLE-3 / SGLang tap by default: [1, L//2 - 1, L - 4]."""
+        return default_aux_layer_ids(self.num_layers)
+
+    def shape(self) -> dict[str, Any]:
+        """The facts a user checks against the model card: sizes, vocabulary, tying, RoPE and MoE layout."""
+        shape: dict[str, Any] = {
+            "family": self.family,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "head_dim": self.head_dim,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rotary_dim": self.rotary_dim or self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "qk_norm": self.qk_norm_scope if self.qk_layernorm else None,
+        }
+        if self.is_moe:
+            shape["moe"] = {
+                "num_experts": self.num_experts,
+                "router_topk": self.moe_router_topk,
+                "expert_ffn_hidden_size": self.moe_ffn_hidden_size,
+                "score_function": self.moe_score_function,
+                "norm_topk_prob": self.moe_norm_topk_prob,
+                "expert_bias": self.moe_expert_bias,
+                "moe_layers": "all",  # mixed dense/MoE stacks are refused when parsed
+            }
+        return shape
+
     def with_num_layers(self, num_layers: int) -> "ModelArch":
         """The same architecture truncated to its first `num_layers` blocks."""
         config = dict(self.hf_config, num_hidden_layers=num_layers)
@@ -268,6 +303,15 @@ class ModelArch:
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
+
+
+def load_target_config(path: str | Path) -> ModelArch:
+    """A target's architecture from its local config.json (PATH or its directory); the one parse to pass down.
+
+    A Hub id is refused (download the model first), and so is a family other than qwen3, llama, qwen3_moe and
+    minimax_m2, by its model_type.
+    """
+    return ModelArch.from_hf_config(hf_config_file(path, "target"))
 
 
 def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
