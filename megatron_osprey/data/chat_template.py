@@ -13,6 +13,24 @@ the end-of-turn token (a newline in ChatML).
 - Llama-3: ``<|start_header_id|>assistant<|end_header_id|>\\n\\n`` is the header;
   counted are the (trimmed) content and ``<|eot_id|>``.
 
+Reasoning and tool turns (a named choice, `ChatTemplateConfig.reasoning` / `tools`, so that
+osprey data, extraction and distillation render a conversation alike):
+
+- reasoning="template": ``reasoning_content`` goes to the template, which decides (Qwen3
+  renders it as ``<think>...</think>`` for the turns after the last user query and drops it
+  before); what it renders inside an assistant turn is counted.
+- reasoning="drop": reasoning is removed (``reasoning_content`` and a ``<think>`` block at the
+  start of the content); only the answer is trained on.
+- reasoning="inline": ``<think>\n{reasoning}\n</think>\n\n`` is written in front of the
+  content, for targets whose template has no reasoning field but whose model writes one.
+- tools="template": tool calls and tool results go to the template; the assistant's tool
+  calls are counted, tool results (the tool's output, not the model's) never are.
+- tools="drop": conversations with tool turns are left out.
+
+`template_defaults(tokenizer)` reads what the target's own template does with a probe: it
+renders ``reasoning_content`` ("template") or ignores it ("drop"); it renders tool results
+("template") or cannot ("drop").
+
 Spans are found without pattern-matching arbitrary text: the template layout (assistant
 header, generation-prompt extra, end-of-turn token) is learnt once by rendering probe
 conversations, then the rendered conversation is walked message by message with a
@@ -30,12 +48,18 @@ from megatron_osprey.data.conversations import Conversation
 
 # Reasoning models (Qwen3, DeepSeek-R1 style) close their reasoning with this tag; the
 # templates drop the reasoning of earlier turns and keep only the text after it.
+REASONING_START = "<think>"
 REASONING_END = "</think>"
+REASONING_MODES = ("template", "drop", "inline")
+TOOL_MODES = ("template", "drop")
 
 _PROBE_USER = "probe question one"
 _PROBE_USER_2 = "probe question two"
 _PROBE_ASSISTANT = "probe answer one"
 _PROBE_ASSISTANT_2 = "probe answer two"
+_PROBE_REASONING = "probe reasoning"
+_PROBE_TOOL = "probe_tool"
+_PROBE_TOOL_RESULT = "probe tool result"
 
 
 class ChatTemplateError(ValueError):
@@ -51,6 +75,15 @@ class ChatTemplateConfig:
     enable_thinking: bool | None = None
     # End-of-turn token text; None detects it from the template (e.g. <|im_end|>, <|eot_id|>).
     end_of_turn: str | None = None
+    # How reasoning and tool turns enter the template (module docstring); "template" lets it decide.
+    reasoning: str = "template"
+    tools: str = "template"
+
+    def __post_init__(self) -> None:
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"--reasoning must be one of {REASONING_MODES}, got {self.reasoning!r}.")
+        if self.tools not in TOOL_MODES:
+            raise ValueError(f"--tools must be one of {TOOL_MODES}, got {self.tools!r}.")
 
 
 @dataclass(frozen=True)
@@ -88,11 +121,65 @@ def _template_kwargs(config: ChatTemplateConfig) -> dict[str, Any]:
 
 
 def render_generation_prompt(
-    tokenizer: Any, messages: Sequence[dict[str, str]], enable_thinking: bool | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    enable_thinking: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """Render ``messages`` followed by the assistant generation prompt, as the target sees it."""
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+
+
+def split_reasoning(content: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a content that opens with a <think> block; (None, content) otherwise."""
+    head = content.lstrip()
+    if not head.startswith(REASONING_START) or REASONING_END not in head:
+        return None, content
+    reasoning, answer = head[len(REASONING_START) :].split(REASONING_END, 1)
+    return reasoning.strip("\n"), answer.lstrip("\n")
+
+
+def apply_reasoning(messages: Sequence[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """The messages with their reasoning handled as `mode` says (module docstring); inputs are not changed."""
+    if mode not in REASONING_MODES:
+        raise ValueError(f"--reasoning must be one of {REASONING_MODES}, got {mode!r}.")
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message["role"] == "assistant" and mode != "template":
+            reasoning = message.pop("reasoning_content", None)
+            inline, answer = split_reasoning(message["content"])
+            reasoning = reasoning if reasoning is not None else inline
+            if mode == "drop":
+                message["content"] = answer
+            elif reasoning is not None:
+                message["content"] = f"{REASONING_START}\n{reasoning}\n{REASONING_END}\n\n{answer}"
+        out.append(message)
+    return out
+
+
+def template_defaults(tokenizer: Any) -> tuple[str, str]:
+    """(reasoning, tools): the modes that do what the target's own chat template does (module docstring)."""
+    user = {"role": "user", "content": _PROBE_USER}
+    reasoned = [user, {"role": "assistant", "content": _PROBE_ASSISTANT, "reasoning_content": _PROBE_REASONING}]
+    text = tokenizer.apply_chat_template(reasoned, tokenize=False)
+    reasoning = "template" if _PROBE_REASONING in text else "drop"
+    call = {"type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"x": 1}}}
+    with_tools = [
+        user,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": _PROBE_TOOL_RESULT},
+        {"role": "assistant", "content": _PROBE_ASSISTANT},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(with_tools, tokenize=False)
+    except Exception:  # a template that raises on tool turns (jinja's raise_exception) cannot take them
+        return reasoning, "drop"
+    tools = "template" if _PROBE_TOOL in text and _PROBE_TOOL_RESULT in text else "drop"
+    return reasoning, tools
 
 
 def _common_prefix(*texts: str) -> str:
@@ -175,10 +262,13 @@ class ChatTokenizer:
         self.config = config
         self.layout = detect_layout(tokenizer, config)
 
-    def render(self, messages: Sequence[dict[str, str]], conversation_id: str = "?") -> RenderedConversation:
+    def render(
+        self, messages: Sequence[dict[str, Any]], conversation_id: str = "?", tools: list[dict] | None = None
+    ) -> RenderedConversation:
         """Render a conversation and find each assistant turn's character span by walking it in order."""
+        messages = apply_reasoning(messages, self.config.reasoning)
         text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=False, **_template_kwargs(self.config)
+            messages, tools=tools, tokenize=False, add_generation_prompt=False, **_template_kwargs(self.config)
         )
         layout = self.layout
         spans: list[tuple[int, int]] = []
@@ -215,13 +305,17 @@ class ChatTokenizer:
             cursor = end
         return RenderedConversation(text=text, assistant_spans=tuple(spans))
 
-    def tokenize(self, conversation: Conversation | Sequence[dict[str, str]]) -> TokenizedConversation:
+    def tokenize(self, conversation: Conversation | Sequence[dict[str, Any]]) -> TokenizedConversation:
         """Tokenize one conversation: input ids, assistant loss mask, truncated to max_length."""
         if isinstance(conversation, Conversation):
-            conversation_id, messages = conversation.id, conversation.messages
+            conversation_id, messages, tools = conversation.id, conversation.messages, conversation.tools
         else:
-            conversation_id, messages = "?", conversation
-        rendered = self.render(messages, conversation_id)
+            conversation_id, messages, tools = "?", conversation, None
+        if self.config.tools == "drop" and any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            raise ChatTemplateError(
+                f"conversation {conversation_id!r} has tool turns and tools='drop'; leave it out before tokenizing."
+            )
+        rendered = self.render(messages, conversation_id, tools)
         # The template writes BOS itself where the model wants one, so no extra specials.
         encoding = self.tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = np.asarray(encoding["input_ids"], dtype=np.int64)

@@ -1,0 +1,449 @@
+"""`osprey data`: every input a recipe reads, built from the conversations users have.
+
+Input: per domain (a name the user picks: `code=a.jsonl`), local JSONL (plain or gzip), a JSON array,
+Parquet, or a `datasets` directory written by `save_to_disk`, each row in OpenAI-messages, ShareGPT or
+prompt/response form (data/conversations.py). Output, in one directory:
+
+    prompts/{domain}.jsonl        the training prompts regenerate answers with the target
+    eval/{domain}.jsonl           the held-out conversations evaluate prompts with (first user message)
+    conversations/{domain}.jsonl  the training conversations, when the rows hold replies
+    token_counts.json             target-token counts over the assistant tokens of those conversations
+                                  (a list indexed by token id: the reduced draft vocabulary's input)
+    data_summary.json             what was read, kept and left out, per domain
+
+The eval split is drawn per domain with the seed, after duplicates (the same normalized first prompt)
+are removed; a training conversation any of whose user turns equals an eval prompt of any domain is left
+out, so no eval prompt is ever trained on or regenerated. The result is checked before it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from megatron_osprey.base.arch import hf_config_file, load_target_config, looks_like_hub_id
+from megatron_osprey.base.atomic_io import fsync_dir, make_staging_dir, write_json_atomic
+from megatron_osprey.data.chat_template import (
+    REASONING_MODES,
+    TOOL_MODES,
+    ChatTemplateConfig,
+    ChatTokenizer,
+    apply_reasoning,
+    split_reasoning,
+    template_defaults,
+)
+from megatron_osprey.data.conversations import (
+    Conversation,
+    ConversationFormatError,
+    from_user_row,
+    write_conversations,
+)
+
+SUMMARY_FILE = "data_summary.json"
+TOKEN_COUNTS_FILE = "token_counts.json"
+PROMPT_TURNS = ("all", "first")
+_DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PARQUET_MAGIC = b"PAR1"
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@dataclasses.dataclass
+class UserDataConfig:
+    """What `osprey data` reads and how it splits and renders it."""
+
+    inputs: list[str] = dataclasses.field(default_factory=list)  # DOMAIN=PATH, repeatable (a domain may repeat)
+    target: str | None = None  # the target's HF directory: its tokenizer (and config.json, when there)
+    output: str | None = None
+    eval_size: int = 64  # held-out conversations per domain
+    seed: int = 0
+    reasoning: str | None = None  # template | drop | inline; None: what the target's template does
+    tools: str | None = None  # template | drop; None: what the target's template does
+    prompt_turns: str = "all"  # all: every user turn up to the first tool turn; first: the first user turn
+    seq_length: int = 4096  # tokens per conversation counted, as in training
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        """Required flags and allowed values, before anything is read."""
+        if not self.inputs:
+            raise ValueError("--input DOMAIN=PATH is required (repeat it for more domains or files).")
+        for flag, value in (("--target", self.target), ("--output", self.output)):
+            if not value:
+                raise ValueError(f"{flag} is required.")
+        if self.reasoning is not None and self.reasoning not in REASONING_MODES:
+            raise ValueError(f"--reasoning must be one of {REASONING_MODES}, got {self.reasoning!r}.")
+        if self.tools is not None and self.tools not in TOOL_MODES:
+            raise ValueError(f"--tools must be one of {TOOL_MODES}, got {self.tools!r}.")
+        if self.prompt_turns not in PROMPT_TURNS:
+            raise ValueError(f"--prompt-turns must be one of {PROMPT_TURNS}, got {self.prompt_turns!r}.")
+        if self.eval_size < 0 or self.seq_length < 1:
+            raise ValueError("--eval-size must be at least 0 and --seq-length at least 1.")
+
+
+def parse_inputs(specs: Iterable[str]) -> dict[str, list[Path]]:
+    """{domain: [paths]} from `DOMAIN=PATH` words, in the order given."""
+    domains: dict[str, list[Path]] = {}
+    for spec in specs:
+        name, sep, path = str(spec).partition("=")
+        if not sep or not path or not _DOMAIN_NAME.match(name):
+            raise ValueError(
+                f"--input {spec!r} must be DOMAIN=PATH, the domain a name of letters, digits, '_', '-' or '.' "
+                f"(e.g. --input code=code.jsonl)."
+            )
+        domains.setdefault(name, []).append(Path(path))
+    return domains
+
+
+# --- Reading the files users have ------------------------------------------------------
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of a JSONL / JSON-array / Parquet file or a save_to_disk directory."""
+    path = Path(path)
+    if not path.exists():
+        if looks_like_hub_id(str(path)):
+            raise ValueError(
+                f"--input {path} looks like a Hugging Face Hub dataset id; nothing is downloaded here: download "
+                f"it first (e.g. `huggingface-cli download --repo-type dataset {path} --local-dir DIR`) and pass "
+                f"its JSONL or Parquet files, or a directory saved with datasets' save_to_disk."
+            )
+        raise FileNotFoundError(f"--input {path} does not exist.")
+    if path.is_dir():
+        yield from _dataset_rows(path)
+        return
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic == _PARQUET_MAGIC:
+        yield from _parquet_rows(path)
+    else:
+        yield from _json_rows(path, gzip.open if magic[:2] == _GZIP_MAGIC else open)
+
+
+def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
+    with opener(path, "rb") as handle:
+        head = handle.read(4096).lstrip()
+    if head.startswith(b"["):  # one JSON array (ShareGPT dumps often are), not JSON Lines
+        with opener(path, "rb") as handle:
+            try:
+                rows = json.load(handle)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ConversationFormatError(f"{path}: not a valid JSON array ({error}).") from None
+        for index, row in enumerate(rows):
+            yield f"{path} item {index}", row
+        return
+    with opener(path, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ConversationFormatError(
+                    f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})."
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConversationFormatError(
+                    f"{where}: not valid JSON ({error.msg} at column {error.colno})."
+                ) from None
+            yield where, row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{path} row {index}", row
+            index += 1
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        dataset = load_from_disk(str(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--input {path} is a directory but not a dataset saved with datasets' save_to_disk."
+        ) from None
+    if isinstance(dataset, DatasetDict):
+        if "train" not in dataset:
+            raise ValueError(f"--input {path} holds splits {sorted(dataset)} but no 'train'; save one split.")
+        dataset = dataset["train"]
+    for index, row in enumerate(dataset):
+        yield f"{path} row {index}", row
+
+
+def _json_safe(row: Any) -> Any:
+    """The row without the metadata values JSON cannot hold (timestamps, bytes from Parquet): those are ignored."""
+    if not isinstance(row, dict):
+        return row
+    safe = {}
+    for key, value in row.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        safe[key] = value
+    return safe
+
+
+def load_domain(domain: str, paths: list[Path]) -> list[Conversation]:
+    """Every row of a domain's files as a conversation; ids unique within the domain."""
+    conversations, seen = [], {}
+    for path in paths:
+        for where, row in read_rows(path):
+            conversation = from_user_row(_json_safe(row), where, default_id=f"{domain}-{len(conversations)}")
+            if conversation.id in seen:
+                raise ConversationFormatError(
+                    f"{where}: duplicate id {conversation.id!r} in domain {domain!r} "
+                    f"(first at {seen[conversation.id]})."
+                )
+            seen[conversation.id] = where
+            conversations.append(conversation)
+    if not conversations:
+        raise ValueError(f"--input {domain}=...: no rows in {', '.join(map(str, paths))}.")
+    return conversations
+
+
+# --- Splitting ------------------------------------------------------------------------
+
+
+def normalize_prompt(text: str) -> str:
+    """A prompt as compared for duplicates and leaks: whitespace collapsed, case folded."""
+    return " ".join(text.split()).casefold()
+
+
+def first_prompt(conversation: Conversation) -> str:
+    """The normalized first user message: what evaluation sends."""
+    return normalize_prompt(next(m["content"] for m in conversation.messages if m["role"] == "user"))
+
+
+def user_prompts(conversation: Conversation) -> set[str]:
+    return {normalize_prompt(m["content"]) for m in conversation.messages if m["role"] == "user"}
+
+
+@dataclasses.dataclass
+class DomainSplit:
+    """One domain's training and eval conversations, and what was left out on the way."""
+
+    train: list[Conversation]
+    eval: list[Conversation]
+    rows: int
+    duplicates: int
+    tool_conversations_dropped: int
+    leaks_removed: int
+
+
+def split_domains(
+    domains: dict[str, list[Conversation]], eval_size: int, seed: int, drop_tools: bool = False
+) -> dict[str, DomainSplit]:
+    """Seeded per-domain eval splits; no training conversation holds any domain's eval prompt as a user turn."""
+    kept: dict[str, tuple[list[Conversation], int, int]] = {}
+    for domain, conversations in domains.items():
+        usable = [c for c in conversations if not (drop_tools and c.has_tool_turns)]
+        unique, seen = [], set()
+        for conversation in usable:
+            key = first_prompt(conversation)
+            if key not in seen:
+                seen.add(key)
+                unique.append(conversation)
+        if len(unique) <= eval_size:
+            raise ValueError(
+                f"domain {domain!r} has {len(unique)} distinct prompts; --eval-size {eval_size} would leave none to "
+                f"train on: pass a smaller --eval-size."
+            )
+        kept[domain] = (unique, len(conversations) - len(usable), len(usable) - len(unique))
+    evals = {}
+    for domain, (unique, _, _) in kept.items():
+        chosen = set(random.Random(f"{seed}:{domain}").sample(range(len(unique)), eval_size))
+        evals[domain] = [c for i, c in enumerate(unique) if i in chosen]
+    held_out = {first_prompt(c) for rows in evals.values() for c in rows}
+    splits = {}
+    for domain, (unique, tool_dropped, duplicates) in kept.items():
+        chosen_ids = {c.id for c in evals[domain]}
+        rest = [c for c in unique if c.id not in chosen_ids]
+        train = [c for c in rest if not (user_prompts(c) & held_out)]
+        if not train:
+            raise ValueError(f"domain {domain!r}: every training conversation repeats an eval prompt.")
+        splits[domain] = DomainSplit(
+            train, evals[domain], len(domains[domain]), duplicates, tool_dropped, len(rest) - len(train)
+        )
+    check_disjoint(splits)
+    return splits
+
+
+def check_disjoint(splits: dict[str, DomainSplit]) -> None:
+    """Raise when any training conversation has a user turn equal to an eval prompt (of any domain)."""
+    held_out = {first_prompt(c): (domain, c.id) for domain, split in splits.items() for c in split.eval}
+    for domain, split in splits.items():
+        for conversation in split.train:
+            for prompt in user_prompts(conversation) & set(held_out):
+                eval_domain, eval_id = held_out[prompt]
+                raise ValueError(
+                    f"training conversation {conversation.id!r} of {domain!r} repeats eval prompt {eval_id!r} of "
+                    f"{eval_domain!r}."
+                )
+
+
+# --- What is written ------------------------------------------------------------------
+
+
+def with_reasoning(conversation: Conversation, mode: str) -> Conversation:
+    """The conversation as it will be rendered: reasoning kept for the template, dropped or inlined."""
+    return dataclasses.replace(conversation, messages=tuple(apply_reasoning(conversation.messages, mode)))
+
+
+def prompt_conversation(conversation: Conversation, turns: str) -> Conversation:
+    """What regenerate answers: the messages before the first tool turn (before the first reply for "first").
+
+    Assistant turns stay, answer text only, to keep the turn structure; regenerate replaces every one. A tool
+    result answers a call the target may not make again, so nothing from the first tool call on is kept.
+    """
+    messages: list[dict[str, Any]] = []
+    for message in conversation.messages:
+        if message["role"] == "tool" or message.get("tool_calls"):
+            break
+        if message["role"] == "assistant":
+            if turns == "first":
+                break
+            messages.append({"role": "assistant", "content": split_reasoning(message["content"])[1]})
+        else:
+            messages.append(dict(message))
+    while messages[-1]["role"] == "assistant":
+        messages.pop()
+    extra = {k: v for k, v in conversation.extra.items() if k != "tools"}
+    return Conversation(id=conversation.id, messages=tuple(messages), extra=extra)
+
+
+def has_reply(conversation: Conversation) -> bool:
+    return any(m["role"] == "assistant" for m in conversation.messages)
+
+
+def count_assistant_tokens(conversations: Iterable[Conversation], chat: ChatTokenizer, size: int) -> np.ndarray:
+    """Counts per target token id of the tokens the loss is taken on (the assistant mask, as in training)."""
+    counts = np.zeros(size, dtype=np.int64)
+    for conversation in conversations:
+        tokenized = chat.tokenize(conversation)
+        counts += np.bincount(tokenized.input_ids[tokenized.loss_mask], minlength=size)[:size]
+    return counts
+
+
+def _load_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    hf_config_file(target, "--target", missing_ok=True)  # a Hub id is refused here, before transformers tries
+    if not Path(target).is_dir():
+        raise FileNotFoundError(f"--target {target}: not a directory (the target's HF directory, with its tokenizer).")
+    return AutoTokenizer.from_pretrained(target)
+
+
+def _prepare_output(output: Path, overwrite: bool, inputs: list[Path]) -> None:
+    for path in inputs:
+        if output.resolve() == path.resolve() or output.resolve() in path.resolve().parents:
+            raise ValueError(f"--output {output} holds the input {path}; choose another --output.")
+    if not output.exists() or not any(output.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+    if not (output / SUMMARY_FILE).is_file():
+        raise FileExistsError(
+            f"--output {output} holds files osprey data did not write (no {SUMMARY_FILE}); --overwrite replaces "
+            f"only an earlier osprey data output: choose an empty --output."
+        )
+
+
+def _write_rows(path: Path, rows: Iterable[Conversation]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_conversations(path, rows)
+
+
+def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
+    """Read, split, render and write every file (module docstring); returns the summary it wrote.
+
+    `tokenizer`: the target's, already loaded from config.target (a caller that holds it saves the load).
+    """
+    config.validate()
+    domains_in = parse_inputs(config.inputs)
+    output = Path(config.output)
+    _prepare_output(output, config.overwrite, [p for paths in domains_in.values() for p in paths])
+    tokenizer = tokenizer or _load_tokenizer(config.target)
+    template_reasoning, template_tools = template_defaults(tokenizer)
+    reasoning, tools = config.reasoning or template_reasoning, config.tools or template_tools
+    target: dict[str, Any] = {"path": str(config.target), "tokenizer_size": len(tokenizer)}
+    if hf_config_file(config.target, "--target", missing_ok=True) is not None:
+        arch = load_target_config(config.target)
+        if len(tokenizer) > arch.vocab_size:
+            raise ValueError(
+                f"--target {config.target}: its tokenizer has {len(tokenizer)} tokens, more than config.json's "
+                f"vocab_size {arch.vocab_size}; the tokenizer is not this model's."
+            )
+        target |= {"shape": arch.shape(), "aux_layer_ids": arch.default_aux_layer_ids}
+
+    domains = {d: [with_reasoning(c, reasoning) for c in load_domain(d, paths)] for d, paths in domains_in.items()}
+    splits = split_domains(domains, config.eval_size, config.seed, drop_tools=tools == "drop")
+    # Rendering every conversation once here also proves the template and the mask can follow each of them.
+    chat = ChatTokenizer(tokenizer, ChatTemplateConfig(max_length=config.seq_length))
+    trained = [c for split in splits.values() for c in split.train if has_reply(c)]
+    counts = count_assistant_tokens(trained, chat, len(tokenizer)) if trained else None
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = make_staging_dir(output.parent, output.name)
+    try:
+        summary = _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+        fsync_dir(output.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+def _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in) -> dict:
+    per_domain = {}
+    for domain, split in splits.items():
+        _write_rows(
+            staging / "prompts" / f"{domain}.jsonl", (prompt_conversation(c, config.prompt_turns) for c in split.train)
+        )
+        if split.eval:
+            _write_rows(staging / "eval" / f"{domain}.jsonl", split.eval)
+        replies = [c for c in split.train if has_reply(c)]
+        if replies:
+            _write_rows(staging / "conversations" / f"{domain}.jsonl", replies)
+        per_domain[domain] = {
+            "inputs": [str(p) for p in domains_in[domain]],
+            "rows": split.rows,
+            "duplicates_removed": split.duplicates,
+            "tool_conversations_dropped": split.tool_conversations_dropped,
+            "eval": len(split.eval),
+            "train": len(split.train),
+            "train_with_eval_prompt_removed": split.leaks_removed,
+            "conversations": len(replies),
+        }
+    if counts is not None:
+        write_json_atomic(staging / TOKEN_COUNTS_FILE, counts.tolist(), indent=None)
+    summary = {
+        "seed": config.seed,
+        "eval_size": config.eval_size,
+        "reasoning": reasoning,
+        "tools": tools,
+        "prompt_turns": config.prompt_turns,
+        "seq_length": config.seq_length,
+        "target": target,
+        "assistant_tokens": None if counts is None else int(counts.sum()),
+        "domains": per_domain,
+    }
+    write_json_atomic(staging / SUMMARY_FILE, summary)
+    return summary

@@ -1,0 +1,122 @@
+"""Build every input a recipe reads from the conversations you have: prompts, eval splits, token counts.
+
+    python -m megatron_osprey.stages.data --input code=code.jsonl --input finance=finance.parquet \\
+        --target TARGET_DIR --output DATA_DIR [--eval-size 64] [--seed 0] [--reasoning template|drop|inline]
+
+An input is DOMAIN=PATH (a domain is any name; repeat --input for more domains or more files of one domain):
+JSONL (plain or gzip), a JSON array, Parquet, or a `datasets` save_to_disk directory, with rows in OpenAI
+`messages`, ShareGPT `conversations` (from/value or role/content) or `prompt`/`response` form. TARGET_DIR is
+the target's HF directory (its tokenizer and chat template; no weights are read). Writes DATA_DIR/prompts/,
+eval/, conversations/ (when the rows hold replies), token_counts.json, data_summary.json and provenance.json;
+the library is data/user_data.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megatron_osprey.config.flags import STORE_TRUE, Flag
+from megatron_osprey.data.chat_template import REASONING_MODES, TOOL_MODES
+from megatron_osprey.data.user_data import (
+    PROMPT_TURNS,
+    SUMMARY_FILE,
+    TOKEN_COUNTS_FILE,
+    UserDataConfig,
+    build_user_data,
+    parse_inputs,
+)
+from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
+
+# The stage's config is the library's own (one schema, owned by the component).
+DataConfig = UserDataConfig
+
+FLAGS = {
+    "data": [
+        Flag(
+            "--input",
+            "inputs",
+            {"action": "append", "metavar": "DOMAIN=PATH", "help": "a domain's file or save_to_disk directory"},
+        ),
+        Flag("--target", "target", {"help": "the target's HF directory (tokenizer + chat template; config.json)"}),
+        Flag("--output", "output", {"help": "the data directory recipes read (paths.prompts, paths.eval_data, ...)"}),
+        Flag("--eval-size", "eval_size", {"type": int, "help": "held-out conversations per domain (default 64)"}),
+        Flag("--seed", "seed", {"type": int, "help": "the seed of the eval draw (same seed, same files)"}),
+        Flag(
+            "--reasoning",
+            "reasoning",
+            {
+                "choices": list(REASONING_MODES),
+                "help": "reasoning_content: to the template, dropped, or inlined as <think> (default: what the "
+                "target's chat template does with it)",
+            },
+        ),
+        Flag(
+            "--tools",
+            "tools",
+            {
+                "choices": list(TOOL_MODES),
+                "help": "tool turns: to the template, or conversations holding them left out (default: what the "
+                "target's chat template does with them)",
+            },
+        ),
+        Flag(
+            "--prompt-turns",
+            "prompt_turns",
+            {"choices": list(PROMPT_TURNS), "help": "regenerate every user turn (all) or the first only"},
+        ),
+        Flag("--seq-length", "seq_length", {"type": int, "help": "tokens per conversation counted (default 4096)"}),
+        Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an earlier osprey data output"}),
+    ],
+}
+
+
+def run(config: DataConfig, invocation: Invocation = Invocation("data")) -> dict:
+    """Build the data directory and record its provenance; returns the summary."""
+    config.validate()
+    files = {
+        f"{domain}[{i}]": path for domain, paths in parse_inputs(config.inputs).items() for i, path in enumerate(paths)
+    }
+    target = Path(config.target)
+    tokenizer_files = {
+        f"target_{name}": target / name for name in ("tokenizer.json", "tokenizer_config.json", "config.json")
+    }
+    inputs = check_inputs(
+        {f"input {name}": path for name, path in files.items() if Path(path).exists()}
+        | {name: path for name, path in tokenizer_files.items() if path.is_file()}
+    )
+    summary = build_user_data(config)
+    output = Path(config.output)
+    outputs = {"summary": output / SUMMARY_FILE}
+    for kind in ("prompts", "eval", "conversations"):
+        outputs |= {f"{kind}/{p.stem}": p for p in sorted((output / kind).glob("*.jsonl"))}
+    if (output / TOKEN_COUNTS_FILE).is_file():
+        outputs["token_counts"] = output / TOKEN_COUNTS_FILE
+    invocation.record(output, config, inputs, outputs)
+    return summary
+
+
+def main(argv: list[str] | None = None, recipes=None) -> int:
+    """Parse the flags, build the data directory, print one line per domain; returns the exit code (2: bad input)."""
+    config, invocation = parse_config(argv, "data", DataConfig, FLAGS, __doc__, recipes)
+
+    def build_and_report() -> None:
+        summary = run(config, invocation)
+        print(json.dumps({k: summary[k] for k in ("reasoning", "tools", "assistant_tokens")}))
+        for domain, counts in summary["domains"].items():
+            print(
+                f"{domain}: {counts['rows']} rows -> {counts['train']} train, {counts['eval']} eval "
+                f"({counts['duplicates_removed']} duplicates, {counts['train_with_eval_prompt_removed']} repeating an "
+                f"eval prompt, {counts['tool_conversations_dropped']} with tool turns left out)"
+            )
+        print(f"wrote {config.output}")
+
+    return exit_code(build_and_report)
+
+
+if __name__ == "__main__":
+    # The job door; the recipe registry builds this module's config, so only the program imports it.
+    from megatron_osprey.recipes import run_stage
+
+    sys.exit(run_stage("data"))
