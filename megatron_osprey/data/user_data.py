@@ -63,6 +63,7 @@ class UserDataConfig:
     target: str | None = None  # the target's HF directory: its tokenizer (and config.json, when there)
     output: str | None = None
     eval_size: int = 64  # held-out conversations per domain
+    max_train: int | None = None  # at most this many training conversations per domain (the first, in input order)
     seed: int = 0
     reasoning: str | None = None  # template | drop | inline; None: what the target's template does
     tools: str | None = None  # template | drop; None: what the target's template does
@@ -83,8 +84,8 @@ class UserDataConfig:
             raise ValueError(f"--tools must be one of {TOOL_MODES}, got {self.tools!r}.")
         if self.prompt_turns not in PROMPT_TURNS:
             raise ValueError(f"--prompt-turns must be one of {PROMPT_TURNS}, got {self.prompt_turns!r}.")
-        if self.eval_size < 0 or self.seq_length < 1:
-            raise ValueError("--eval-size must be at least 0 and --seq-length at least 1.")
+        if self.eval_size < 0 or self.seq_length < 1 or (self.max_train is not None and self.max_train < 1):
+            raise ValueError("--eval-size must be at least 0, --seq-length and --max-train at least 1.")
 
 
 def parse_inputs(specs: Iterable[str]) -> dict[str, list[Path]]:
@@ -247,7 +248,11 @@ class DomainSplit:
 
 
 def split_domains(
-    domains: dict[str, list[Conversation]], eval_size: int, seed: int, drop_tools: bool = False
+    domains: dict[str, list[Conversation]],
+    eval_size: int,
+    seed: int,
+    drop_tools: bool = False,
+    max_train: int | None = None,
 ) -> dict[str, DomainSplit]:
     """Seeded per-domain eval splits; no training conversation holds any domain's eval prompt as a user turn."""
     kept: dict[str, tuple[list[Conversation], int, int]] = {}
@@ -275,11 +280,11 @@ def split_domains(
         chosen_ids = {c.id for c in evals[domain]}
         rest = [c for c in unique if c.id not in chosen_ids]
         train = [c for c in rest if not (user_prompts(c) & held_out)]
+        leaks = len(rest) - len(train)
+        train = train[:max_train]
         if not train:
             raise ValueError(f"domain {domain!r}: every training conversation repeats an eval prompt.")
-        splits[domain] = DomainSplit(
-            train, evals[domain], len(domains[domain]), duplicates, tool_dropped, len(rest) - len(train)
-        )
+        splits[domain] = DomainSplit(train, evals[domain], len(domains[domain]), duplicates, tool_dropped, leaks)
     check_disjoint(splits)
     return splits
 
@@ -392,7 +397,7 @@ def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
         target |= {"shape": arch.shape(), "aux_layer_ids": arch.default_aux_layer_ids}
 
     domains = {d: [with_reasoning(c, reasoning) for c in load_domain(d, paths)] for d, paths in domains_in.items()}
-    splits = split_domains(domains, config.eval_size, config.seed, drop_tools=tools == "drop")
+    splits = split_domains(domains, config.eval_size, config.seed, tools == "drop", config.max_train)
     # Rendering every conversation once here also proves the template and the mask can follow each of them.
     chat = ChatTokenizer(tokenizer, ChatTemplateConfig(max_length=config.seq_length))
     trained = [c for split in splits.values() for c in split.train if has_reply(c)]

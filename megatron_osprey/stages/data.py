@@ -42,6 +42,7 @@ FLAGS = {
         Flag("--target", "target", {"help": "the target's HF directory (tokenizer + chat template; config.json)"}),
         Flag("--output", "output", {"help": "the data directory recipes read (paths.prompts, paths.eval_data, ...)"}),
         Flag("--eval-size", "eval_size", {"type": int, "help": "held-out conversations per domain (default 64)"}),
+        Flag("--max-train", "max_train", {"type": int, "help": "at most N training conversations per domain"}),
         Flag("--seed", "seed", {"type": int, "help": "the seed of the eval draw (same seed, same files)"}),
         Flag(
             "--reasoning",

@@ -285,6 +285,7 @@ def test_osprey_data_writes_disjoint_splits_prompts_conversations_and_counts(inp
     chat_eval_ids = {int(c.id.split("-")[1]) for c in evals["chat"]}
     code_eval_ids = {int(c.id.split("-")[1]) for c in evals["code"]}
     leaking = {i for i in range(N_CODE) if i in chat_eval_ids} - code_eval_ids
+    assert leaking  # seed 0 draws chat eval prompts that code rows repeat: the removal is exercised
     assert summary["domains"]["chat"]["duplicates_removed"] == 2
     assert summary["domains"]["code"]["train_with_eval_prompt_removed"] == len(leaking)
     assert len(trains["chat"]) == N_CHAT - EVAL and len(trains["code"]) == N_CODE - EVAL - len(leaking)
@@ -343,6 +344,10 @@ def test_tools_drop_and_reasoning_drop_are_applied_to_what_is_written(inputs, qw
     assistants = [m for c in written for m in c.messages if m["role"] == "assistant"]
     assert assistants and not any("reasoning_content" in m or "<think>" in m["content"] for m in assistants)
     assert not any(c.has_tool_turns for c in written)
+    capped = run_data(inputs, tmp_path / "capped", reasoning="drop", tools="drop", tokenizer=qwen3, max_train=2)
+    first_two = [r["id"] for r in _rows(tmp_path / "d" / "prompts" / "chat.jsonl")][:2]
+    assert [r["id"] for r in _rows(tmp_path / "capped" / "prompts" / "chat.jsonl")] == first_two
+    assert capped["domains"]["chat"]["train"] == 2 and capped["domains"]["chat"]["eval"] == EVAL
 
 
 def test_stage_main_records_provenance_and_reports_a_bad_line(inputs, tmp_path, capsys):
