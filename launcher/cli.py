@@ -5,6 +5,7 @@
   osprey pipeline RECIPE --run-dir DIR [--from STAGE] [--until STAGE] [--set ...] [--dry-run]
   osprey submit RECIPE --stage STAGE --run-dir DIR [--set ...] [--dry-run]
   osprey recipes
+  osprey data --input DOMAIN=FILE ... --target DIR --output DIR   (your own prompts, eval sets, counts)
   osprey cluster up|status|down [--dir DIR]
   osprey fetch-model NAME --output DIR
 
@@ -42,6 +43,12 @@ STAGE_HELP = {
 }
 
 
+# Doors that take only their own flags (no recipe): the stage module parses them.
+FLAG_DOORS = {
+    "data": "build the prompts, eval sets and token counts a recipe reads from your own files (osprey data --help)",
+}
+
+
 def _recipe_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("recipe", nargs=None if required else "?", help="NAME[:DOMAIN] or a YAML recipe file")
     parser.add_argument("--run-dir", default=None, help="the chain's run directory (default: the recipe's)")
@@ -70,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(stage, help=STAGE_HELP[stage], description=f"{STAGE_HELP[stage]} ({stage_module(stage)})")
         _recipe_args(p, required=False)
         p.add_argument("--dry-run", action="store_true", help="print the command without running it")
+    for door, text in FLAG_DOORS.items():
+        p = sub.add_parser(door, help=text, description=f"{text}; flags: python -m {stage_module(door)} --help",
+                           add_help=False)  # fmt: skip
+        p.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own flags")
     p = sub.add_parser("plan", help="check a recipe stage's layout and size it (no cluster, no torch)")
     _recipe_args(p)
     p.add_argument("--stage", choices=list(STAGES), default=None, help="default: every trained stage of the chain")
@@ -205,6 +216,9 @@ def _recipes() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `osprey` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FLAG_DOORS:  # the stage parses all of its own flags, --help included
+        command = [sys.executable, "-m", stage_module(argv[0]), *argv[1:]]
+        return subprocess.run(command, cwd=work_dir(), check=False).returncode
     own, extra = _split_passthrough(argv)
     args = build_parser().parse_args(own)
     try:

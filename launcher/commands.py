@@ -23,7 +23,7 @@ def work_dir() -> Path:
 
 def stage_module(stage: str) -> str:
     """The module every job and local run of `stage` executes (`python -m ...`)."""
-    if stage not in STAGES:
+    if stage not in (*STAGES, "data"):
         raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}.")
     return f"megatron_osprey.stages.{stage}"
 
