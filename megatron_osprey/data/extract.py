@@ -105,26 +105,17 @@ def check_store_settings(config, settings: dict, say: Callable[[str], None]) -> 
 
 def check_writer_lock_free(store_dir: str | Path, tag: str) -> None:
     """Refuse at start, before the target is loaded, when another process holds this writer's lock."""
-    import fcntl
-    import os
-
+    from megatron_osprey.base.locks import lock_is_held
     from megatron_osprey.data.hidden_state_store import lock_path
 
     path = lock_path(Path(store_dir), tag)
-    if not path.exists():
-        return
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except BlockingIOError:
+    holder = lock_is_held(path)
+    if holder is not None:
         raise ValueError(
-            f"--output {store_dir}: another extract is writing it as writer {tag!r} (lock {path} is held); this run "
-            f"does not wait for it. Let that run finish (rerunning then resumes), or give this one another --shard "
-            f"or --output."
-        ) from None
-    finally:
-        os.close(fd)
+            f"--output {store_dir}: another extract ({holder}) is writing it as writer {tag!r} (lock {path} is "
+            f"held); this run does not wait for it. Let that run finish (rerunning then resumes), or give this one "
+            f"another --shard or --output."
+        )
 
 
 def contiguous_slice(count: int, index: int, parts: int) -> range:

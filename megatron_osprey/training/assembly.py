@@ -54,15 +54,27 @@ class TrainResult:
 
 def run_training(cfg, spec: TrainSpec, parallel: ParallelState) -> TrainResult:
     """Build, (re)load and train one stage; collective over every rank of `parallel`."""
-    is_writer = parallel.rank == 0
-    train_iters = cfg.training.num_train_iters()
-    if is_writer:
+    if parallel.rank == 0:
         print(
             "resolved configuration:\n" + yaml.safe_dump(to_plain(spec.run_config["config"]), sort_keys=False),
             flush=True,
         )
-    resume = checkpointing.resume_iteration(cfg.checkpoint)
     notes = []
+    # One writer per --save: a second run would delete the first one's staging directory mid-save.
+    lock = checkpointing.acquire_save_lock(cfg.checkpoint.save) if cfg.checkpoint.save else None
+    if lock is not None and lock.stale:
+        notes.append(f"--save {cfg.checkpoint.save}: took over the writer lock of {lock.stale}, which died holding it")
+    try:
+        return _run_locked(cfg, spec, parallel, notes)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str]) -> TrainResult:
+    is_writer = parallel.rank == 0
+    train_iters = cfg.training.num_train_iters()
+    resume = checkpointing.resume_iteration(cfg.checkpoint)
     if cfg.checkpoint.load and resume is None:
         notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
     model = build_model_chunks(

@@ -14,6 +14,8 @@ from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.run_config import save_run_config
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+# Held by the one run that writes a --save directory (base/locks.py; the hidden-state store's writers use it too).
+SAVE_LOCK = ".lock-writer"
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -118,6 +120,25 @@ def check_writable(directory: str | Path, flag: str) -> None:
             exc.errno,
             f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a directory this job can write.",
         ) from None
+
+
+def acquire_save_lock(root: str | Path):
+    """Collective: rank 0 takes --save's writer lock; every rank raises the same refusal when a live run holds it.
+
+    Returns rank 0's WriterLock (None on other ranks); its `stale` names a dead holder it took over.
+    """
+    from megatron_osprey.base.locks import LockHeldError, acquire_writer_lock
+
+    lock, message = None, [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            lock = acquire_writer_lock(Path(root) / SAVE_LOCK, f"--save {root}")
+        except LockHeldError as exc:
+            message = [str(exc)]
+    torch.distributed.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise LockHeldError(message[0])
+    return lock
 
 
 def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> BaseException:

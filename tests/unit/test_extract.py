@@ -328,7 +328,7 @@ def test_a_second_extract_on_a_locked_writer_says_so_before_loading_the_target(t
     try:
         with pytest.raises(
             ValueError,
-            match=r"another extract is writing it as writer 'rank00000-of-00001' "
+            match=r"another extract \(pid \d+ on host .*\) is writing it as writer 'rank00000-of-00001' "
             r"\(lock .* is held\); this run does not wait for it",
         ):
             run_with(root, data, store)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
@@ -15,6 +13,7 @@ from typing import Sequence
 import torch
 
 from megatron_osprey.base.atomic_io import temp_name_regex, write_bytes_atomic
+from megatron_osprey.base.locks import LockHeldError, WriterLock, acquire_writer_lock
 from megatron_osprey.data.hidden_state_quant import Int8Encoded, check_encoding, compress_int8, quantize_int8
 from megatron_osprey.data.hidden_state_store.format import (
     FORMAT_VERSION,
@@ -96,7 +95,7 @@ class HiddenStateWriter:
         self.samples_per_shard = samples_per_shard
         self.zstd_level = zstd_level
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = self._acquire_lock()
+        self._lock = self._acquire_lock()
         try:
             self._shards = self._load_part()
             self._check_other_headers()
@@ -211,20 +210,13 @@ class HiddenStateWriter:
 
     # -- internals
 
-    def _acquire_lock(self) -> int:
-        path = lock_path(self.store_dir, self.tag)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _acquire_lock(self) -> WriterLock:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise RuntimeError(
-                    f"another process is writing {self.store_dir} as writer {self.tag!r} (lock {path}); "
-                    f"give each rank or array task its own rank/tag."
-                ) from exc
-            raise
-        return fd
+            return acquire_writer_lock(lock_path(self.store_dir, self.tag), f"{self.store_dir} as writer {self.tag!r}")
+        except LockHeldError as exc:
+            raise RuntimeError(
+                f"another process is writing: {exc} Give each rank or array task its own rank/tag."
+            ) from None
 
     def _shutdown_threads(self) -> None:
         for pool in (self._pool, self._io):
@@ -238,10 +230,7 @@ class HiddenStateWriter:
             inflight.result()  # re-raises a failed background write here
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._lock.release()
 
     def _part_path(self) -> Path:
         return self.store_dir / part_name(self.tag)
