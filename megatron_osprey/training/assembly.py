@@ -98,7 +98,10 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
             load_optim=not cfg.checkpoint.no_load_optim,
             load_rng=not cfg.checkpoint.no_load_rng,
             scheduler_flags=spec.scheduler_flags,
+            verify=not cfg.checkpoint.skip_checksum,
         )
+        if cfg.checkpoint.skip_checksum:
+            notes.append(f"--skip-checksum: the files of {cfg.checkpoint.load} were loaded without verification")
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 

@@ -11,6 +11,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.checksums import verify_checksums, write_checksums
 from megatron_osprey.base.run_config import save_run_config
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -82,6 +83,30 @@ def check_checkpoint_metadata(path: str | Path) -> None:
             f"{meta} is truncated or corrupt ({type(exc).__name__}); use another iteration "
             f"(--ckpt-step) or a fresh copy of the checkpoint."
         ) from None
+
+
+SKIP_CHECKSUM_HINT = "pass --skip-checksum"
+
+
+def check_checkpoint_files(path: str | Path, verify: bool = True) -> None:
+    """Collective: rank 0 compares PATH's files with the checksums the save recorded; every rank raises its refusal.
+
+    One rank reads the bytes (all ranks share the checkpoint's filesystem); a checkpoint saved before
+    checksums were recorded loads unchecked.
+    """
+    if not verify:
+        return
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    message = [None]
+    if not distributed or torch.distributed.get_rank() == 0:
+        try:
+            verify_checksums(path, SKIP_CHECKSUM_HINT)
+        except (ValueError, OSError) as exc:
+            message = [str(exc)]
+    if distributed:
+        torch.distributed.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise ValueError(message[0])
 
 
 def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
@@ -197,6 +222,7 @@ def save_checkpoint(
     torch.distributed.barrier()
     if rank == 0:
         save_run_config(staging / "run_config.yaml", run_config)
+        write_checksums(staging)  # before the rename and the latest pointer: a listed iteration is checksummed
         # Re-saving an iteration: move the old copy aside first so a kill leaves one of them whole.
         stale = root / f".old_{final.name}"
         if final.exists():
@@ -211,8 +237,10 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int | None = None) -> tuple[dict, int]:
-    """Load (resharding as needed) the named or latest iteration; returns (state, iteration)."""
+def load_checkpoint(
+    root: str | Path, sharded_state_dict: dict, iteration: int | None = None, *, verify: bool = True
+) -> tuple[dict, int]:
+    """Load (resharding as needed) the named or latest iteration, its checksums verified; returns (state, iteration)."""
     root = Path(root)
     if iteration is None:
         iteration = read_latest_iteration(root)
@@ -221,6 +249,7 @@ def load_checkpoint(root: str | Path, sharded_state_dict: dict, iteration: int |
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
+    check_checkpoint_files(path, verify)
     return _dist_load(sharded_state_dict, path), iteration
 
 
@@ -376,6 +405,7 @@ def load_training_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     scheduler_flags: dict[str, str] | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
     from megatron.core import dist_checkpointing
@@ -390,6 +420,7 @@ def load_training_checkpoint(
     path = iteration_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
+    check_checkpoint_files(path, verify)
     check_checkpoint_metadata(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = common.get("layout") == parallel_layout()
@@ -454,7 +485,7 @@ def _same_model_split(saved: dict | None, current: dict) -> bool:
     return saved is not None and all(saved.get(k) == current[k] for k in keys)
 
 
-def load_model_weights(root: str | Path, module, iteration: int | None = None) -> int:
+def load_model_weights(root: str | Path, module, iteration: int | None = None, *, verify: bool = True) -> int:
     """A model's weights from any of our checkpoints (Stage 1/3 or training), resharded to this layout.
 
     Training checkpoints also hold the optimizer, scheduler and counters as common
@@ -464,7 +495,7 @@ def load_model_weights(root: str | Path, module, iteration: int | None = None) -
     """
     wanted = module.sharded_state_dict()
     weights = {key: value for key, value in wanted.items() if not key.endswith(EXTRA_STATE_SUFFIX)}
-    loaded, iteration = load_checkpoint(root, weights, iteration)
+    loaded, iteration = load_checkpoint(root, weights, iteration, verify=verify)
     missing, unexpected = module.load_state_dict({key: loaded[key] for key in weights}, strict=False)
     missing = [key for key in missing if not key.endswith(EXTRA_STATE_SUFFIX)]
     if missing or unexpected:
@@ -484,6 +515,6 @@ def resume_iteration(checkpoint) -> int | None:
 def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None
-    for chunk in model_chunks:
-        iteration = load_model_weights(megatron_dir, unwrap_model(chunk))
+    for i, chunk in enumerate(model_chunks):
+        iteration = load_model_weights(megatron_dir, unwrap_model(chunk), verify=i == 0)  # the files once
     return iteration

@@ -81,6 +81,8 @@ class CheckpointConfig:
     ckpt_step: int | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
+    # Load without comparing the files with the sha256 the save recorded (a known-good copy on slow storage).
+    skip_checksum: bool = False
 
 
 @dataclasses.dataclass
@@ -202,6 +204,11 @@ CHECKPOINT_FLAGS = [
     Flag("--ckpt-step", "ckpt_step", {"type": int}),
     Flag("--no-load-optim", "no_load_optim", STORE_TRUE),
     Flag("--no-load-rng", "no_load_rng", STORE_TRUE),
+    Flag(
+        "--skip-checksum",
+        "skip_checksum",
+        {**STORE_TRUE, "help": "load --load without verifying its files against the sha256 recorded at save"},
+    ),
 ]
 LOGGING_FLAGS = [
     Flag("--log-interval", "log_interval", {"type": int}),
