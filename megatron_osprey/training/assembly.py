@@ -42,6 +42,8 @@ class TrainSpec:
     finish: Callable[[list, TrainState], None] | None = None  # after the loop, e.g. export the result
     # On resume, a schedule flag that differs from the checkpoint's is refused naming the flag that sets it.
     scheduler_flags: dict[str, str] | None = None
+    # flag -> recorded setting (training/resume_check.py): a resume onto other data or another run is refused.
+    run_identity: dict[str, dict] | None = None
 
 
 @dataclasses.dataclass
@@ -99,6 +101,7 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
             load_rng=not cfg.checkpoint.no_load_rng,
             scheduler_flags=spec.scheduler_flags,
             verify=not cfg.checkpoint.skip_checksum,
+            run_identity=spec.run_identity,
         )
         if cfg.checkpoint.skip_checksum:
             notes.append(f"--skip-checksum: the files of {cfg.checkpoint.load} were loaded without verification")
@@ -125,7 +128,9 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
     )
     for note in notes:
         metrics.note(note)
-    run = make_train_run(cfg, model, optimizer, scheduler, metrics, spec.run_config, metadata, parallel)
+    run = make_train_run(
+        cfg, model, optimizer, scheduler, metrics, spec.run_config, metadata, parallel, spec.run_identity
+    )
     try:
         state = train(run, state, forward_step, train_iterator, valid_iterator)
     finally:

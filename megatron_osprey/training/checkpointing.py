@@ -335,8 +335,12 @@ def save_training_checkpoint(
     scheduler,
     run_config: dict[str, Any],
     metadata: dict,
+    run_identity: dict[str, dict] | None = None,
 ) -> Path:
-    """Collectively save everything a bit-exact resume needs; the latest pointer moves last."""
+    """Collectively save everything a bit-exact resume needs; the latest pointer moves last.
+
+    `run_identity` (training/resume_check.py) is what a resume compares: the data and the run's settings.
+    """
     state = _model_sharded_state_dict(model_chunks, metadata)
     model_state = state["model"] if len(model_chunks) == 1 else state
     state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=False, metadata=metadata)
@@ -350,6 +354,7 @@ def save_training_checkpoint(
             "sharding": metadata["distrib_optim_sharding_type"],
         },
         checkpoint_version=CHECKPOINT_FORMAT_VERSION,
+        run_identity=run_identity or {},
         rng_state=_rng_sharded_object(capture_rng_state()),
     )
     return save_checkpoint(root, iteration, state, run_config)
@@ -406,8 +411,12 @@ def load_training_checkpoint(
     load_rng: bool = True,
     scheduler_flags: dict[str, str] | None = None,
     verify: bool = True,
+    run_identity: dict[str, dict] | None = None,
 ) -> dict[str, Any]:
-    """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes."""
+    """Load (resharding the model across TP/PP/DP as needed); returns iteration, consumed samples and notes.
+
+    With `run_identity`, a checkpoint of another run (other data, batch, length...) is refused first.
+    """
     from megatron.core import dist_checkpointing
 
     from megatron_osprey.training.optimizer import prepare_for_load, restore_adam_steps
@@ -425,6 +434,11 @@ def load_training_checkpoint(
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = common.get("layout") == parallel_layout()
     notes = []
+    if run_identity is not None:
+        from megatron_osprey.training.resume_check import compare_run_identity
+
+        saved_identity = common.get("run_identity") or None
+        notes += compare_run_identity(root, saved_identity, run_identity, scheduler.override_opt_param_scheduler)
     distributed = metadata.get("use_distributed_optimizer", False)
     saved = common.get("optimizer_format", {})
     if load_optim and saved.get("distributed", False) != distributed:

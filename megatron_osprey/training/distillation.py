@@ -18,12 +18,13 @@ from megatron.core.utils import unwrap_model
 from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.distill_data import pad_samples
+from megatron_osprey.data.fingerprint import model_fingerprint
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpointing
+from megatron_osprey.training import checkpointing, resume_check
 from megatron_osprey.training.assembly import TrainSpec, run_training
 from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
 from megatron_osprey.training.loop import TrainState
@@ -233,6 +234,22 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
             device=parallel.device,
         ), None
 
+    def identity() -> dict[str, dict]:
+        data = (
+            resume_check.store_setting(cfg.data.hidden_states)
+            if cfg.data.mode == "offline"
+            else resume_check.files_setting(list(cfg.data.data_path))
+        )
+        return resume_check.training_settings(cfg, parallel.dp_size) | {
+            "--mode": resume_check.setting(cfg.data.mode),
+            "--hidden-states" if cfg.data.mode == "offline" else "--data-path": data,
+            "--target": resume_check.setting(model_fingerprint(cfg.target.path)["files_sha256"], str(cfg.target.path)),
+            "drafter": resume_check.setting(arch.to_dict(), cfg.drafter.drafter_init or f"{cfg.drafter.baseline}"),
+            "--ttt-steps": resume_check.setting(cfg.ttt.ttt_steps),
+            "--ttt-decay": resume_check.setting(cfg.ttt.decay),
+            "--no-shuffle": resume_check.setting(not cfg.data.shuffle),
+        }
+
     spec = TrainSpec(
         run_config=run_config,
         model_provider=lambda pre_process=True, post_process=True, vp_stage=None: provider(),
@@ -247,6 +264,7 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
             length,
             warmup_flag=f"--lr-warmup-fraction x {length}",
         ),
+        run_identity=resume_check.built_on_rank0(identity),
     )
     result = run_training(cfg, spec, parallel)
     return DistillResult(result.state, result.history, result.notes, arch)

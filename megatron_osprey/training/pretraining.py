@@ -18,7 +18,7 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpointing, data
+from megatron_osprey.training import checkpointing, data, resume_check
 from megatron_osprey.training.assembly import TrainSpec, run_training
 from megatron_osprey.training.flops import training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
@@ -142,6 +142,15 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
             export_backbone(cfg, arch, model, run_config | {"iteration": state.iteration}, parallel)
 
     padded_vocab = arch.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
+
+    def identity() -> dict[str, dict]:
+        return resume_check.training_settings(cfg, parallel.dp_size) | {
+            "--mode": resume_check.setting("pretrain"),
+            "--data-path": resume_check.indexed_data_setting(cfg.data.data_path, prefixes),
+            "--split": resume_check.setting(cfg.data.split),
+            "--backbone": resume_check.setting(arch.hf_config, str(cfg.model.backbone or cfg.model.hf_model)),
+        }
+
     spec = TrainSpec(
         run_config=run_config,
         model_provider=model_provider(arch, cfg),
@@ -158,6 +167,7 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
             "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
             "--train-iters" if cfg.training.train_iters is not None else "--train-samples",
         ),
+        run_identity=resume_check.built_on_rank0(identity),
     )
     result = run_training(cfg, spec, parallel)
     return PretrainResult(result.state, result.history, result.notes)

@@ -93,7 +93,9 @@ def build_optimizer_and_scheduler(model: list, section: OptimizerConfig, *, bf16
     return optimizer, scheduler
 
 
-def make_train_run(cfg, model: list, optimizer, scheduler, metrics, run_config: dict, metadata: dict, parallel):
+def make_train_run(
+    cfg, model: list, optimizer, scheduler, metrics, run_config: dict, metadata: dict, parallel, run_identity=None
+):
     """The loop's TrainRun, with a saver writing full training checkpoints to cfg.checkpoint.save (if set)."""
     from megatron_osprey.training import checkpointing
     from megatron_osprey.training.loop import TrainRun, TrainState
@@ -108,6 +110,7 @@ def make_train_run(cfg, model: list, optimizer, scheduler, metrics, run_config: 
             scheduler,
             run_config | {"iteration": state.iteration},
             metadata,
+            run_identity,
         )
         metrics.note(f"saved checkpoint {path}")
 
