@@ -8,6 +8,7 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -148,11 +149,25 @@ def check_has_documents(prefix: str) -> int:
     return count
 
 
+def parse_split(split: str) -> list[float]:
+    """--split's three weights (train, validation, test; missing ones are 0), refused unless they can train."""
+    parts = [p.strip() for p in str(split).split(",")]
+    # Plain decimals only: Megatron reads the weights with the pattern [.0-9]+.
+    weights = [float(p) for p in parts if re.fullmatch(r"\d+\.?\d*|\.\d+", p)]
+    if not 1 <= len(parts) <= 3 or len(weights) != len(parts):
+        raise ValueError(f"--split {split}: give up to three non-negative numbers, train,valid,test (e.g. 969,30,1).")
+    weights += [0.0] * (3 - len(weights))
+    if weights[0] == 0:
+        raise ValueError(f"--split {split} gives the training split no share of the data; e.g. --split 969,30,1.")
+    return weights
+
+
 def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[int], split: str) -> None:
     """Every split that must yield samples gets at least one document of every prefix.
 
     GPTDataset loops for ever looking for enough epochs of a split with no
-    tokens, so an empty split is refused here, with Megatron's own rounding.
+    tokens (even for 0 samples: it asks for one extra token), so an empty split
+    that is asked for is refused here, with Megatron's own rounding.
     """
     for prefix in prefixes:
         count = check_has_documents(prefix)
@@ -166,6 +181,31 @@ def check_split_documents(prefixes: list[str], split_matrix: list, sizes: list[i
                     f"--split {split}: the {name} split of {prefix} gets 0 of its {count} documents; "
                     f"use more data, or a --split that gives it at least one{hint}."
                 )
+
+
+def drop_unread_splits(split_matrix: list, sizes: list[int]) -> list:
+    """The split matrix without the parts no sample is drawn from, so Megatron does not build them.
+
+    A part asked for 0 samples is still built, and one with 0 documents then never finishes
+    building (the default 969,30,1 gives a 300-document corpus a 0-document test part).
+    """
+    return [bounds if size else None for bounds, size in zip(split_matrix, sizes)]
+
+
+def plan_splits(data: IndexedDataConfig, prefixes: list[str], sizes: list[int]) -> list:
+    """The split matrix Megatron builds from --split, without unread parts; refused when a read part is empty.
+
+    Cheap and model-free: run it before the model is built, and again where the datasets are.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    parse_split(data.split)
+    matrix = drop_unread_splits(convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split)), sizes)
+    check_split_documents(prefixes, matrix, sizes, data.split)
+    return matrix
 
 
 def split_sizes(train_iters: int, global_batch_size: int, eval_iters: int, eval_interval: int) -> list[int]:
@@ -183,6 +223,7 @@ def build_gpt_datasets(
 
     prefixes, weights = parse_blend(data.data_path)
     check_prefixes(prefixes)
+    matrix = plan_splits(data, prefixes, sizes)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -196,7 +237,7 @@ def build_gpt_datasets(
         # The model applies the causal mask itself; a [s, s] mask per sample is waste.
         create_attention_mask=False,
     )
-    check_split_documents(prefixes, config.split_matrix, sizes, data.split)
+    config.split_matrix = matrix  # the same bounds Megatron computed, less the parts nobody reads
     # Every rank reads its own batches (no TP broadcast): each must hold the datasets.
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 

@@ -98,13 +98,14 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
     vocab_notes = data.check_vocabulary(prefixes, arch.vocab_size)  # out-of-vocabulary ids refused before step 1
     source = " ".join(cfg.data.data_path)
     train_iters = cfg.training.num_train_iters()
+    sizes = data.split_sizes(
+        train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters, cfg.logging.eval_interval
+    )
+    data.plan_splits(cfg.data, prefixes, sizes)  # an empty split that is read is refused before the model is built
     run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size, "hf_config": arch.hf_config}
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
-        sizes = data.split_sizes(
-            train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters, cfg.logging.eval_interval
-        )
         train_ds, valid_ds, _ = data.build_gpt_datasets(
             cfg.data, tokenizer, cfg.training.seq_length, cfg.parallel.seed, sizes
         )
