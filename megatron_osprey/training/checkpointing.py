@@ -130,6 +130,35 @@ def _dist_load(sharded_state_dict: dict, path: Path) -> dict:
         ) from exc
 
 
+def load_common_state(path: Path) -> dict:
+    """PATH's common.pt (weights-only unpickling), a crafted or damaged one refused in one sentence."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, AttributeError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"{path / 'common.pt'}: refusing to load this checkpoint ({type(exc).__name__}: {first}); it is "
+            f"crafted or corrupt. Load only checkpoints you trust, or another iteration (--ckpt-step)."
+        ) from None
+
+
+def check_finite_weights(model_chunks: list, iteration: int) -> None:
+    """Collective: refuse to save weights holding NaN or inf (a diverged run must not leave them as its result)."""
+    bad = [
+        name for chunk in model_chunks for name, p in unwrap_model(chunk).named_parameters() if not p.isfinite().all()
+    ]
+    flag = torch.tensor([float(len(bad))], device=next(model_chunks[0].parameters()).device)
+    torch.distributed.all_reduce(flag)
+    if flag.item():
+        where = f" ({bad[0]}{' and others' if len(bad) > 1 else ''})" if bad else " (on another rank)"
+        raise FloatingPointError(
+            f"the weights hold NaN or inf at iteration {iteration}{where}; not saving them. The run diverged: "
+            f"resume from the last checkpoint with a lower --lr, or keep --max-nonfinite-loss-steps at 1."
+        )
+
+
 def check_writable(directory: str | Path, flag: str) -> None:
     """Create `directory` and write a probe file in it, so a read-only --save fails now, not at the first save."""
     import os
@@ -337,10 +366,11 @@ def save_training_checkpoint(
     metadata: dict,
     run_identity: dict[str, dict] | None = None,
 ) -> Path:
-    """Collectively save everything a bit-exact resume needs; the latest pointer moves last.
+    """Collectively save everything a bit-exact resume needs (finite weights only); the latest pointer moves last.
 
     `run_identity` (training/resume_check.py) is what a resume compares: the data and the run's settings.
     """
+    check_finite_weights(model_chunks, iteration)
     state = _model_sharded_state_dict(model_chunks, metadata)
     model_state = state["model"] if len(model_chunks) == 1 else state
     state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=False, metadata=metadata)
@@ -417,7 +447,6 @@ def load_training_checkpoint(
 
     With `run_identity`, a checkpoint of another run (other data, batch, length...) is refused first.
     """
-    from megatron.core import dist_checkpointing
 
     from megatron_osprey.training.optimizer import prepare_for_load, restore_adam_steps
 
@@ -431,7 +460,7 @@ def load_training_checkpoint(
         raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
     check_checkpoint_files(path, verify)
     check_checkpoint_metadata(path)
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    common = load_common_state(path)
     same_layout = common.get("layout") == parallel_layout()
     notes = []
     if run_identity is not None:

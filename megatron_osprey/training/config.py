@@ -105,6 +105,9 @@ def validate_training(training: TrainingConfig, parallel: ParallelConfig, world_
     """Batch sizes divide, and the run has a length; an unset global batch becomes micro-batch x DP."""
     if (training.train_iters is None) == (training.train_samples is None):
         raise ValueError("pass exactly one of --train-iters or --train-samples.")
+    for flag, value in (("--train-iters", training.train_iters), ("--train-samples", training.train_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1 (the run's length), got {value}.")
     if training.max_nonfinite_loss_steps < 0:
         raise ValueError(f"--max-nonfinite-loss-steps must be >= 0, got {training.max_nonfinite_loss_steps}.")
     for name in ("micro_batch_size", "global_batch_size", "seq_length"):
@@ -137,7 +140,12 @@ def validate_training(training: TrainingConfig, parallel: ParallelConfig, world_
 
 
 def validate_optimizer(optimizer: OptimizerConfig, training: TrainingConfig) -> None:
-    """Schedule names and lengths that Megatron's scheduler accepts."""
+    """Learning rates, clipping, schedule names and lengths that Megatron's scheduler accepts."""
+    for flag, value in (("--lr", optimizer.lr), ("--min-lr", optimizer.min_lr)):
+        if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
+            raise ValueError(f"{flag} must be a finite number {'> 0' if flag == '--lr' else '>= 0'}, got {value}.")
+    if not math.isfinite(optimizer.clip_grad) or optimizer.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {optimizer.clip_grad}.")
     if optimizer.lr_decay_style not in LR_DECAY_STYLES:
         raise ValueError(f"--lr-decay-style must be one of {LR_DECAY_STYLES}, got {optimizer.lr_decay_style!r}.")
     if optimizer.lr_decay_style == "WSD":

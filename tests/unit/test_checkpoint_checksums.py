@@ -64,3 +64,27 @@ def test_a_missing_file_is_named(saved, tmp_path):
     common.unlink()
     with pytest.raises(ValueError, match=rf"{common} is missing"):
         load(root)
+
+
+class RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_common_pt_is_one_value_error_and_runs_nothing(saved, tmp_path):
+    import pickle
+
+    from megatron_osprey.training.checkpointing import load_common_state
+
+    root = copy(saved, tmp_path)
+    path = iteration_dir(root, 3)
+    marker = tmp_path / "pwned"
+    (path / "common.pt").write_bytes(pickle.dumps({"x": RunsACommand(marker)}))
+    with pytest.raises(ValueError, match=rf"^{path / 'common.pt'}: refusing to load this checkpoint \(UnpicklingError"):
+        load_common_state(path)
+    assert not marker.exists()

@@ -106,3 +106,9 @@ def test_extract_overwrite_refuses_a_store_it_did_not_write(tmp_path):
     config.store.store_dir = str(tmp_path)  # the store would hold --data and --target
     with pytest.raises(ValueError, match="contains the input --data"):
         check_store_settings(config, {"x": 1}, say=lambda _: None)
+
+
+def test_a_corrupt_store_shard_is_an_input_error():
+    from megatron_osprey.data.hidden_state_store import CorruptShardError
+
+    assert issubclass(CorruptShardError, ValueError)  # stages print it as one `error:` line, exit 2

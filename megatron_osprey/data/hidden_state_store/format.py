@@ -56,8 +56,8 @@ DTYPE_CODES = {
 }
 
 
-class CorruptShardError(RuntimeError):
-    """A shard file does not match the sha256 or size its manifest records."""
+class CorruptShardError(ValueError):
+    """A shard file does not match the sha256 or size its manifest records (an input error: exit 2, one line)."""
 
 
 class StoreMismatchError(ValueError):

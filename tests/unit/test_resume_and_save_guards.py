@@ -1,4 +1,5 @@
-"""A resume continues the same run: other data, batch or length is refused naming the setting and both values."""
+"""A resume continues the same run (other data, batch or length is refused naming the setting and both values);
+a diverged run never saves non-finite weights."""
 
 import pytest
 
@@ -8,6 +9,7 @@ from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.pretrain import PretrainConfig
 from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 from megatron_osprey.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
+from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
 from megatron_osprey.training.resume_check import compare_run_identity, setting
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus
@@ -24,7 +26,7 @@ def work(tmp_path_factory):
     return root
 
 
-def pretrain(work, save, data="a", iters=2, **training):
+def pretrain(work, save, data="a", iters=2, forward_step=gpt_forward_step, **training):
     training["train_iters"] = iters
     cfg = PretrainConfig(
         model=BackboneConfig(hf_model=str(work / "hf"), transformer_impl="local"),
@@ -36,7 +38,7 @@ def pretrain(work, save, data="a", iters=2, **training):
         logging=LoggingConfig(progress_bar=False, eval_iters=0, log_interval=100),
     )
     with parallel_context(cfg.parallel) as state:
-        return run_pretrain(cfg, state)
+        return run_pretrain(cfg, state, forward_step)
 
 
 def test_a_resume_with_another_data_path_is_refused_naming_both(work, tmp_path):
@@ -67,3 +69,16 @@ def test_layout_changes_are_noted_optimizer_changes_need_the_override():
     ]
     with pytest.raises(ValueError, match=r"--split: the checkpoint has \"969,30,1\", this run \(not set\)"):
         compare_run_identity("R", saved, {k: v for k, v in saved.items() if k != "--split"}, True)
+
+
+def test_nan_weights_are_never_saved_as_the_result_even_when_nan_losses_are_allowed(work, tmp_path):
+    from megatron_osprey.training.checkpointing import LATEST_FILE
+
+    def nan_forward_step(data_iterator, model):
+        output, loss_func = gpt_forward_step(data_iterator, model)
+        return output * float("nan"), loss_func
+
+    save = tmp_path / "save"
+    with pytest.raises(FloatingPointError, match=r"the weights hold NaN or inf at iteration 2 \(.*\); not saving them"):
+        pretrain(work, save, iters=2, forward_step=nan_forward_step, max_nonfinite_loss_steps=0)
+    assert not (save / LATEST_FILE).exists() and not (save / "hf").exists()
