@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.base.checksums import file_sha256
+from megatron_osprey.base.redact import redact_urls
 
 PROVENANCE_FILE = "provenance.json"
 FORMAT = "megatron_osprey.provenance/1"
@@ -133,7 +134,8 @@ def write_provenance(
         "outputs": recorded,
     }
     target = directory / PROVENANCE_FILE
-    write_text_atomic(target, json.dumps(record, indent=2, sort_keys=False) + "\n")
+    # A --server-url may carry a token (user:password@, ?token=...): the record keeps no secret.
+    write_text_atomic(target, redact_urls(json.dumps(record, indent=2, sort_keys=False)) + "\n")
     return target
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
+
+from megatron_osprey.base.redact import redact_urls
 
 # Where reasoning servers (SGLang/vLLM reasoning parsers) return thinking separately, it is
 # put back inline in the target's own format so training data holds what the target wrote.
@@ -53,13 +54,22 @@ def merge_reasoning(content: str | None, reasoning: str | None) -> str:
     return THINK_OPEN + reasoning.strip("\n") + THINK_CLOSE + content.lstrip("\n")
 
 
-# Greedy to the last "@" before the path: a password may itself hold "@".
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s]*@")
-
-
 def redact_credentials(text: str) -> str:
-    """Replace `user:password@` in every URL of `text` by `***@` (for logs and failure records)."""
-    return _USERINFO.sub(r"\1***@", text)
+    """Every URL of `text` without its credentials, query values and fragment (for logs and failure records)."""
+    return redact_urls(text)
+
+
+# The per-job key a regenerate job generates, gives its SGLang servers (--api-key) and its client.
+JOB_API_KEY_ENV = "OSPREY_SERVER_API_KEY"
+
+
+def server_api_key(api_key_env: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key sent as `Authorization: Bearer KEY`: --api-key-env's variable, else the job's own key, else
+    OPENAI_API_KEY (None: no key). The key is never printed; callers pass it only to ServerBackendConfig."""
+    for name in [api_key_env] if api_key_env else [JOB_API_KEY_ENV, "OPENAI_API_KEY"]:
+        if environ.get(name):
+            return environ[name]
+    return None
 
 
 def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
@@ -186,7 +196,7 @@ class ServerBackend:
                 if exc.status not in RETRYABLE_STATUS:
                     break
             except (httpx.TransportError, json.JSONDecodeError) as exc:
-                errors.append(f"{base}: {type(exc).__name__}: {redact_credentials(str(exc))}")
+                errors.append(redact_credentials(f"{base}: {type(exc).__name__}: {exc}"))
             if attempt < self.config.retries:
                 time.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
         raise BackendRequestError(f"request failed after {len(errors)} attempt(s); last error: {errors[-1]}")
@@ -202,7 +212,7 @@ class ServerBackend:
             try:
                 return {"backend": "server", "model": self._model_name(base)}
             except (_HTTPFailure, BackendRequestError, httpx.TransportError, ValueError) as exc:
-                errors.append(f"{base}: {redact_credentials(str(exc))}")
+                errors.append(redact_credentials(f"{base}: {exc}"))
         raise BackendRequestError(
             f"no --server-url answered GET /v1/models to name its model ({'; '.join(errors)}); "
             f"start the servers or pass --served-model-name."
