@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -165,6 +166,31 @@ def fit_prompts(prompts: list, path: Path, config, max_positions: int | None, dr
     return out, cut
 
 
+def recorded_target_warning(path: Path, run_config: dict, target: Path) -> str | None:
+    """A warning when the drafter was trained against another target than --target (None: the same, or unknown).
+
+    Shapes can match across targets (two fine-tunes of one base): the drafter then runs, but its
+    acceptance length measures the wrong pairing. Two directories holding the same config.json and
+    tokenizer count as the same target.
+    """
+    from megatron_osprey.base.checksums import file_sha256
+
+    recorded = run_config.get("target")
+    if not recorded or Path(recorded).resolve() == Path(target).resolve():
+        return None
+
+    def identity(directory: Path) -> list[str | None]:
+        files = [directory / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")]
+        return [file_sha256(f) if f.is_file() else None for f in files]
+
+    if Path(recorded).is_dir() and Path(target).is_dir() and identity(Path(recorded)) == identity(Path(target)):
+        return None
+    return (
+        f"--drafter {path} was trained against target {recorded}, but --target is {target}; its acceptance "
+        f"length measures another pairing than the one it was trained for."
+    )
+
+
 def check_drafter_fits_target(path: Path, drafter_config, target: Path, target_config) -> None:
     """The drafter reads the target's hidden states: sizes and tapped layers must match, naming both models."""
     vocab = target_config.vocab_size
@@ -238,11 +264,15 @@ def run_eval(config) -> dict:
             getattr(target_config, "max_position_embeddings", None),
             max(spec.draft_tokens for spec in specs),
         )
-    drafters = []
+    drafters, warnings = [], {}
     for item in config.drafters:
         loaded = load_drafter(item.path)
         cfg = loaded.drafter.config
         check_drafter_fits_target(item.path, cfg, config.target, target_config)
+        warning = recorded_target_warning(item.path, loaded.run_config, config.target)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            warnings[item.name] = warning
         drafters.append(
             (item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config), item.method or cfg.variant)
         )
@@ -341,6 +371,8 @@ def run_eval(config) -> dict:
                 "train_domain": domain,
                 "variant": loaded.drafter.config.variant,
                 "source": loaded.source,
+                "trained_target": loaded.run_config.get("target"),
+                "target_warning": warnings.get(item.name),
             }
             for item, loaded, domain, method in drafters
         ],

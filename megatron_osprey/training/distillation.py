@@ -150,6 +150,20 @@ def build_sources(cfg, arch: DrafterArch, target: ModelArch, tokenizer):
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
 
 
+def check_drafter_matches_target(cfg, arch: DrafterArch, target: ModelArch) -> None:
+    """Refuse a drafter adapted to another target before any step: its vocabulary rows index the target's."""
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"--drafter-init {cfg.drafter.drafter_init}: its vocabulary ({arch.vocab_size}) is not --target "
+            f"{cfg.target.path}'s ({target.vocab_size}); adapt the backbone to this target first (the adapt stage)."
+        )
+    if arch.target_hidden_size != target.hidden_size:
+        raise ValueError(
+            f"--drafter-init {cfg.drafter.drafter_init} reads hidden states of size {arch.target_hidden_size}, but "
+            f"--target {cfg.target.path} has hidden_size {target.hidden_size}; it was adapted to another target."
+        )
+
+
 def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
 
@@ -189,6 +203,7 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
     target = ModelArch.from_hf_config(cfg.target.path)  # the one parse of its config.json, passed down
     arch = drafter_arch(cfg, target)
+    check_drafter_matches_target(cfg, arch, target)
     source = build_sources(cfg, arch, target, tokenizer)
     length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
     loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
