@@ -103,11 +103,47 @@ class BatchEncoder:
         counts: Dict[str, int] = {}
         problems: List[Tuple[int, str]] = []
         texts, nbytes = self._texts(batch, counts, problems)
+        if any(len(t) > LONG_DOCUMENT_CHARS for t in texts):
+            ids = [self._encode_long(t) if len(t) > LONG_DOCUMENT_CHARS else self._encode_one(t) for t in texts]
+            return self._batch(batch, ids, nbytes, counts, problems)
         encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=self._add_special_tokens)
         ids = [e.ids for e in encodings]
+        return self._batch(batch, ids, nbytes, counts, problems)
+
+    def _encode_one(self, text: str, add_special_tokens: bool | None = None) -> np.ndarray:
+        special = self._add_special_tokens if add_special_tokens is None else add_special_tokens
+        return np.asarray(self._tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids, self._dtype)
+
+    def _encode_long(self, text: str) -> np.ndarray:
+        """A long document in pieces cut at line ends (as Megatron-LM splits documents into sentences): memory
+        then grows with the piece, not the document. Special tokens (a BOS) only open the first piece."""
+        pieces = split_long_text(text, LONG_DOCUMENT_CHARS)
+        return np.concatenate([self._encode_one(p, self._add_special_tokens and i == 0) for i, p in enumerate(pieces)])
+
+    def _batch(self, batch: RecordBatch, ids: list, nbytes: int, counts, problems) -> EncodedBatch:
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int32, count=len(ids))
         eod = (self._eod,)
-        # One C-level pass from the Python id lists into the output dtype; EOD interleaved.
+        # One C-level pass from the id lists into the output dtype; EOD interleaved.
         flat = itertools.chain.from_iterable(itertools.chain(x, eod) for x in ids)
         tokens = np.fromiter(flat, dtype=self._dtype, count=int(lengths.sum()))
         return EncodedBatch(batch.first_record, len(batch), tokens, lengths, nbytes, counts, problems)
+
+
+# A document longer than this is tokenized in pieces. The tokenizer's per-token bookkeeping costs far more
+# than the text (one 15 MB line took 3 GB), so this bounds a worker's memory; shorter documents (nearly
+# all) are tokenized whole, exactly as before.
+LONG_DOCUMENT_CHARS = 1 << 20
+
+
+def split_long_text(text: str, limit: int) -> List[str]:
+    """`text` in consecutive pieces of at most `limit` characters, cut after a newline, else after a space."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut = text.rfind("\n", start, end) + 1 or text.rfind(" ", start, end) + 1
+        if cut <= start:
+            cut = end  # no line end or space in a whole piece: cut anywhere
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
