@@ -141,19 +141,33 @@ def _stop(pid: int, timeout: float) -> None:
 # ----------------------------------------------------------------------------------------------- install + config
 
 
-def _ensure_installed(say: Callable[[str], None]) -> None:
-    """apt-get install slurm-wlm munge when a daemon is missing (needs root and apt-get)."""
-    if all(shutil.which(name) for name in (*DAEMONS, "sinfo", "sbatch", "scontrol")):
-        return
-    if shutil.which("apt-get") is None:
-        raise RuntimeError(
+def _daemon_binary(name: str) -> str | None:
+    """The daemon's path; Debian puts them in /usr/sbin, which a user's PATH may lack."""
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin"]))
+
+
+def _installed() -> bool:
+    return all(_daemon_binary(name) for name in DAEMONS) and all(
+        shutil.which(n) for n in ("sinfo", "sbatch", "scontrol")
+    )
+
+
+def cannot_start_reason() -> str | None:
+    """Why `up` cannot work on this machine (not root; Slurm missing and no apt-get), or None."""
+    if os.geteuid() != 0:
+        return "osprey cluster up runs munged, slurmctld and slurmd as root (SlurmUser=root): rerun it as root."
+    if not _installed() and shutil.which("apt-get") is None:
+        return (
             "Slurm or munge is not installed and there is no apt-get: install slurmctld, slurmd, "
             "the Slurm client commands and munged with this system's package manager, then rerun."
         )
-    if os.geteuid() != 0:
-        raise RuntimeError(
-            "Slurm or munge is not installed: run `apt-get install slurm-wlm munge` as root, or rerun as root."
-        )
+    return None
+
+
+def _ensure_installed(say: Callable[[str], None]) -> None:
+    """apt-get install slurm-wlm munge when a daemon or a Slurm command is missing."""
+    if _installed():
+        return
     say("osprey: installing slurm-wlm and munge with apt-get (about a minute)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
@@ -251,7 +265,7 @@ def _daemon_argv(paths: ClusterPaths, daemon: str, node: str) -> list[str]:
     if daemon == "munged":
         m = paths.munge_dir
         return [
-            "munged",
+            _daemon_binary("munged"),
             f"--key-file={paths.munge_key}",
             f"--socket={paths.munge_socket}",
             f"--pid-file={paths.pid_file('munged')}",
@@ -259,8 +273,8 @@ def _daemon_argv(paths: ClusterPaths, daemon: str, node: str) -> list[str]:
             f"--seed-file={m / 'munged.seed'}",
         ]
     if daemon == "slurmctld":
-        return ["slurmctld", "-c", "-f", str(paths.conf)]  # -c: start with an empty queue
-    return ["slurmd", "-f", str(paths.conf), "-N", node]
+        return [_daemon_binary("slurmctld"), "-c", "-f", str(paths.conf)]  # -c: start with an empty queue
+    return [_daemon_binary("slurmd"), "-f", str(paths.conf), "-N", node]
 
 
 def _start(paths: ClusterPaths, daemon: str, node: str) -> int:
@@ -325,26 +339,35 @@ def up(
     if any(running.values()):
         say(f"osprey: restarting the partly running cluster in {paths.root} ({_describe(running)})")
         down(paths.root, say=say)
+    reason = cannot_start_reason()
+    if reason:
+        raise RuntimeError(reason)
     _ensure_installed(say)
-    if os.geteuid() != 0:
-        raise RuntimeError("osprey cluster up runs slurmctld and slurmd as root (SlurmUser=root): rerun as root.")
     node = _prepare(paths)
-    started = {daemon: _start(paths, daemon, node) for daemon in DAEMONS}
+    try:
+        started = {daemon: _start(paths, daemon, node) for daemon in DAEMONS}
+        line = _wait_idle(paths, node, timeout)
+    except BaseException:
+        down(paths.root, say=lambda _: None)  # no half-started cluster; the logs stay for reading
+        raise
+    say(f"osprey: cluster up in {paths.root} ({_describe(started)}); node {line}")
+    say(f"export SLURM_CONF={shlex.quote(str(paths.conf))}")
+    return paths.conf
+
+
+def _wait_idle(paths: ClusterPaths, node: str, timeout: float) -> str:
+    """sinfo's node line once the node is idle; RuntimeError naming the logs after timeout seconds."""
     deadline = time.monotonic() + timeout
     line = None
     while time.monotonic() < deadline:
         line = _sinfo_node(paths)
         if line is not None and line.split()[1] == "idle":
-            break
+            return line
         time.sleep(0.5)
-    else:
-        raise RuntimeError(
-            f"node {node} is not idle after {timeout:.0f} s (sinfo: {line or 'no answer'}); "
-            f"read {paths.log_file('slurmctld')} and {paths.log_file('slurmd')}."
-        )
-    say(f"osprey: cluster up in {paths.root} ({_describe(started)}); node {line}")
-    say(f"export SLURM_CONF={shlex.quote(str(paths.conf))}")
-    return paths.conf
+    raise RuntimeError(
+        f"node {node} is not idle after {timeout:.0f} s (sinfo: {line or 'no answer'}); "
+        f"read {paths.log_file('slurmctld')} and {paths.log_file('slurmd')}."
+    )
 
 
 @dataclass(frozen=True)

@@ -12,34 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cluster import DAEMONS, cluster_env, down, up
+from launcher.cluster import cannot_start_reason, cluster_env, down, up
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: runs jobs on a real single-node Slurm started by `osprey cluster up`")
 
 
-def cannot_run_reason() -> str | None:
-    """Why this machine cannot start the cluster, or None."""
-    if os.geteuid() != 0:
-        return "the local Slurm runs slurmctld and slurmd as root; these tests need root"
-    if not all(shutil.which(name) for name in DAEMONS) and shutil.which("apt-get") is None:
-        return "Slurm and munge are not installed and there is no apt-get to install them"
-    return None
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The running cluster's environment (SLURM_CONF set, also in os.environ for the session); stopped at the end."""
-    reason = cannot_run_reason()
+    reason = cannot_start_reason()
     if reason:
         pytest.skip(reason)
     # Not under pytest's tmp_path: munged refuses a socket below a directory that others cannot enter (0700).
     state_dir = Path(tempfile.mkdtemp(prefix="osprey-slurm-"))
-    up(state_dir, timeout=60)
     previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
     try:
+        up(state_dir, timeout=60)
+        os.environ["SLURM_CONF"] = str(state_dir / "slurm.conf")
         yield {"state_dir": state_dir, "env": cluster_env(state_dir)}
     finally:
         down(state_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cluster import DAEMONS, ClusterPaths, down, recorded_pid, status, up
+from tests.slurm.jobs import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,10 @@ def _fake_daemon(binary: Path) -> subprocess.Popen:
     """A process whose name is binary's (a copy of sleep), e.g. 'slurmd'."""
     binary.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(shutil.which("sleep"), binary)
-    return subprocess.Popen([str(binary), "300"])
+    process = subprocess.Popen([str(binary), "300"])
+    comm = Path(f"/proc/{process.pid}/comm")
+    wait_until(lambda: comm.read_text().strip() == binary.name, 10, f"{binary.name} to exec")  # lags under gVisor
+    return process
 
 
 def test_down_signals_only_recorded_pids_that_name_the_directory(tmp_path):
