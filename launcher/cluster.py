@@ -245,7 +245,7 @@ def _prepare(paths: ClusterPaths) -> str:
     """Create the directories, the munge key (kept across restarts) and slurm.conf; returns the node name."""
     for directory in (paths.root, paths.state, paths.spool, paths.logs, paths.pid_file("x").parent):
         directory.mkdir(parents=True, exist_ok=True)
-    # munged insists that every user can reach its socket: every directory above it needs o+x.
+    # Others may enter these two, so munged reaches its socket without complaint wherever the parents allow.
     for directory in (paths.root, paths.munge_dir):
         directory.mkdir(exist_ok=True)
         os.chmod(directory, 0o755)
@@ -266,6 +266,9 @@ def _daemon_argv(paths: ClusterPaths, daemon: str, node: str) -> list[str]:
         m = paths.munge_dir
         return [
             _daemon_binary("munged"),
+            # Below a 0700 directory (root's home holds the default state dir) munged refuses to start without
+            # --force, because other users could not reach its socket; here every client runs as root.
+            "--force",
             f"--key-file={paths.munge_key}",
             f"--socket={paths.munge_socket}",
             f"--pid-file={paths.pid_file('munged')}",

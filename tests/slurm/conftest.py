@@ -25,7 +25,7 @@ def slurm_cluster():
     reason = cannot_start_reason()
     if reason:
         pytest.skip(reason)
-    # Not under pytest's tmp_path: munged refuses a socket below a directory that others cannot enter (0700).
+    # A short path, not pytest's tmp_path: munge's socket path must fit in a unix socket address (108 bytes).
     state_dir = Path(tempfile.mkdtemp(prefix="osprey-slurm-"))
     previous = os.environ.get("SLURM_CONF")
     try:

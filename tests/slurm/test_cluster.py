@@ -97,7 +97,7 @@ def test_up_again_and_status(slurm_cluster):
 
 @pytest.mark.slurm
 def test_second_cluster_down_leaves_no_daemon_and_spares_the_first(slurm_cluster):
-    second_dir = Path(tempfile.mkdtemp(prefix="osprey-slurm-second-"))  # see conftest: not under tmp_path
+    second_dir = Path(tempfile.mkdtemp(prefix="osprey-slurm-second-"))  # short: see conftest
     try:
         _second_cluster(slurm_cluster["state_dir"], second_dir)
     finally:
