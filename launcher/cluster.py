@@ -85,7 +85,8 @@ def default_state_dir() -> Path:
 
 
 def _paths(state_dir: str | os.PathLike | None) -> ClusterPaths:
-    return ClusterPaths(Path(state_dir).expanduser().resolve() if state_dir is not None else default_state_dir())
+    # Absolute, because `down` recognises our daemons by this path in their command lines.
+    return ClusterPaths(Path(state_dir if state_dir is not None else default_state_dir()).expanduser().resolve())
 
 
 def cluster_env(state_dir: str | os.PathLike | None = None) -> dict[str, str]:
