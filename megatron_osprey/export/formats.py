@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,13 +27,12 @@ def detect_format(config: dict) -> str | None:
     return None
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def _check_output(output: Path) -> None:
+    """A free output directory: writers never delete (the export stage empties only its own earlier export)."""
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"--output {output} is a file, not a directory.")
     if output.exists() and any(output.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-        shutil.rmtree(output)
+        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
     output.mkdir(parents=True, exist_ok=True)
 
 
@@ -70,7 +68,6 @@ def export_drafter(
     fmt: str,
     output: Path,
     run_config: dict | None = None,
-    overwrite: bool = False,
     tokenizer_dir: Path | None = None,
 ) -> Path:
     """Write `drafter` to `output` in layout `fmt`; config.json is written last."""
@@ -80,7 +77,7 @@ def export_drafter(
     if fmt == "speculators" and layouts.speculators_refusal(cfg):
         raise ValueError(layouts.speculators_refusal(cfg))  # before touching --output
     output = Path(output)
-    _check_output(output, overwrite)
+    _check_output(output)
     state = {k: v for k, v in drafter.state_dict().items()}
     dtype = state["embed_tokens.weight"].dtype
     provenance = {"stage": run_config.get("stage"), "target": run_config.get("target")}

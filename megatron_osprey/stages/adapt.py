@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_osprey.base.outputs import check_disjoint
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, in_process_groups, is_rank0, parse_config
@@ -44,8 +45,12 @@ class AdaptConfig:
         if self.alignment_policy not in ALIGNMENT_POLICIES:
             raise ValueError(f"--alignment-policy must be one of {ALIGNMENT_POLICIES}, got {self.alignment_policy!r}.")
         output = Path(self.output)
+        check_disjoint(output, self.inputs())
         if output.exists() and any(output.iterdir()) and not self.overwrite:
             raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+
+    def inputs(self) -> dict:
+        return {"--backbone": self.backbone, "--target": self.target, "--token-counts": self.token_counts}
 
 
 FLAGS = {
@@ -99,12 +104,12 @@ def run(config: AdaptConfig, invocation: Invocation = Invocation("adapt")) -> di
 
 def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
     """The adapted reference drafter, written as OUT/hf and OUT/megatron with the report (collective)."""
-    import shutil
-
     import torch
 
     from megatron_osprey.base.atomic_io import write_text_atomic
     from megatron_osprey.base.hf_files import copy_tokenizer_files
+    from megatron_osprey.base.outputs import prepare_output
+    from megatron_osprey.base.provenance import PROVENANCE_FILE
     from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.models.drafter.adapt import adapt_reference_drafter
     from megatron_osprey.models.drafter.convert import load_reference_state
@@ -125,8 +130,7 @@ def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
         "parallel": parallel,
     }
     if state.rank == 0:
-        if output.exists() and config.overwrite:
-            shutil.rmtree(output)
+        prepare_output(output, config.inputs(), PROVENANCE_FILE, config.overwrite, stage="adapt")
         (output / "hf").mkdir(parents=True, exist_ok=True)
         adapted.drafter.save_pretrained(output / "hf")
         copy_tokenizer_files(config.target, output / "hf")

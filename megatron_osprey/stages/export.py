@@ -51,6 +51,8 @@ FLAGS = {
 
 def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> Path:
     """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
+    from megatron_osprey.base.outputs import prepare_output
+    from megatron_osprey.base.provenance import PROVENANCE_FILE
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.export.formats import export_drafter
 
@@ -60,13 +62,13 @@ def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> 
     if config.format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {config.format!r}.")
     output = Path(config.output)
-    if output.exists() and output.is_dir() and any(output.iterdir()) and not config.overwrite:
-        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-    inputs = check_inputs({"checkpoint": config.checkpoint})
-    loaded = load_drafter(config.checkpoint, "--checkpoint")
+    # Refused before the drafter loads; emptied only when it holds this stage's own earlier export.
+    prepare_output(output, {"--checkpoint": config.checkpoint}, PROVENANCE_FILE, config.overwrite, stage="export")
+    loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
+    inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
     target = loaded.run_config.get("target")
     tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
-    written = export_drafter(loaded.drafter, config.format, output, loaded.run_config, config.overwrite, tokenizer_dir)
+    written = export_drafter(loaded.drafter, config.format, output, loaded.run_config, tokenizer_dir=tokenizer_dir)
     invocation.record(written, config, inputs, {"export": written})
     return written
 

@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from megatron_osprey.base.outputs import check_disjoint
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.models.backbone.config import PRUNE_STRATEGIES, TRANSFORMER_IMPLS
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
@@ -39,7 +40,11 @@ class PruneConfig:
         for flag, value in (("--source", self.source), ("--output", self.output)):
             if not value:
                 raise ValueError(f"{flag} is required.")
+        check_disjoint(self.output, self.inputs())
         validate(self)
+
+    def inputs(self) -> dict:
+        return {"--source": self.source, "--calibration-data": self.calibration_data}
 
 
 FLAGS = {
@@ -82,20 +87,18 @@ def run(config: PruneConfig, invocation: Invocation = Invocation("prune")):
 
 def _write(config: PruneConfig, pruned, state):
     """OUT/megatron (dist checkpoint), OUT/hf (+ tokenizer files) and OUT/run_config.yaml (collective)."""
-    import shutil
-
     import torch
 
     from megatron_osprey.base.hf_files import copy_tokenizer_files
+    from megatron_osprey.base.outputs import prepare_output
+    from megatron_osprey.base.provenance import PROVENANCE_FILE
     from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.convert.megatron_to_hf import export_to_hf
     from megatron_osprey.training.checkpointing import save_checkpoint
 
     output, arch = Path(config.output), pruned.arch
     if state.rank == 0:
-        if output.exists() and config.overwrite:
-            shutil.rmtree(output)
-        output.mkdir(parents=True, exist_ok=True)
+        prepare_output(output, config.inputs(), PROVENANCE_FILE, config.overwrite, stage="prune")
     torch.distributed.barrier()
     run_config = {
         "stage": "prune",

@@ -19,7 +19,12 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
-from megatron_osprey.data.regenerate.backends import BackendRequestError, SamplingParams, redact_credentials
+from megatron_osprey.data.regenerate.backends import (
+    BackendRequestError,
+    SamplingParams,
+    redact_credentials,
+    server_api_key,
+)
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 BACKENDS = ("server", "hf")
@@ -128,7 +133,7 @@ def build_backend(config: RegenerateConfig):
     from megatron_osprey.data.regenerate import HFBackend, HFBackendConfig, ServerBackend, ServerBackendConfig
 
     if config.backend == "server":
-        api_key = os.environ.get(config.api_key_env or "OPENAI_API_KEY") or None
+        api_key = server_api_key(config.api_key_env, os.environ)
         return ServerBackend(
             ServerBackendConfig(
                 urls=tuple(config.server_url),

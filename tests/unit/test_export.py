@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from megatron_osprey.export.formats import export_drafter, read_export
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter, apply_rope
+from megatron_osprey.stages.export import main as export_main
 from tests.plugin_state import fused_state
-from tools.export_checkpoint import main as export_main
 
 VOCAB, DRAFT_VOCAB = 120, 90
 
@@ -190,30 +190,25 @@ def test_speculators_round_trip_and_refusals(tmp_path):
         assert not (tmp_path / case).exists()
 
 
-def test_tool_refuses_a_non_empty_output_without_overwrite(tmp_path, capsys):
+def test_tool_refuses_a_non_empty_output_and_overwrites_only_its_own(tmp_path, capsys):
     make_drafter("osprey", 2, True).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
-    assert (
-        export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output", str(tmp_path / "out")])
-        == 2
-    )
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output"]
+    assert export_main([*args, str(tmp_path / "out")]) == 2
     assert "--overwrite" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").exists()
-    assert (
-        export_main(
-            [
-                "--checkpoint",
-                str(tmp_path / "ckpt"),
-                "--format",
-                "sglang",
-                "--output",
-                str(tmp_path / "out"),
-                "--overwrite",
-            ]
-        )
-        == 0
-    )
-    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
+    # --overwrite deletes only a directory this stage wrote: a folder holding someone's file is refused, kept whole.
+    assert export_main([*args, str(tmp_path / "out"), "--overwrite"]) == 2
+    assert "did not write it" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").exists()
+    # Its own earlier export is replaced.
+    assert export_main([*args, str(tmp_path / "mine")]) == 0
+    (tmp_path / "mine" / "stale.txt").write_text("old")
+    assert export_main([*args, str(tmp_path / "mine"), "--overwrite"]) == 0
+    assert not (tmp_path / "mine" / "stale.txt").exists() and (tmp_path / "mine" / "config.json").is_file()
+    # An output holding its own input is refused before anything is read or deleted.
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output", str(tmp_path),
+                        "--overwrite"]) == 2  # fmt: skip
+    assert (tmp_path / "ckpt" / "config.json").is_file()
     assert (
         export_main(
             ["--checkpoint", str(tmp_path / "ckpt"), "--format", "speculators", "--output", str(tmp_path / "spec")]
