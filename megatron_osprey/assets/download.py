@@ -62,7 +62,7 @@ def pip_download(dist: Distribution, dest: Path) -> Path:
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
         "--only-binary" if dist.is_wheel else "--no-binary", dist.package,
-        "--dest", str(dest), dist.requirement,
+        "--dest", str(dest), *dist.wheel_tags, dist.requirement,
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -106,6 +106,19 @@ def _read_members(archive: Path, members: set[str], is_wheel: bool) -> dict[str,
 def member_filename(member: str) -> str:
     """File name under which an archive member is cached (its base name)."""
     return Path(member).name
+
+
+def fetch_file(dist: Distribution, dest_dir: Path) -> Path:
+    """dest_dir/dist.filename, downloaded once and checked against the pinned sha256 on every call."""
+    path = Path(dest_dir) / dist.filename
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download.", dir=path.parent) as tmp:
+            archive = pip_download(dist, Path(tmp))
+            verify_sha256(archive, dist)
+            os.replace(archive, path)
+    verify_sha256(path, dist)  # a cached file edited or truncated since is refused, not read
+    return path
 
 
 def fetch_members(dist: Distribution, members: set[str], dest: Path, is_valid: Callable[[Path], bool]) -> Path:

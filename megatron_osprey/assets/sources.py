@@ -14,6 +14,9 @@ class Distribution:
     filename: str
     sha256: str
     is_wheel: bool = False
+    # pip download flags that select this exact wheel whatever interpreter runs pip (a platform wheel
+    # is otherwise chosen for the running Python, and another Python would fetch a file with another hash).
+    wheel_tags: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:

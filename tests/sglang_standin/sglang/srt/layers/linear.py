@@ -16,20 +16,28 @@ class _Linear(nn.Module):
         assert loaded_shard_id is None and param.shape == loaded_weight.shape, (param.shape, loaded_weight.shape)
         param.data.copy_(loaded_weight)
 
-    def forward(self, x):
-        return nn.functional.linear(x, self.weight, self.bias), None
+    def forward(self, input_):
+        return nn.functional.linear(input_, self.weight, self.bias), None
 
 
 class RowParallelLinear(_Linear):
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, skip_bias_add=False,
-                 params_dtype=None, reduce_results=True, quant_config=None, prefix="", **kwargs):
+                 params_dtype=None, reduce_results=True, quant_config=None, prefix="", *,
+                 use_presharded_weights=False, use_dp_attention_reduce=False, parallel_group=None):
         super().__init__(input_size, output_size, bias)
         self.reduce_results = reduce_results  # a sum over TP ranks; nothing to sum at TP 1
+
+    def weight_loader(self, param, loaded_weight):
+        super().weight_loader(param, loaded_weight)
+
+    def forward(self, input_, skip_all_reduce=False, forward_batch=None, output_tensor=None):
+        return super().forward(input_)
 
 
 class MergedColumnParallelLinear(_Linear):
     def __init__(self, input_size, output_sizes, bias=True, gather_output=False, skip_bias_add=False,
-                 params_dtype=None, quant_config=None, prefix="", **kwargs):
+                 params_dtype=None, quant_config=None, prefix="", *, use_presharded_weights=False,
+                 parallel_group=None):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias)
 
@@ -41,7 +49,8 @@ class MergedColumnParallelLinear(_Linear):
 
 class QKVParallelLinear(_Linear):
     def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=True,
-                 skip_bias_add=False, params_dtype=None, quant_config=None, prefix="", **kwargs):
+                 skip_bias_add=False, params_dtype=None, quant_config=None, prefix="", *, load_presharded_attn=False,
+                 v_head_size=None, skip_block_quant_check=False, parallel_group=None, kv_parallel_group=None):
         self.head_size, self.total_num_heads = head_size, total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.q_size, self.kv_size = total_num_heads * head_size, self.total_num_kv_heads * head_size

@@ -3,23 +3,30 @@
 import torch
 from torch import nn
 
-from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.model_loader.weight_utils import default_weight_loader as _default_weight_loader
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings, embedding_dim, params_dtype=None, org_num_embeddings=None,
-                 padding_size=64, quant_config=None, prefix="", **kwargs):
+    def __init__(self, num_embeddings, embedding_dim, *, params_dtype=None, output_dtype=None,
+                 org_num_embeddings=None, padding_size=DEFAULT_VOCAB_PADDING_SIZE, quant_config=None, prefix="",
+                 enable_tp=True, use_attn_tp_group=False, use_presharded_weights=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = self.weight_loader
 
-    def forward(self, input_ids):
-        return nn.functional.embedding(input_ids, self.weight)
+    def weight_loader(self, param, loaded_weight):
+        _default_weight_loader(param, loaded_weight)
+
+    def forward(self, input_):
+        return nn.functional.embedding(input_, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def __init__(self, num_embeddings, embedding_dim, bias=False, params_dtype=None, org_num_embeddings=None,
-                 padding_size=64, quant_config=None, prefix="", **kwargs):
+    def __init__(self, num_embeddings, embedding_dim, *, bias=False, params_dtype=None, org_num_embeddings=None,
+                 padding_size=DEFAULT_VOCAB_PADDING_SIZE, quant_config=None, prefix="", enable_tp=True,
+                 use_attn_tp_group=False, use_presharded_weights=False):
         super().__init__(num_embeddings, embedding_dim)
 
     def forward(self, input_):

@@ -11,7 +11,7 @@ from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLine
 from sglang.srt.utils import add_prefix
 
 
-def rope_theta_of(config, default: float) -> float:
+def _rope_theta_of(config, default: float) -> float:
     """rope_theta from rope_parameters (transformers 5) or the config attribute, as SGLang reads it."""
     parameters = getattr(config, "rope_parameters", None)
     if parameters is not None and "rope_theta" in parameters:
@@ -24,7 +24,7 @@ def rope_theta_of(config, default: float) -> float:
     return float(getattr(config, "rope_theta", default))
 
 
-def neox_rope(positions, x, head_dim, theta):
+def _neox_rope(positions, x, head_dim, theta):
     """Rotate-half (neox) RoPE of x [tokens, heads * head_dim] at positions [tokens]."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None]
@@ -35,7 +35,7 @@ def neox_rope(positions, x, head_dim, theta):
     return (x * cos + rotated * sin).flatten(1)
 
 
-def causal_attention(q, k, v, num_heads, num_kv_heads, head_dim):
+def _causal_attention(q, k, v, num_heads, num_kv_heads, head_dim):
     """Causal softmax attention of one sequence; q [T, h*d], k/v [T, kv*d] -> [T, h*d]."""
     t = q.shape[0]
     q = q.view(t, num_heads, head_dim).transpose(0, 1)
@@ -48,7 +48,7 @@ def causal_attention(q, k, v, num_heads, num_kv_heads, head_dim):
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size, intermediate_size, hidden_act, quant_config=None, prefix="",
-                 reduce_results=True, **kwargs):
+                 reduce_results=True, parallel_group="tp", use_dp_attention_reduce=False):
         super().__init__()
         assert hidden_act == "silu"
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
@@ -64,7 +64,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, hidden_size, num_heads, num_kv_heads, layer_id=0, start_layer=0, rope_theta=10000,
                  rope_scaling=None, rope_is_neox_style=True, max_position_embeddings=8192, quant_config=None,
-                 prefix="", bias=False, reduce_results=True, **kwargs):
+                 prefix="", bias=False, reduce_results=True):
         super().__init__()
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -78,9 +78,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden_states, forward_batch):
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = neox_rope(positions, q, self.head_dim, self.rope_theta)
-        k = neox_rope(positions, k, self.head_dim, self.rope_theta)
-        out, _ = self.o_proj(causal_attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim))
+        q = _neox_rope(positions, q, self.head_dim, self.rope_theta)
+        k = _neox_rope(positions, k, self.head_dim, self.rope_theta)
+        out, _ = self.o_proj(_causal_attention(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim))
         return out
 
 
@@ -90,7 +90,7 @@ class LlamaDecoderLayer(nn.Module):
         self.hidden_size = config.hidden_size
         self.self_attn = LlamaAttention(
             config=config, hidden_size=self.hidden_size, num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads, layer_id=layer_id, rope_theta=rope_theta_of(config, 10000),
+            num_kv_heads=config.num_key_value_heads, layer_id=layer_id, rope_theta=_rope_theta_of(config, 10000),
             prefix=add_prefix("self_attn", prefix), bias=getattr(config, "attention_bias", False),
             reduce_results=not stage_boundaries)
         self.mlp = LlamaMLP(self.hidden_size, config.intermediate_size, config.hidden_act,
