@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -230,6 +231,7 @@ def _backbone_step(sizes: Sizes, state, distributed_optimizer: bool):
 
 
 def check_init(sizes: Sizes, state) -> dict:
+    from megatron_osprey.models.backbone.gpu_support import c_compiler
     from megatron_osprey.parallel import cpu_compat
 
     backend = torch.distributed.get_backend()
@@ -245,6 +247,8 @@ def check_init(sizes: Sizes, state) -> dict:
         device=str(state.device),
         world_size=state.world_size,
         torch=torch.__version__,
+        # Inductor (Megatron's fused ops) needs one; without it the fusions are off (one warning at build).
+        c_compiler=c_compiler() or "missing: fusions off, install gcc",
     )
 
 
@@ -407,18 +411,30 @@ def check_throughput(sizes: Sizes) -> dict:
     )
 
 
+def _free_memory() -> None:
+    """Drop what the last check built (its models, optimizers, cached blocks) before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _guarded(name: str, fn, *args) -> dict:
     start = time.perf_counter()
     try:
-        return fn(*args)
+        line = fn(*args)
     except Exception as err:  # one failing check must not hide the others
-        return emit(
+        line = emit(
             name,
             False,
             error=f"{type(err).__name__}: {err}",
             traceback=traceback.format_exc()[-2000:],
             seconds=round(time.perf_counter() - start, 1),
         )
+        traceback.clear_frames(err.__traceback__)  # the frames hold the check's models alive
+        del err
+    _free_memory()
+    return line
 
 
 def main(argv=None) -> int:

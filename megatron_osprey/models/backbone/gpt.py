@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.hardware import transformer_engine_usable
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS  # noqa: E402,F401
+from megatron_osprey.models.backbone.gpu_support import fusions_usable, refuse_without_transformer_engine
 from megatron_osprey.parallel import ParallelConfig
 
 
@@ -119,6 +120,7 @@ def transformer_config(
     )
     dtype = params_dtype or torch.float32
     on_gpu = torch.cuda.is_available()
+    fusions = fusions_usable(on_gpu)
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -149,8 +151,8 @@ def transformer_config(
         pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu,
         perform_initialization=perform_initialization,
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
+        bias_activation_fusion=fusions,
+        bias_dropout_fusion=fusions,
         masked_softmax_fusion=have_fused_softmax(),
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -180,6 +182,12 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     impl = resolve_transformer_impl(transformer_impl)
+    refuse_without_transformer_engine(
+        is_moe=arch.is_moe,
+        sequence_parallel=parallel.sequence_parallel,
+        transformer_impl=impl,
+        cuda_available=torch.cuda.is_available(),
+    )
     if arch.is_moe and impl == "transformer_engine":
         config_overrides.setdefault("moe_grouped_gemm", True)
     config = transformer_config(
