@@ -175,8 +175,8 @@ def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
 
 
 def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
-    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.models.target.lm_head import TargetHead
+    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.training.distillation import distill_forward_step
     from megatron_osprey.training.loop import train_step
 
@@ -336,7 +336,7 @@ def check_ttt_memory(sizes: Sizes) -> dict:
                 torch.cuda.empty_cache()
             # In this process: CUDA's peak counter and the CPU's VmHWM are both reset per point.
             row = bench.measure(impl, sizes.memory_seq, steps, heads, kv, dim, args.device, dtype)
-            plan = ttt_attention_bytes(1, heads, sizes.memory_seq, dim, steps, dtype_bytes) / MIB
+            plan = ttt_attention_bytes(1, heads, sizes.memory_seq, dim, steps, dtype_bytes, kv) / MIB
             if impl == "linear":
                 ok &= row["peak_mib"] <= 1.5 * plan + 64  # inputs' grads and allocator slack
             curve.append({"impl": impl, "K": steps, "peak_mib": row["peak_mib"], "plan_mib": round(plan, 1)})

@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                 row = run_child(impl, seq, steps, args)
                 dtype_bytes = 4 if args.dtype == "float32" else 2
                 row["plan_mib"] = round(
-                    ttt_attention_bytes(1, args.heads, seq, args.head_dim, steps, dtype_bytes) / MIB, 1
+                    ttt_attention_bytes(1, args.heads, seq, args.head_dim, steps, dtype_bytes, args.kv_heads) / MIB, 1
                 )
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -127,25 +127,53 @@ TTT_SINK_CHANNELS = 2
 TTT_ALIGN = 8
 
 
-def ttt_attention_bytes(batch: int, heads: int, seq: int, head_dim: int, steps: int, dtype_bytes: int = 2) -> int:
-    """Activation bytes one layer's TTT attention keeps over a `steps`-step unroll (beyond q, k, v).
+def ttt_attention_saved_bytes(
+    batch: int, heads: int, seq: int, head_dim: int, steps: int, dtype_bytes: int = 2, kv_heads: int | None = None
+) -> int:
+    """Bytes one layer's TTT attention saves for backward over a `steps`-step unroll, beyond its q, k, v inputs.
 
-    Per step k > 0: the padded q/k/v copies with the sink row (3 x [b, h, s+1, w]),
-    the fused kernel's output and its float32 log-sum-exp, the stacked diagonal keys
-    and values ([b, h, s, k, d] each, repeated over GQA groups) and the float32
-    merged value and output. Step 0 keeps the fused output and log-sum-exp only.
-    The backward adds the gradients of one step's padded copies at a time.
-    Linear in seq and, summed over steps, quadratic only in the small K.
+    Step 0: the fused kernel's output and float32 log-sum-exp, and with grouped-query attention the key and
+    value repeated over the groups. Step k > 0: the padded q/k/v copies with the sink row and the kernel's
+    output (4 x [b, h, s+1, w]), its log-sum-exp, and the float32 sink weight and merged diagonal value. The
+    stacked diagonal keys and values are recomputed in backward, not saved (ttt_attention checkpoints them).
     """
     width = -(-(head_dim + TTT_SINK_CHANNELS) // TTT_ALIGN) * TTT_ALIGN
-    rows = batch * heads * seq
-    total = rows * (head_dim * dtype_bytes + 4)  # step 0: output + lse
-    for k in range(1, steps):
-        total += 4 * rows * width * dtype_bytes  # q, k, v copies + output, padded
-        total += rows * 4  # lse
-        total += 2 * rows * k * head_dim * dtype_bytes  # stacked diagonal keys / values
-        total += rows * k * 4 * 2  # scores, probabilities (float32)
-        total += 2 * rows * head_dim * 4  # merged value, float32 output
-    if steps > 1:
-        total += 3 * rows * width * dtype_bytes  # backward: one step's padded q/k/v gradients
+    rows, padded_rows = batch * heads * seq, batch * heads * (seq + 1)
+    total = rows * (head_dim * dtype_bytes + 4)
+    if kv_heads is not None and kv_heads != heads:
+        total += 2 * rows * head_dim * dtype_bytes
+    # The sink weight is a float32 copy of one output channel; in float32 it is a view of the output.
+    sink_weight = 4 if dtype_bytes != 4 else 0
+    for _ in range(1, steps):
+        total += padded_rows * (4 * width * dtype_bytes + 4) + rows * (4 * head_dim + sink_weight)
     return total
+
+
+def ttt_attention_bytes(
+    batch: int, heads: int, seq: int, head_dim: int, steps: int, dtype_bytes: int = 2, kv_heads: int | None = None
+) -> int:
+    """Peak activation bytes of one layer's TTT attention (what `osprey plan` budgets): what it saves
+    (ttt_attention_saved_bytes) plus the backward of the last step, which holds its padded q/k/v gradients
+    and the recomputed float32 diagonal (stacked keys and values, the float32 query, scores and probabilities).
+    Linear in seq and, summed over steps, quadratic only in the small K.
+    """
+    total = ttt_attention_saved_bytes(batch, heads, seq, head_dim, steps, dtype_bytes, kv_heads)
+    if steps > 1:
+        width = -(-(head_dim + TTT_SINK_CHANNELS) // TTT_ALIGN) * TTT_ALIGN
+        rows, k = batch * heads * seq, steps - 1
+        total += 3 * batch * heads * (seq + 1) * width * dtype_bytes
+        total += rows * (2 * k * head_dim + head_dim + 2 * k) * 4
+    return total
+
+
+# What the TTT loss (losses/ttt.py) saves for backward per drafter-logit entry and step: the float32
+# exp(shifted logits) and the float32 target probabilities p (the drafter's logits and their float32 copy
+# are not saved). Measured with saved-tensor hooks in tests/unit/test_ttt_loss.py, in bf16 and float32.
+TTT_LOSS_SAVED_BYTES_PER_LOGIT = 8
+
+
+def ttt_logits_bytes(rows: int, local_vocab: int, steps: int, dtype_bytes: int = 2) -> int:
+    """Peak bytes of the LM-head logits and the TTT loss over a `steps`-step unroll on one rank: what the loss
+    saves (TTT_LOSS_SAVED_BYTES_PER_LOGIT per entry per step), the target's logits in the compute dtype,
+    and the backward's float32 logits gradient of one step."""
+    return rows * local_vocab * (TTT_LOSS_SAVED_BYTES_PER_LOGIT * steps + dtype_bytes + 4)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_osprey.base.memory import ttt_attention_bytes
+from megatron_osprey.base.memory import ttt_attention_bytes, ttt_attention_saved_bytes
 from megatron_osprey.models.drafter.ttt_attention import exact_ttt_attention, ttt_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,5 +82,36 @@ def test_measured_peak_memory_is_linear_in_seq_and_below_the_exact_attention():
     assert exact[2048] > 8 * linear[2048], (exact, linear)
     # The plan's figure is within 2x of the measured slope (measured 56 KB/token, plan ~47).
     slope = (linear[4096] - linear[2048]) * 2**20 / 2048
-    planned = (ttt_attention_bytes(1, 8, 4096, 64, 3, 4) - ttt_attention_bytes(1, 8, 2048, 64, 3, 4)) / 2048
+    planned = (ttt_attention_bytes(1, 8, 4096, 64, 3, 4, 2) - ttt_attention_bytes(1, 8, 2048, 64, 3, 4, 2)) / 2048
     assert 0.5 < planned / slope < 2.0, (planned, slope)
+
+
+def _saved_bytes(steps, heads, kv_heads, seq, head_dim, dtype):
+    """Bytes of the distinct storages autograd saves for backward over a steps-step unroll, inputs excluded."""
+    gen = torch.Generator().manual_seed(0)
+    make = lambda h: torch.randn(1, h, seq, head_dim, generator=gen).to(dtype).requires_grad_()  # noqa: E731
+    queries = [make(heads) for _ in range(steps)]
+    keys, values = [make(kv_heads) for _ in range(steps)], [make(kv_heads) for _ in range(steps)]
+    inputs = {t.untyped_storage().data_ptr() for t in queries + keys + values}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = [ttt_attention(queries[k], keys[: k + 1], values[: k + 1], head_dim**-0.5) for k in range(steps)]
+    sum(o.float().sum() for o in outs).backward()  # the saved graph is a usable one
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_plan_counts_exactly_what_ttt_attention_saves(steps, heads, kv_heads, head_dim, dtype):
+    """In bf16 too: a float32 copy of a bf16 tensor is a new tensor, which the float32 dry run never shows."""
+    measured = _saved_bytes(steps, heads, kv_heads, 96, head_dim, dtype)
+    planned = ttt_attention_saved_bytes(1, heads, 96, head_dim, steps, dtype.itemsize, kv_heads)
+    assert measured == planned
+    assert ttt_attention_bytes(1, heads, 96, head_dim, steps, dtype.itemsize, kv_heads) >= planned

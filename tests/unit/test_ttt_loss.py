@@ -160,3 +160,30 @@ def test_metrics_for_a_perfect_drafter():
 def test_argmax_respects_padding_columns():
     logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])  # column 3 is TP padding of a 3-token vocab
     assert vocab_parallel_argmax(logits, 3).item() == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_plan_counts_what_the_ttt_loss_saves_per_logit(dtype):
+    """Saved-tensor bytes of the loss over a K-step unroll, at a reduced size: the plan scales it by rows x vocab."""
+    from megatron_osprey.base.memory import TTT_LOSS_SAVED_BYTES_PER_LOGIT, ttt_logits_bytes
+    from megatron_osprey.losses.ttt import ttt_step_terms
+
+    rows, hidden, vocab, steps = 48, 16, 700, 5
+    gen = torch.Generator().manual_seed(0)
+    states = [torch.randn(1, rows, hidden, generator=gen).to(dtype).requires_grad_() for _ in range(steps)]
+    head = torch.randn(vocab, hidden, generator=gen).to(dtype).requires_grad_()
+    target = torch.randn(1, rows, vocab, generator=gen).to(dtype)
+    inputs = {t.untyped_storage().data_ptr() for t in states + [head, target]}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs and t.numel() >= rows * vocab:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    everything = torch.ones(1, rows, dtype=torch.bool)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        terms = ttt_step_terms([s @ head.T for s in states], target, everything, everything, vocab)
+    sum(t.loss_sum for t in terms).backward()
+    assert sum(saved.values()) == TTT_LOSS_SAVED_BYTES_PER_LOGIT * rows * vocab * steps
+    assert ttt_logits_bytes(rows, vocab, steps, dtype.itemsize) > sum(saved.values())

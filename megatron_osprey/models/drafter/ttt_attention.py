@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from megatron_osprey.base.memory import TTT_ALIGN as _ALIGN
 from megatron_osprey.base.memory import TTT_SINK_CHANNELS as _SINK_CHANNELS
@@ -60,7 +61,12 @@ def ttt_attention(query: Tensor, keys: list[Tensor], values: list[Tensor], scale
     if len(keys) == 1:
         return F.scaled_dot_product_attention(query, k0, v0, is_causal=True, scale=scale)
 
-    merged_score, merged_value = _diagonal_key(query, keys[1:], values[1:], scale, groups)
+    # Recomputed in backward: kept, its float32 copies of the stacked diagonal keys and values would be
+    # the largest activation of the unroll (2 x [b, h, s, k, d] x 4 bytes per step); recomputing costs
+    # O(s * k * d) flops and gives bitwise the same values, so the result is unchanged.
+    merged_score, merged_value = checkpoint(
+        _diagonal_key, query, keys[1:], values[1:], scale, groups, use_reentrant=False
+    )
     b, h, s, d = query.shape
     width = -(-(d + _SINK_CHANNELS) // _ALIGN) * _ALIGN
     # The sink's score is scale * (hi + lo) * 1: D / scale split so that hi + lo == D / scale.
