@@ -10,9 +10,9 @@ Memory model (estimates that catch layouts which cannot fit, not a profiler):
   FP32 master weights (12), the last divided by DP under the distributed optimizer; float32 runs: 4 + 4 + 8.
 - activations: 34 * s * b * h bytes per layer and micro-batch (Korthikanti et al. 2022, flash attention, no
   recomputation), divided by TP under sequence parallelism, times the TTT steps for distillation, plus the LM-head
-  logits (BF16 logits and an FP32 softmax: 6 bytes per entry) of every TTT step; under pipeline parallelism the first
-  stage holds PP micro-batches of its layers.
-- TTT attention (distillation): megatron_osprey.base.memory.ttt_attention_bytes per layer.
+  logits and the TTT loss (megatron_osprey.base.memory.ttt_logits_bytes: 8 bytes saved per entry per step, measured,
+  plus the logits and one float32 gradient); under pipeline parallelism the first stage holds PP micro-batches.
+- TTT attention (distillation): megatron_osprey.base.memory.ttt_attention_bytes per layer (measured in bf16).
 - frozen target: megatron_osprey.base.memory.estimate_target_memory (weights / (TP*PP*EP) and prefill activations).
 """
 
@@ -24,7 +24,14 @@ import json
 import math
 
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
-from megatron_osprey.base.memory import GIB, RUNTIME_RESERVE_BYTES, estimate_target_memory, ttt_attention_bytes
+from megatron_osprey.base.memory import (
+    GIB,
+    RUNTIME_RESERVE_BYTES,
+    estimate_target_memory,
+    ttt_attention_bytes,
+    ttt_logits_bytes,
+)
+from megatron_osprey.models.backbone.gpu_support import refuse_without_transformer_engine
 from megatron_osprey.recipes.distill import EAGLE3_DENSE_FFN
 from megatron_osprey.recipes.recipe import GPU_MEMORY_GIB, Recipe
 from megatron_osprey.recipes.targets import model_arch
@@ -222,11 +229,12 @@ def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
         ("grads", shard * 4),
         (f"optimizer/{optim_shards}", shard * optim_bytes // optim_shards),
         ("activations", int(per_layer * layers * in_flight * model.ttt_steps)),
-        ("logits", s * b * math.ceil(model.vocab / tp) * 6 * model.ttt_steps),
+        ("logits", ttt_logits_bytes(s * b, math.ceil(model.vocab / tp), model.ttt_steps, act_bytes)),
     ]
     if hasattr(config, "ttt"):  # a distillation config: the drafter's TTT attention
         heads = math.ceil(model.arch.num_attention_heads / tp)
-        ttt = ttt_attention_bytes(b, heads, s, model.arch.head_dim, model.ttt_steps, act_bytes)
+        kv_heads = math.ceil(model.arch.num_query_groups / tp)
+        ttt = ttt_attention_bytes(b, heads, s, model.arch.head_dim, model.ttt_steps, act_bytes, kv_heads=kv_heads)
         memory.append(("TTT attention", ttt * layers * in_flight))
     if model.frozen:
         memory.append(("frozen embedding", model.frozen * weight_bytes // tp))
@@ -329,6 +337,8 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
             f"{recipe.budget}; global batch {gbs} x seq {seq:,} = {gbs * seq:,} tokens per step at most; "
             f"lr {opt.lr:g}, warmup {opt.warmup_iters(train_iters):,} iterations, clip {opt.clip_grad:g}"
         )
+    if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
+        _refuse_without_te(recipe, stage, config, parallel, target)
     if stage in TARGET_STAGES:
         bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
         online = stage == "extract" or config.data.mode == "online"
@@ -373,6 +383,24 @@ class _ExtractBatch:
     @property
     def seq_length(self) -> int:
         return self.config.max_length
+
+
+def _refuse_without_te(recipe: Recipe, stage: str, config, parallel, target: ModelArch | None) -> None:
+    """A GPU recipe that asks for the local spec where megatron-core needs Transformer Engine is refused here."""
+    impl = getattr(getattr(config, "model", None), "transformer_impl", None) or getattr(
+        config, "transformer_impl", None
+    )
+    if stage == "distill":
+        impl = config.drafter.transformer_impl
+    try:
+        refuse_without_transformer_engine(
+            is_moe=bool(target is not None and target.is_moe),
+            sequence_parallel=parallel.sequence_parallel,
+            transformer_impl="transformer_engine" if impl in (None, "auto") else impl,
+            cuda_available=recipe.hardware != "cpu",
+        )
+    except ValueError as err:
+        raise LayoutError(f"recipe {recipe.run_name} ({stage}): {err}") from None
 
 
 def check_plan(plan: Plan) -> None:

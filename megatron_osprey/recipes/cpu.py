@@ -139,7 +139,7 @@ def smollm2_smoke() -> Recipe:
         checkpoint=CheckpointConfig(save_interval=2),
         logging=_cpu_logging(),
     )
-    evaluate = EvaluateConfig(max_new_tokens=24, limit=4, verify_lossless=True, progress=False, seed=0)
+    evaluate = EvaluateConfig(max_new_tokens=16, limit=2, verify_lossless=True, progress=False, seed=0)
     return Recipe(
         name="",
         hardware="cpu",

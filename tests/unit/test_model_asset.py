@@ -77,7 +77,7 @@ def test_cached_model_is_reused_without_a_download(smollm2_dir, monkeypatch):
     # What the cache says it was built from is the pinned wheel.
     pin = model_source(SMOLLM2).distribution.sha256
     assert json.loads((smollm2_dir / models.MODEL_INFO_FILE).read_text())["sha256"] == pin
-    assert json.loads((gguf_file(SMOLLM2).parent / download.PROVENANCE_FILE).read_text())["sha256"] == pin
+    assert json.loads((gguf_file(SMOLLM2).parent / download.SOURCE_RECORD_FILE).read_text())["sha256"] == pin
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ ROOT = Path(megatron_osprey.__file__).resolve().parent
 ALLOWED = {
     "main": "every entry module has one",
     "run": "every stage module (megatron_osprey/stages/) runs its Config with it",
-    "parse_args": "the stage modules that own their flags, and data/preprocess_cli.py",
     "default_cache_dir": "each cache (tokenizers, corpora) names its root; both call assets.download.osprey_cache_dir",
-    "build_parser": "config/args.py (the training stages' shared one) and stages/regenerate.py (its own flags)",
+    "FLAGS": "every stage module's flag table, composed from its components' tables",
+    "config_from_args": "the training stages' (pretrain, distill) parse without running, for tests and tools",
 }
 
 # Known twins still to be renamed (none now): a name listed here must be a twin, and every twin listed.
@@ -50,4 +50,4 @@ def test_no_public_name_is_defined_twice():
 def test_the_scan_sees_definitions():
     found = public_definitions()
     assert found["write_json_atomic"] == ["megatron_osprey/base/atomic_io.py"]
-    assert "megatron_osprey/models/drafter/reference.py" in found["VARIANTS"]
+    assert "megatron_osprey/models/drafter/reference.py" in found["DrafterConfig"]
