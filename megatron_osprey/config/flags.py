@@ -48,13 +48,22 @@ def add_flag_groups(parser: argparse.ArgumentParser, groups: FlagGroups) -> None
 
 
 def apply_flags(config: Any, typed: dict[str, Any]) -> Any:
-    """Set each typed flag's value (dest "section.field" or "field") on `config`; returns it."""
+    """Set each typed flag's value (dest "section.field" or "field") on `config`; returns it (a frozen section,
+    such as the sampling parameters, is replaced rather than mutated)."""
     for dest, value in typed.items():
-        node, *path = config, *dest.split(".")
-        for part in path[:-1]:
-            node = getattr(node, part)
-        setattr(node, path[-1], value)
+        config = _with_field(config, dest.split("."), value)
     return config
+
+
+def _with_field(node: Any, path: list[str], value: Any) -> Any:
+    """`node` with the field at `path` set to `value`: mutated in place, or replaced where it is frozen."""
+    head, rest = path[0], path[1:]
+    new = _with_field(getattr(node, head), rest, value) if rest else value
+    params = getattr(type(node), "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        return dataclasses.replace(node, **{head: new})
+    setattr(node, head, new)
+    return node
 
 
 def boolean(text: str) -> bool:

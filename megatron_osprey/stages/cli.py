@@ -108,7 +108,7 @@ def parse_config(
             )
         else:
             config, stage_overrides = recipes(spec, stage, overrides, run_dir)
-        apply_flags(config, typed)
+        config = apply_flags(config, typed)
         config = apply_overrides(config, stage_overrides)
     except ValueError as error:
         parser.error(str(error))
