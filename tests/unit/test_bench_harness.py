@@ -1,0 +1,148 @@
+"""The `make bench` harness on tiny inputs: alternation, the row arithmetic, the table, bench.json, and the
+preprocessing pair's byte-identical check. Not the timings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import bench  # noqa: E402
+from benchmarks.bench_harness import (  # noqa: E402
+    COLUMNS,
+    JSON_KEYS,
+    Pair,
+    Timings,
+    format_table,
+    make_row,
+    run_pair,
+    write_json,
+)
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "héllo wörld — unicode ✓",
+    "short",
+] * 5
+
+
+def test_row_arithmetic_is_peer_over_ours_and_limit_over_ours():
+    pair = Pair("s", ours=lambda: None, peer=lambda: None)
+    row = make_row(pair, Timings([2.0, 1.0, 3.0]), Timings([5.0, 4.0, 9.0]), 0.5)
+    assert row.ours_s == 2.0 and row.peer_s == 5.0  # medians, not means (means: 2.0 and 6.0)
+    assert row.ratio == pytest.approx(2.5)
+    assert row.share_of_limit == pytest.approx(0.25)
+    assert row.ours_spread == pytest.approx(1.0) and row.peer_spread == pytest.approx(1.0)
+    assert make_row(pair, Timings([1.0]), Timings([1.0]), None).share_of_limit is None
+
+
+def test_run_pair_alternates_skips_warmup_and_checks_outputs():
+    calls, seen = [], []
+    pair = Pair(
+        "s",
+        ours=lambda: calls.append("o") or "ours-out",
+        peer=lambda: calls.append("p") or "peer-out",
+        limit=lambda: calls.append("l"),
+        check=lambda a, b: seen.append((a, b)),
+    )
+    row = run_pair(pair, runs=3, warmup=1, say=lambda _: None)
+    assert calls == ["o", "p", "l"] * 4
+    assert seen == [("ours-out", "peer-out")]
+    assert row.runs == 3 and row.limit_s is not None
+
+    def differ(a, b):
+        raise AssertionError("outputs differ")
+
+    with pytest.raises(AssertionError, match="differ"):
+        run_pair(Pair("s", lambda: 1, lambda: 2, check=differ), runs=1, warmup=0, say=lambda _: None)
+    with pytest.raises(ValueError, match="--runs"):
+        run_pair(Pair("s", lambda: 1, lambda: 2), runs=0)
+
+
+def test_computed_limit_used_when_no_timed_limit():
+    row = run_pair(Pair("s", lambda: 1, lambda: 2, limit_seconds=lambda: 7.5), runs=1, warmup=0, say=lambda _: None)
+    assert row.limit_s == 7.5
+
+
+def test_table_has_the_columns_and_one_line_per_row():
+    rows = [
+        make_row(Pair("alpha", None, None, peer_name="P1"), Timings([1.0]), Timings([3.0]), 0.5),
+        make_row(Pair("beta", None, None, peer_name="P2"), Timings([2.0]), Timings([1.0]), None),
+    ]
+    lines = format_table(rows).splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(COLUMNS)
+    alpha = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert alpha[0] == "alpha" and alpha[3] == "3.00×" and alpha[5] == "50%"
+    beta = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert beta[3] == "0.50×" and beta[4] == "—" and beta[5] == "—"
+    assert any("peer = P2" in line for line in lines)
+
+
+def test_main_writes_bench_json_with_the_schema(tmp_path, monkeypatch):
+    def fake_build(name, sizes, workdir):
+        assert sizes == bench.Sizes.quick()
+        return Pair(name, ours=lambda: None, peer=lambda: None, limit_seconds=lambda: 1.0)
+
+    monkeypatch.setattr(bench, "build_pair", fake_build)
+    assert bench.main(["--quick", "--runs", "3", "--output", str(tmp_path), "--only", "preprocessing", "decoding"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["stage"] for r in rows] == ["preprocessing", "decoding"]
+    for r in rows:
+        assert set(JSON_KEYS) <= set(r)
+        assert r["ratio"] == pytest.approx(r["peer_s"] / r["ours_s"])
+        assert r["share_of_limit"] == pytest.approx(r["limit_s"] / r["ours_s"])
+        assert r["runs"] == 3
+
+
+def test_write_json_is_a_list_of_rows(tmp_path):
+    row = make_row(Pair("s", None, None), Timings([1.0]), Timings([2.0]), None)
+    path = write_json([row], tmp_path / "sub" / "bench.json")
+    assert json.loads(path.read_text())[0]["ratio"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(DOCS, trainer)
+    out = tmp_path_factory.mktemp("tok")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"})
+    )
+    return out
+
+
+def test_megatron_style_peer_writes_the_same_bytes_as_ours(tmp_path, tokenizer_dir):
+    from benchmarks.bench_preprocess import check_identical, megatron_style_preprocess
+    from megatron_osprey.data.preprocess import preprocess
+    from megatron_osprey.stages.preprocess import PreprocessConfig
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    ours = preprocess(
+        PreprocessConfig(
+            input=str(corpus), tokenizer=str(tokenizer_dir), output_prefix=str(tmp_path / "ours"), workers=1
+        )
+    ).dataset_prefix
+    peer = megatron_style_preprocess(str(corpus), str(tokenizer_dir), str(tmp_path / "peer"), workers=2)
+    check_identical(ours, peer)
+    assert Path(peer + ".bin").stat().st_size > 2 * len(DOCS)  # tokens plus one end-of-document each
+
+    data = bytearray(Path(peer + ".bin").read_bytes())
+    data[0] ^= 1
+    Path(peer + ".bin").write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="same bytes"):
+        check_identical(ours, peer)
