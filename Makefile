@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-full test test-unit test-distributed lint format clean
+.PHONY: venv demo demo-full test test-unit test-distributed lint format bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,9 @@ demo: $(STAMP)
 
 demo-full: $(STAMP)
 	$(PY) -m megatron_osprey.demo --full --output demo_out_full
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py --output bench_out
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -40,4 +43,4 @@ test-distributed: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed
 
 clean:
-	rm -rf demo_out demo_out_full .pytest_cache
+	rm -rf demo_out demo_out_full bench_out .pytest_cache
