@@ -112,6 +112,8 @@ def pad_samples(
     batch = {
         "input_ids": torch.stack([_pad(s["input_ids"], seq_length, pad_id) for s in samples]),
         "loss_mask": torch.stack([_pad(s["loss_mask"].bool(), seq_length, False) for s in samples]),
+        # Each sample's own length after the cut: the reference TTT normalisation divides by it.
+        "lengths": torch.tensor([min(int(s["input_ids"].shape[0]), seq_length) for s in samples]),
     }
     for key in ("aux_hidden", "final_hidden"):
         if key in samples[0]:

@@ -46,7 +46,7 @@ TTT_FLAGS = [
         "normalization",
         {
             "choices": list(NORMALIZATIONS),
-            "help": "divide by step 0's counted rows (tokens, default) or each step by B*T (SpecForge)",
+            "help": "divide by step 0's counted rows (tokens, default) or per sample by its length (SpecForge)",
         },
     ),
 ]

@@ -19,7 +19,12 @@ trainer share `ttt_objective()`, so they normalise the same way:
 * normalisation, `normalization`: "tokens" (default) divides the weighted sum
   of every step's losses by the number of counted rows of step 0 (summed over
   micro-batches and data-parallel ranks, Megatron's per-token contract);
-  "reference" divides each step by all B*T rows, counted or not.
+  "reference" divides each sample's weighted sum by that sample's own length
+  (every row, counted or not) and averages over samples. SpecForge takes the
+  mean of each step over the micro-batch's B x T padded rows and averages the
+  gradients over micro-batches and ranks; the release trains at batch size 1,
+  where T is the sample's own (cut) length, and that per-sample form does not
+  depend on how a global batch is split into micro-batches.
 
 Logits arrive sharded over the (padded) draft vocabulary exactly like the
 drafter's output layer; only per-row scalars cross TP ranks, never a vocabulary.
@@ -87,8 +92,10 @@ def vocab_parallel_soft_cross_entropy(
 ) -> SoftCEResult:
     """Per-row -sum_v p_target(v) log q_drafter(v) over the real vocab columns, both [rows, V/TP]."""
     valid = _valid_columns(drafter_logits.shape[-1], vocab_size, group).to(drafter_logits.device)
-    q_logits = drafter_logits.float().masked_fill(~valid, float("-inf"))
-    t_logits = target_logits.float().masked_fill(~valid, float("-inf"))
+    # At least float32 (bf16 logits are promoted); float64 stays float64 for exactness checks.
+    dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
+    q_logits = drafter_logits.to(dtype).masked_fill(~valid, float("-inf"))
+    t_logits = target_logits.to(dtype).masked_fill(~valid, float("-inf"))
 
     t_max = _all_reduce(t_logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
     t_exp = torch.exp(t_logits - t_max[:, None])
@@ -124,6 +131,16 @@ def drafter_inputs(input_ids: Tensor) -> Tensor:
     return shift_rows(input_ids, 1)
 
 
+def within_lengths(lengths: Tensor, seq_length: int) -> Tensor:
+    """[b, s] True at each sample's own positions, False on its padding.
+
+    The target's argmax on a pad position is no distribution to learn, but the reference alignment's mask
+    (x_{t+k}) does not rule out a row trained toward the position just past a sample's end: AND this into
+    target_in_draft.
+    """
+    return torch.arange(seq_length, device=lengths.device)[None, :] < lengths[:, None]
+
+
 def step_mask(loss_mask: Tensor, target_in_draft: Tensor, k: int, mask_alignment: str = "predicted") -> Tensor:
     """Rows of step k that count: target argmax(t+1+k) is drafted and x_{t+2+k} ("predicted") or x_{t+k}
     ("reference") is an assistant token."""
@@ -135,10 +152,14 @@ def step_mask(loss_mask: Tensor, target_in_draft: Tensor, k: int, mask_alignment
 class TTTStepTerms:
     """Sums over the counted rows of one TTT step (loss differentiable, the rest detached)."""
 
-    loss_sum: Tensor
+    sample_loss: Tensor  # [b]: each sample's loss sum over its counted rows
     count: Tensor
     agree_sum: Tensor
     accept_sum: Tensor
+
+    @property
+    def loss_sum(self) -> Tensor:
+        return self.sample_loss.sum()
 
 
 def step_masks(
@@ -169,21 +190,25 @@ def ttt_step_terms(
     for k, logits in enumerate(drafter_logits):
         mask = step_mask(loss_mask, target_in_draft, k, mask_alignment)
         target_k = shift_rows(target_logits, 1 + k)
+        # Which sample each row belongs to, in the order of the rows given.
+        sample = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
         if logits.dim() == 2:  # counted rows only: every row given counts
             if logits.shape[0] != int(mask.sum()):
                 raise ValueError(f"TTT step {k}: {logits.shape[0]} drafter rows for {int(mask.sum())} counted rows.")
-            target_k = target_k[mask]
+            target_k, sample = target_k[mask], sample[mask]
             mask = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         else:
-            logits, target_k, mask = (
+            logits, target_k, mask, sample = (
                 logits.reshape(-1, logits.shape[-1]),
                 target_k.reshape(-1, target_logits.shape[-1]),
                 mask.reshape(-1),
+                sample.reshape(-1),
             )
         result = vocab_parallel_soft_cross_entropy(logits, target_k, draft_vocab_size, group)
+        masked = result.loss * mask
         terms.append(
             TTTStepTerms(
-                loss_sum=(result.loss * mask).sum(),
+                sample_loss=masked.new_zeros(loss_mask.shape[0]).index_add(0, sample, masked),
                 count=mask.sum().detach(),
                 agree_sum=(result.agree & mask).sum().detach(),
                 accept_sum=(result.accept * mask).sum().detach(),
@@ -192,19 +217,20 @@ def ttt_step_terms(
     return terms
 
 
-def ttt_objective(terms: list[TTTStepTerms], config: TTTLossConfig, rows: int) -> tuple[Tensor, Tensor]:
-    """(numerator, denominator) of the TTT loss of one micro-batch of `rows` = B*T rows.
+def ttt_objective(terms: list[TTTStepTerms], config: TTTLossConfig, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """(numerator, denominator) of the TTT loss of one micro-batch whose samples are `lengths` [b] tokens long.
 
-    The numerator is sum_k decay^k * loss_sum_k; the denominator is step 0's counted rows
-    ("tokens") or B*T ("reference"). Summed over micro-batches and ranks before dividing,
-    as Megatron's per-token loss contract does.
+    "tokens": sum_k decay^k * loss_sum_k over step 0's counted rows. "reference": the sum over samples of
+    sum_k decay^k * sample_loss_k / length, over the number of samples. Summed over micro-batches and ranks
+    before dividing, as Megatron's per-token loss contract does.
     """
-    numerator = sum(weight * term.loss_sum for weight, term in zip(config.weights(), terms))
+    weights = config.weights()
     if config.normalization == "reference":
-        denominator = torch.tensor(rows, device=terms[0].count.device)
-    else:
-        denominator = terms[0].count
-    return numerator, denominator
+        per_sample = sum(weight * term.sample_loss for weight, term in zip(weights, terms))
+        numerator = (per_sample / lengths.to(per_sample.device, per_sample.dtype)).sum()
+        return numerator, torch.tensor(lengths.numel(), device=terms[0].count.device)
+    numerator = sum(weight * term.loss_sum for weight, term in zip(weights, terms))
+    return numerator, terms[0].count
 
 
 def ttt_loss(
@@ -215,12 +241,19 @@ def ttt_loss(
     draft_vocab_size: int,
     config: TTTLossConfig,
     group=None,
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The TTT loss of one batch (ttt_objective's ratio), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k)."""
+    """The TTT loss of one batch (ttt_objective's ratio), and per-step metrics (ploss_k, acc_k, accept_k, tokens_k).
+
+    lengths [b]: each sample's length before padding (default: the batch's length for every sample).
+    """
+    if lengths is None:
+        lengths = torch.full((loss_mask.shape[0],), loss_mask.shape[1], device=loss_mask.device)
+    target_in_draft = target_in_draft & within_lengths(lengths, loss_mask.shape[1]).to(target_in_draft.device)
     terms = ttt_step_terms(
         drafter_logits, target_logits, loss_mask, target_in_draft, draft_vocab_size, group, config.mask_alignment
     )
-    numerator, denominator = ttt_objective(terms, config, loss_mask.numel())
+    numerator, denominator = ttt_objective(terms, config, lengths)
     total = numerator / denominator.clamp(min=1).to(torch.float32)
     metrics: dict[str, Tensor] = {}
     for k, term in enumerate(terms):

@@ -20,7 +20,7 @@ from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.fingerprint import model_fingerprint
 from megatron_osprey.data.micro_batches import micro_batches
-from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms
+from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective, ttt_step_terms, within_lengths
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
@@ -106,6 +106,7 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg, draft_v
         else:
             aux, final = target(batch["input_ids"])
         draft_logits, in_draft = head(final)
+        in_draft = in_draft & within_lengths(batch["lengths"], in_draft.shape[1]).to(in_draft.device)
         drafter = unwrap_model(model)
         dtype = drafter.fusion_fc.weight.dtype
         # Each step's LM head runs on the rows its loss counts only (same loss, a fraction of the work).
@@ -116,8 +117,7 @@ def distill_forward_step(target: Callable | None, head: TargetHead, cfg, draft_v
         )
         # The same numerator and denominator as ttt_loss(): Megatron sums both over
         # micro-batches and data-parallel ranks before dividing.
-        # B*T of the reference normalisation is the configured sequence length, not the batch's padded one.
-        loss, denominator = ttt_objective(terms, cfg.ttt, batch["loss_mask"].shape[0] * cfg.training.seq_length)
+        loss, denominator = ttt_objective(terms, cfg.ttt, batch["lengths"])
         return loss, functools.partial(ttt_loss_func, terms, denominator)
 
     return forward_step

@@ -118,7 +118,7 @@ def test_default_conventions_are_pinned():
 def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normalization):
     """The trainer's (sum, denominator) pair over two micro-batches equals ttt_loss on their concatenation
     (every step's loss counted the same way), for every convention."""
-    from megatron_osprey.config.distill import DistillConfig
+    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.training.distillation import distill_forward_step
 
     target_dir, _ = target
@@ -126,7 +126,6 @@ def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normaliz
     batch = make_batch()
     cfg = DistillConfig()
     cfg.ttt = TTTLossConfig(ttt_steps=3, mask_alignment=alignment, normalization=normalization)
-    cfg.training.seq_length = batch["input_ids"].shape[1]  # the reference B*T: T is the configured length
     with parallel_context(ParallelConfig()):
         model = build_drafter_model(arch, ParallelConfig())
         load_reference_state(model, reference.state_dict(), 0, 1)
@@ -136,6 +135,7 @@ def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normaliz
         with torch.no_grad():
             for row in range(batch["input_ids"].shape[0]):  # one micro-batch per row
                 micro = {key: value[row : row + 1] for key, value in batch.items()}
+                micro["lengths"] = torch.tensor([batch["input_ids"].shape[1]])
                 loss, loss_func = step(iter([micro]), model)
                 total, count, report = loss_func(loss)
                 numerator, denominator = numerator + total, denominator + count
@@ -143,8 +143,8 @@ def test_trainer_and_ttt_loss_normalise_the_same_way(target, alignment, normaliz
             logits, _ = model.ttt_forward(drafter_inputs(batch["input_ids"]), batch["aux_hidden"], 3)
             expected, _ = ttt_loss(logits, draft_logits, batch["loss_mask"], in_draft, arch.draft_vocab_size, cfg.ttt)
     assert abs(numerator.item() / denominator.item() - expected.item()) < 1e-5
-    if normalization == "reference":
-        assert denominator.item() == batch["loss_mask"].numel()
+    if normalization == "reference":  # one per sample
+        assert denominator.item() == batch["loss_mask"].shape[0]
 
 
 def test_metrics_for_a_perfect_drafter():
@@ -187,3 +187,76 @@ def test_the_plan_counts_what_the_ttt_loss_saves_per_logit(dtype):
     sum(t.loss_sum for t in terms).backward()
     assert sum(saved.values()) == TTT_LOSS_SAVED_BYTES_PER_LOGIT * rows * vocab * steps
     assert ttt_logits_bytes(rows, vocab, steps, dtype.itemsize) > sum(saved.values())
+
+
+def specforge_ttt_loss(logits, target, loss_mask, t2d, decay, lengths):
+    """SpecForge's eagle3 objective, written from its formula, on each sample as its own batch of one.
+
+    Per sample (its tokens up to its length, nothing padded): the target distribution and the inputs are
+    shifted left by one, the loss mask is not; the position mask is loss_mask * t2d[argmax target]; step k
+    reads the shifted target at t + k and the position mask shifted left k times; a step's loss is the
+    masked soft CE summed over the vocabulary and averaged over all B*T rows; steps are weighted decay**k and
+    summed; the update averages that over samples (micro-batches and ranks).
+    """
+    per_sample = []
+    for b, length in enumerate(lengths):
+        full = target[b, :length]
+        shifted = torch.cat([full[1:], full.new_zeros(1, full.shape[-1])])  # target[t] = logits of x_{t+1}
+        restricted = shifted[:, t2d]
+        p = torch.softmax(restricted, dim=-1)
+        p = torch.cat([p, p.new_full((len(logits), p.shape[-1]), 1.0 / p.shape[-1])])  # pad by K, uniform
+        position_mask = loss_mask[b, :length].to(p.dtype) * t2d[shifted.argmax(-1)].to(p.dtype)
+        position_mask[-1] = 0.0  # the last row has no next token
+        total = 0.0
+        for k, step_logits in enumerate(logits):
+            log_q = torch.log_softmax(step_logits[b, :length], dim=-1)
+            plogp = (p[k : k + length] * log_q).sum(-1)
+            total = total + decay**k * -(position_mask * plogp).mean()
+            position_mask = torch.cat([position_mask[1:], position_mask.new_zeros(1)])
+        per_sample.append(total)
+    return torch.stack(per_sample).mean()
+
+
+def test_reference_normalization_is_specforges_per_sample_mean():
+    """Ragged samples in two micro-batches padded past their ends, at float64: the trainer's (sum, denominator)
+    pair equals SpecForge's per-sample objective, and 'tokens' does not."""
+    from megatron_osprey.losses.ttt import ttt_objective, ttt_step_terms, within_lengths
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, draft, steps, padded = 40, 25, 4, 24
+    lengths = torch.tensor([24, 9, 17, 13, 5])
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab, generator=gen)[:draft]] = True
+    batch = len(lengths)
+    target = 2 * torch.randn(batch, padded, vocab, generator=gen, dtype=torch.float64)
+    logits = [torch.randn(batch, padded, draft, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    alive = torch.arange(padded)[None, :] < lengths[:, None]
+    loss_mask = (torch.rand(batch, padded, generator=gen) > 0.3) & alive
+    in_draft = t2d[target.argmax(-1)]
+    assert 0 < int(in_draft[alive].sum()) < int(alive.sum())  # the draft vocabulary removes some rows
+    # Some sample's last token is an assistant token and the target's argmax just past its end is drafted:
+    # without within_lengths() that row would count.
+    assert any(loss_mask[b, n - 1] and in_draft[b, n] for b, n in enumerate(lengths.tolist()) if n < padded)
+
+    expected = specforge_ttt_loss(logits, target, loss_mask, t2d, 0.8, lengths.tolist())
+    config = TTTLossConfig(ttt_steps=steps, mask_alignment="reference", normalization="reference")
+    numerator = denominator = 0
+    for part in (slice(0, 2), slice(2, 5)):  # two micro-batches, as the trainer sums them
+        terms = ttt_step_terms(
+            [x[part] for x in logits],
+            target[part][..., t2d],
+            loss_mask[part],
+            in_draft[part] & within_lengths(lengths[part], padded),  # as the trainer does
+            draft,
+            mask_alignment="reference",
+        )
+        top, bottom = ttt_objective(terms, config, lengths[part])
+        numerator, denominator = numerator + top, denominator + bottom
+    assert abs((numerator / denominator).item() - expected.item()) < 1e-12
+    loss, _ = ttt_loss(logits, target[..., t2d], loss_mask, in_draft, draft, config, lengths=lengths)
+    assert abs(loss.item() - expected.item()) < 1e-12
+
+    tokens, _ = ttt_loss(
+        logits, target[..., t2d], loss_mask, in_draft, draft, TTTLossConfig(ttt_steps=steps, mask_alignment="reference")
+    )
+    assert abs(tokens.item() - expected.item()) > 1e-3
