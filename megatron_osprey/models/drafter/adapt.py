@@ -32,15 +32,29 @@ class AdaptedDrafter:
     backbone_hf: Path
 
 
+def is_plain_hf_model(directory: Path) -> bool:
+    """An HF model directory as published (config.json and safetensors weights), not a stage's output."""
+    directory = Path(directory)
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
 def backbone_hf_dir(backbone_dir: Path) -> Path:
-    """The HF export of a Stage 1/2 backbone; refuses directories that are not one."""
+    """The HF weights of a backbone; refuses directories that are not one.
+
+    A prune or pretrain stage's output holds them in hf/ beside its run_config.yaml. A plain HF model
+    directory (config.json, safetensors, tokenizer), such as the released Osprey backbone, already pruned to
+    its layers, is taken as it is: its num_hidden_layers are the drafter's.
+    """
     backbone_dir = Path(backbone_dir)
     try:
         run_config = load_run_config(backbone_dir)
     except FileNotFoundError:
+        if is_plain_hf_model(backbone_dir):
+            return backbone_dir
         raise ValueError(
             f"--backbone {backbone_dir} is not a pruned backbone: it has no run_config.yaml "
-            f"(pass the --output of tools/prune_backbone.py or of Stage 2 pretraining)."
+            f"(pass the --output of tools/prune_backbone.py or of Stage 2 pretraining) and no HF config.json with "
+            f"safetensors weights (a pruned HF model such as the released Osprey backbone)."
         ) from None
     if run_config.get("stage") not in BACKBONE_STAGES:
         raise ValueError(

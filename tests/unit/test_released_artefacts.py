@@ -1,0 +1,59 @@
+"""The release's artefacts load directly: its pruned HF backbone as Stage 3's --backbone."""
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.run_config import save_run_config
+from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+from megatron_osprey.models.drafter.adapt import adapt_reference_drafter, backbone_hf_dir
+from megatron_osprey.stages.adapt import AdaptConfig
+from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config, write_chat_target
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The same 2-layer Qwen3 backbone as a prune stage writes it (run_config.yaml + hf/) and as the release
+    publishes it (a plain HF directory), and a tiny Llama-3 chat target."""
+    root = tmp_path_factory.mktemp("released")
+    tokenizer = build_tiny_tokenizer("qwen3")
+    stage = root / "stage_backbone"
+    make_hf_model(qwen3_config(layers=2, vocab=len(tokenizer)), stage / "hf", seed=4)
+    tokenizer.save_pretrained(str(stage / "hf"))
+    save_run_config(stage / "run_config.yaml", {"stage": "prune", "num_layers": 2})
+    released = root / "osprey_backbone"
+    shutil.copytree(stage / "hf", released)
+    target = root / "target"
+    write_chat_target(target, "llama")
+    return stage, released, target
+
+
+def test_the_released_backbone_adapts_as_the_pruned_one(layouts):
+    stage, released, target = layouts
+    assert not (released / "run_config.yaml").exists() and not (released / "hf").exists()
+    assert backbone_hf_dir(released) == released and backbone_hf_dir(stage) == stage / "hf"
+    arch = ModelArch.from_hf_config(target)
+    results = [
+        adapt_reference_drafter(AdaptConfig(backbone=str(d), target=str(target), aux_layer_ids=[1, 2, 3]), arch)
+        for d in layouts[:2]
+    ]
+    from_stage, from_release = results
+    assert from_release.arch.body.num_layers == 2  # no second prune: the layers it was published with
+    assert from_release.arch == from_stage.arch and from_release.report == from_stage.report
+    assert from_stage.report["counts"]["copied"] > 0
+    expected = from_stage.drafter.state_dict()
+    got = from_release.drafter.state_dict()
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_directory_with_neither_layout_is_refused(layouts, tmp_path):
+    stage, _, _ = layouts
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(stage / "hf" / "config.json", config_only / "config.json")
+    with pytest.raises(ValueError, match="no run_config.yaml .* and no HF config.json with safetensors weights"):
+        backbone_hf_dir(config_only)
