@@ -1,5 +1,6 @@
 """The release's artefacts load directly: its pruned HF backbone as Stage 3's --backbone."""
 
+import json
 import shutil
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import save_run_config
+from megatron_osprey.data.conversations import from_user_row, read_conversations
 from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
 from megatron_osprey.models.drafter.adapt import adapt_reference_drafter, backbone_hf_dir
 from megatron_osprey.stages.adapt import AdaptConfig
@@ -57,3 +59,41 @@ def test_a_directory_with_neither_layout_is_refused(layouts, tmp_path):
     shutil.copy(stage / "hf" / "config.json", config_only / "config.json")
     with pytest.raises(ValueError, match="no run_config.yaml .* and no HF config.json with safetensors weights"):
         backbone_hf_dir(config_only)
+
+
+def release_split_line(**fields):
+    """One line shaped like the release's regenerated splits: the source row's keys (id or uuid, lang) kept,
+    assistant turns with the server's reasoning_content (null when the parser found none), status added."""
+    row = {
+        "conversations": [
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Two plus two is four."},
+            {"role": "user", "content": "And 3 + 3?"},
+            {"role": "assistant", "content": "6.", "reasoning_content": None},
+        ],
+        "lang": "en",
+        "status": "success",
+        **fields,
+    }
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
+def test_the_release_split_keys_load(tmp_path):
+    path = tmp_path / "split.jsonl"
+    path.write_text(release_split_line(id="jhxaApn", uuid="0f8e6c1a-2b1c-4c59-9a8e-3c1d7a9b5e21"))
+    (conversation,) = list(read_conversations(path))
+    assert conversation.id == "jhxaApn"
+    assert conversation.extra["uuid"] == "0f8e6c1a-2b1c-4c59-9a8e-3c1d7a9b5e21"
+    assert conversation.extra["lang"] == "en" and conversation.extra["status"] == "success"
+    assert conversation.messages[1]["reasoning_content"] == "Two plus two is four."
+    assert "reasoning_content" not in conversation.messages[3]  # null: no reasoning, not an error
+    # Written back unchanged but for the null reasoning.
+    assert json.loads(conversation.to_json_line())["uuid"] == conversation.extra["uuid"]
+
+    # A split whose rows carry only a uuid and an assistant turn with null content (reasoning hit the token
+    # limit): the user-data path names the row by its uuid and reads the content as empty.
+    row = json.loads(release_split_line(uuid="u-1"))
+    row["conversations"][3]["content"] = None
+    converted = from_user_row(row, "split.jsonl:1", "row-0")
+    assert converted.id == "u-1" and converted.messages[3]["content"] == ""
+    assert converted.messages[1]["reasoning_content"] == "Two plus two is four."
