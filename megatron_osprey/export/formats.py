@@ -10,7 +10,7 @@ import torch
 from megatron_osprey.base.atomic_io import atomic_path, write_text_atomic
 from megatron_osprey.base.hf_files import copy_tokenizer_files
 from megatron_osprey.export import layouts
-from megatron_osprey.export.config import FORMATS  # noqa: E402,F401
+from megatron_osprey.export.config import ARCHITECTURE_NAMES, FORMATS  # noqa: E402,F401
 from megatron_osprey.models.drafter.reference import CONFIG_NAME, WEIGHTS_NAME, ReferenceDrafter
 
 # Used when the checkpoint does not say (a bare reference dir): Llama-3's context.
@@ -69,10 +69,19 @@ def export_drafter(
     output: Path,
     run_config: dict | None = None,
     tokenizer_dir: Path | None = None,
+    architecture_names: str = "osprey",
 ) -> Path:
-    """Write `drafter` to `output` in layout `fmt`; config.json is written last."""
+    """Write `drafter` to `output` in layout `fmt`; config.json is written last.
+
+    architecture_names (sglang only): "osprey" (this project's plugin) or "release" (the names Osprey's
+    release registers in its patched SGLang).
+    """
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}.")
+    if architecture_names not in ARCHITECTURE_NAMES:
+        raise ValueError(f"--architecture-names must be one of {ARCHITECTURE_NAMES}, got {architecture_names!r}.")
+    if architecture_names != "osprey" and fmt != "sglang":
+        raise ValueError(f"--architecture-names {architecture_names} names SGLang architectures; use --format sglang.")
     cfg, run_config = drafter.config, run_config or {}
     if fmt == "speculators" and layouts.speculators_refusal(cfg):
         raise ValueError(layouts.speculators_refusal(cfg))  # before touching --output
@@ -85,7 +94,8 @@ def export_drafter(
         drafter.save_pretrained(output)
     elif fmt == "sglang":
         _save_tensors(output / WEIGHTS_NAME, layouts.sglang_state(state, cfg))
-        _write_json(output / CONFIG_NAME, layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance))
+        config = layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance, architecture_names)
+        _write_json(output / CONFIG_NAME, config)
     else:
         _save_tensors(output / WEIGHTS_NAME, layouts.speculators_state(state, cfg))
         _write_json(

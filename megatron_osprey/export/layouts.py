@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from megatron_osprey.export.config import ARCHITECTURE_NAMES
 from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
 from megatron_osprey.models.drafter.reference import DrafterConfig
 
@@ -113,20 +114,29 @@ def reference_state_from_sglang(tensors: dict[str, torch.Tensor], cfg: DrafterCo
     return out
 
 
-def sglang_architecture(cfg: DrafterConfig) -> str:
-    """Stock LlamaForCausalLMEagle3 for a one-layer Llama EAGLE-3 draft; the plugin's names otherwise."""
+def sglang_architecture(cfg: DrafterConfig, names: str = "osprey") -> str:
+    """Stock LlamaForCausalLMEagle3 for a one-layer Llama EAGLE-3 draft; the plugin's names otherwise, or
+    with names="release" the ones the release's patched SGLang registers (export/config.py)."""
+    if names not in ARCHITECTURE_NAMES:
+        raise ValueError(f"--architecture-names must be one of {ARCHITECTURE_NAMES}, got {names!r}.")
+    if names == "release":
+        return LEGACY_QWEN3_ARCH if cfg.qk_layernorm else STOCK_SGLANG_ARCH
     if cfg.variant == "eagle3" and cfg.num_layers == 1 and not cfg.qk_layernorm:
         return STOCK_SGLANG_ARCH
     return PLUGIN_ARCHITECTURES[1] if cfg.qk_layernorm else PLUGIN_ARCHITECTURES[0]
 
 
 def sglang_config(
-    cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None
+    cfg: DrafterConfig,
+    dtype: torch.dtype,
+    max_position_embeddings: int,
+    extra: dict | None = None,
+    architecture_names: str = "osprey",
 ) -> dict:
     """config.json for SGLang's EAGLE-3 draft loader (and the plugin)."""
     qwen = cfg.qk_layernorm
     config = {
-        "architectures": [sglang_architecture(cfg)],
+        "architectures": [sglang_architecture(cfg, architecture_names)],
         "model_type": "qwen3" if qwen else "llama",
         **_body_config(cfg, max_position_embeddings),
         "draft_vocab_size": cfg.draft_vocab_size,

@@ -97,3 +97,42 @@ def test_the_release_split_keys_load(tmp_path):
     converted = from_user_row(row, "split.jsonl:1", "row-0")
     assert converted.id == "u-1" and converted.messages[3]["content"] == ""
     assert converted.messages[1]["reasoning_content"] == "Two plus two is four."
+
+
+@pytest.mark.parametrize(
+    "case,release_name,osprey_name",
+    [
+        ("osprey-2-qwen3", "Qwen3ForCausalLMEagle3", "OspreyQwen3ForCausalLMEagle3"),
+        ("osprey-1-llama", "LlamaForCausalLMEagle3", "OspreyLlamaForCausalLMEagle3"),
+    ],
+)
+def test_exports_can_carry_the_release_architecture_names(case, release_name, osprey_name, tmp_path):
+    from megatron_osprey.export.formats import export_drafter, read_export
+    from tests.unit.test_export import CASES, make_drafter
+
+    drafter = make_drafter(*CASES[case])
+    export_drafter(drafter, "sglang", tmp_path / "osprey")
+    export_drafter(drafter, "sglang", tmp_path / "release", architecture_names="release")
+    osprey, release = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("osprey", "release"))
+    assert osprey["architectures"] == [osprey_name] and release["architectures"] == [release_name]
+    # The release's patched SGLang keys its Osprey path on these; everything but the name is the same export.
+    assert release["swap_h_and_emb"] is True and release["num_hidden_layers"] == drafter.config.num_layers
+    assert {k: v for k, v in release.items() if k != "architectures"} == {
+        k: v for k, v in osprey.items() if k != "architectures"
+    }
+    back = read_export(tmp_path / "release")
+    assert back.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_architecture_names_are_checked(tmp_path):
+    from megatron_osprey.export.formats import export_drafter
+    from tests.unit.test_export import CASES, make_drafter
+
+    drafter = make_drafter(*CASES["osprey-1-llama"])
+    with pytest.raises(ValueError, match="--architecture-names must be one of"):
+        export_drafter(drafter, "sglang", tmp_path / "a", architecture_names="vllm")
+    with pytest.raises(ValueError, match="use --format sglang"):
+        export_drafter(drafter, "hf", tmp_path / "b", architecture_names="release")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
