@@ -90,7 +90,10 @@ def run(config: AdaptConfig, invocation: Invocation = Invocation("adapt")) -> di
 
     config.validate()
     backbone = Path(config.backbone)
-    inputs = {"backbone": backbone / "hf", "backbone_config": backbone / "run_config.yaml"}
+    from megatron_osprey.models.drafter.adapt import backbone_hf_dir
+
+    hf = backbone_hf_dir(backbone)  # a prune/pretrain output's hf/, or a released (already pruned) HF model as is
+    inputs = {"backbone": hf, "backbone_config": (backbone / "run_config.yaml") if hf != backbone else None}
     inputs |= {"target_config": Path(config.target) / "config.json", "token_counts": config.token_counts}
     inputs = check_inputs(inputs) if is_rank0() else {}
     target = ModelArch.from_hf_config(config.target)  # the one parse of its config.json

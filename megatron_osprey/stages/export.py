@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag
-from megatron_osprey.export.config import FORMATS
+from megatron_osprey.export.config import ARCHITECTURE_NAMES, FORMATS
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 
@@ -37,6 +37,8 @@ class ExportConfig:
     format: str = "sglang"
     output: str | None = None
     overwrite: bool = False
+    # sglang config architectures: this project's plugin (osprey) or the names Osprey's patched SGLang registers
+    architecture_names: str = "osprey"
 
 
 FLAGS = {
@@ -45,6 +47,15 @@ FLAGS = {
         Flag("--format", "format", {"choices": list(FORMATS)}),
         Flag("--output", "output", {}),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace a non-empty --output"}),
+        Flag(
+            "--architecture-names",
+            "architecture_names",
+            {
+                "choices": list(ARCHITECTURE_NAMES),
+                "help": "sglang config architectures: this project's plugin (osprey) or Osprey's patched SGLang "
+                "(release)",
+            },
+        ),
     ]
 }
 
@@ -68,7 +79,14 @@ def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> 
     inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
     target = loaded.run_config.get("target")
     tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
-    written = export_drafter(loaded.drafter, config.format, output, loaded.run_config, tokenizer_dir=tokenizer_dir)
+    written = export_drafter(
+        loaded.drafter,
+        config.format,
+        output,
+        loaded.run_config,
+        tokenizer_dir=tokenizer_dir,
+        architecture_names=config.architecture_names,
+    )
     invocation.record(written, config, inputs, {"export": written})
     return written
 
