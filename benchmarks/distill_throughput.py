@@ -24,8 +24,8 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     args = parser.parse_args()
 
-    from megatron_osprey.recipes import get_recipe
     from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.recipes import get_recipe
     from megatron_osprey.testing.distill_setup import build_distill_setup
     from megatron_osprey.training.distillation import run_distill
 

@@ -28,9 +28,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.hidden_state_store import disk_write_mb_s  # noqa: E402
-from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states  # noqa: E402
+from megatron_osprey.base.arch import ModelArch  # noqa: E402
+from megatron_osprey.data.extract import extract_hidden_states  # noqa: E402
 from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig, HiddenStateWriter  # noqa: E402
+from megatron_osprey.models.target.config import TargetConfig  # noqa: E402
 from megatron_osprey.parallel import ParallelConfig, parallel_context  # noqa: E402
+from megatron_osprey.stages.extract import ExtractConfig  # noqa: E402
 
 
 def write_target(directory: Path, hidden: int, layers: int) -> None:
@@ -70,14 +73,15 @@ def extract(root: Path, data: Path, encoding: str, micro_batch: int) -> dict:
     store = root / f"store-{encoding}"
     steps: list[float] = []
     config = ExtractConfig(
-        target_dir=str(root / "target"),
+        target=TargetConfig(path=str(root / "target")),
         data_path=str(data),
         micro_batch_size=micro_batch,
         store=HiddenStateStoreConfig(store_dir=str(store), encoding=encoding, samples_per_shard=16),
     )
+    arch = ModelArch.from_hf_config(config.target.path)
     with parallel_context(ParallelConfig()) as state:
         result = extract_hidden_states(
-            config, state, log=lambda _: None, on_batch=lambda step: steps.append(time.perf_counter())
+            config, state, arch, log=lambda _: None, on_batch=lambda step: steps.append(time.perf_counter())
         )
     manifest = json.loads((store / "manifest.json").read_text())
     loop_seconds = steps[-1] - steps[0]

@@ -31,7 +31,6 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from megatron_osprey.base.run_config import load_run_config
-    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.data.distill_data import ConversationSamples, pad_samples
     from megatron_osprey.data.hidden_state_quant import loss_delta_under_encoding
     from megatron_osprey.data.hidden_state_store import estimate_store_bytes
@@ -39,6 +38,7 @@ def main() -> int:
     from megatron_osprey.models.target.lm_head import TargetHead
     from megatron_osprey.models.target.online import OnlineTarget
     from megatron_osprey.parallel import ParallelConfig, parallel_context
+    from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.training.checkpointing import load_model_weights
     from megatron_osprey.training.distillation import distill_forward_step
 

@@ -77,9 +77,9 @@ def main(argv=None) -> dict:
 
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.models.backbone.config import validate_numerics
+    from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.stages.pretrain import PretrainConfig
     from megatron_osprey.training.config import OptimizerConfig
-    from megatron_osprey.parallel import ParallelConfig, parallel_context
     from megatron_osprey.training.flops import device_peak_tflops, training_flops_per_sequence
     from megatron_osprey.training.gpt_step import gpt_forward_step
     from megatron_osprey.training.loop import TrainRun, train_step

@@ -23,9 +23,9 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
     Llama-3 target (real Llama-3 tokenizer, 8 layers, hidden 96). Returns the directories."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
-    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages import adapt, prune
+    from megatron_osprey.stages.adapt import AdaptConfig
+    from megatron_osprey.stages.prune import PruneConfig
 
     root = tmp_path_factory.mktemp("adapted")
     torch.manual_seed(0)
@@ -50,9 +50,9 @@ def adapted_drafter(tmp_path_factory, real_tokenizers):
     target = root / "target"
     LlamaConfig(hidden_size=96, num_hidden_layers=8, num_attention_heads=4, vocab_size=128256).save_pretrained(target)
     real_tokenizers["llama3"].save_pretrained(target)
-    with parallel_context(ParallelConfig()) as state:
-        prune_backbone(PruneConfig(source=source, output=root / "backbone", num_layers=2), state)
-        report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
+    # each stage's run() sets up (and tears down) its own process groups
+    prune.run(PruneConfig(source=str(source), output=str(root / "backbone"), num_layers=2, transformer_impl="local"))
+    report = adapt.run(AdaptConfig(backbone=str(root / "backbone"), target=str(target), output=str(root / "drafter")))
     return {
         "root": root,
         "source": source,

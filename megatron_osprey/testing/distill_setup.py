@@ -66,14 +66,14 @@ def write_chat_model(directory: Path, family: str, layers: int, hidden: int, see
 def build_distill_setup(root: Path) -> dict:
     """target (Qwen3 chat template, Llama layers, 8 of them), backbone (Llama-3 tokenizer, Qwen3 layers)
     pruned to 2 layers and adapted, and 48 conversations."""
-    from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
-    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages import adapt, prune
+    from megatron_osprey.stages.adapt import AdaptConfig
+    from megatron_osprey.stages.prune import PruneConfig
 
     target = write_chat_model(root / "target", "qwen3", layers=8, hidden=64, seed=1)
     small_lm = write_chat_model(root / "small_lm", "llama3", layers=4, hidden=64, seed=2, qwen3=True)
-    with parallel_context(ParallelConfig()) as state:
-        prune_backbone(PruneConfig(source=small_lm, output=root / "backbone", num_layers=2), state)
-        report = adapt_drafter(AdaptConfig(backbone=root / "backbone", target=target, output=root / "drafter"), state)
+    # each stage's run() sets up (and tears down) its own process groups
+    prune.run(PruneConfig(source=str(small_lm), output=str(root / "backbone"), num_layers=2, transformer_impl="local"))
+    report = adapt.run(AdaptConfig(backbone=str(root / "backbone"), target=str(target), output=str(root / "drafter")))
     data = write_topic_conversations(root / "train.jsonl", 48)
     return {"target": target, "drafter": root / "drafter", "data": data, "report": report, "root": root}

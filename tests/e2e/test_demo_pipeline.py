@@ -5,7 +5,6 @@ did something."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,7 +95,9 @@ def test_a_rerun_resumes_without_redoing_finished_steps(demo, capsys):
 
 def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
     """The trained EAGLE-3 drafter accepts more than the same architecture at init (lr 0) on the same prompts."""
-    from megatron_osprey.eval.run import DrafterSpec, EvalConfig, run_eval
+    from megatron_osprey.eval.config import DrafterSpec
+    from megatron_osprey.eval.run import run_eval
+    from megatron_osprey.stages.evaluate import EvaluateConfig
 
     output, cfg, _ = demo
     log = json.loads((output / ".steps" / "distill_eagle3_chat.json").read_text())["command"]
@@ -112,17 +113,17 @@ def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, capture_output=True)
     target = json.loads((output / "report.json").read_text())["target"]
     results = run_eval(
-        EvalConfig(
-            target=Path(target),
-            output=tmp_path / "eval",
-            data=[output / "data" / "eval" / f"{d}.jsonl" for d in cfg.eval_domains],
+        EvaluateConfig(
+            target=str(target),
+            output=str(tmp_path / "eval"),
+            data=[str(output / "data" / "eval" / f"{d}.jsonl") for d in cfg.eval_domains],
             drafters=[
                 DrafterSpec("trained", output / "drafters" / "eagle3_chat"),
                 DrafterSpec("untrained", tmp_path / "untrained"),
             ],
             max_new_tokens=cfg.eval_tokens,
             progress=False,
-        )
+        ).resolved()  # what the evaluate stage runs: every drafter named, the required fields checked
     )
     al = {}
     for cell in results["cells"]:

@@ -63,7 +63,7 @@ def test_every_stage_ran_as_its_own_job_and_succeeded(chain):
     jobs, states = chain["jobs"], chain["states"]
     assert list(jobs) == ["prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "export",
                           "evaluate"]  # fmt: skip
-    summary = {stage: (jobs[stage], states[jobs[stage]].state, states[jobs[stage]].run_seconds) for stage in jobs}
+    summary = {stage: (jobs[stage], states[jobs[stage]].state, states[jobs[stage]].run_time_s) for stage in jobs}
     print(json.dumps(summary, indent=1))
     (chain["run_dir"] / "jobs.json").write_text(json.dumps(summary))
     bad = {s: v for s, v in summary.items() if v[1] != "COMPLETED"}

@@ -34,17 +34,22 @@ def copy_checkpoint(backbone, tmp_path):
     return root
 
 
-def load(backbone, root):
+def load(backbone, root, verify=False):
+    """Load the checkpoint; verify=False (--skip-checksum) reaches the reader's own guards, which a damaged or
+    crafted file must meet even when its iter_N/checksums.json was rewritten to match."""
     arch = ModelArch.from_hf_config(backbone / "hf")
     with parallel_context(ParallelConfig()) as state:
         model = build_gpt_model(arch, state.config, transformer_impl="local")
-        return load_checkpoint(root, model.sharded_state_dict())
+        return load_checkpoint(root, model.sharded_state_dict(), verify=verify)
 
 
 def test_a_crafted_metadata_file_is_refused_without_running_it(backbone, tmp_path):
     root = copy_checkpoint(backbone, tmp_path)
     marker = tmp_path / "pwned"
     (iteration_dir(root, 0) / ".metadata").write_bytes(pickle.dumps(RunsACommand(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata is corrupt: it has \d+ bytes but the save recorded"):
+        load(backbone, root, verify=True)  # the checksums catch it first
+    assert not marker.exists()
     with pytest.raises(
         ValueError,
         match=r"\.metadata: refusing to load this checkpoint: it references "
@@ -56,7 +61,7 @@ def test_a_crafted_metadata_file_is_refused_without_running_it(backbone, tmp_pat
 
 def test_a_genuine_checkpoint_loads_and_a_truncated_one_is_named(backbone, tmp_path):
     root = copy_checkpoint(backbone, tmp_path)
-    state, iteration = load(backbone, root)
+    state, iteration = load(backbone, root, verify=True)
     assert iteration == 0 and state
     shard = sorted(iteration_dir(root, 0).glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

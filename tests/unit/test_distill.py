@@ -5,13 +5,13 @@ import functools
 import pytest
 import torch
 
-from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples, pad_samples
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.models.target.online import OnlineTarget
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.recipes import get_recipe
+from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.testing.distill_setup import build_distill_setup
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
 
@@ -22,8 +22,8 @@ def setup(tmp_path_factory):
 
 
 def tiny_config(setup, **changes) -> DistillConfig:
-    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").config(paths=False)
-    cfg.target.target = str(setup["target"])
+    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
+    cfg.target.path = str(setup["target"])
     cfg.drafter.drafter_init = str(setup["drafter"])
     cfg.data.data_path = [str(setup["data"])]
     cfg.training.seq_length = 64
@@ -50,19 +50,23 @@ def test_short_distillation_raises_acc0(setup):
 
 def extract_store(setup, arch, store_dir, state) -> None:
     """The tiny target's float32 hidden-state store of the training data, at the drafter's aux layers."""
-    from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
+    from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.data.extract import extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStoreConfig
+    from megatron_osprey.models.target.config import TargetConfig
+    from megatron_osprey.stages.extract import ExtractConfig
 
     extract_hidden_states(
         ExtractConfig(
-            target_dir=str(setup["target"]),
+            target=TargetConfig(path=str(setup["target"])),
             data_path=str(setup["data"]),
             store=HiddenStateStoreConfig(store_dir=str(store_dir)),
-            aux_layer_ids=arch.aux_layer_ids,
+            aux_layer_ids=list(arch.aux_layer_ids),
             max_length=64,
             params_dtype="float32",
         ),
         state,
+        ModelArch.from_hf_config(setup["target"]),
         log=lambda _: None,
     )
 
@@ -199,7 +203,7 @@ def test_data_order_is_a_function_of_consumed_samples(setup):
     "change,message",
     [
         ({"drafter__baseline": "eagle3"}, "exactly one of --drafter-init"),
-        ({"target__mode": "offline"}, "--mode offline needs --hidden-states"),
+        ({"data__mode": "offline"}, "--mode offline needs --hidden-states"),
         ({"data__data_path": ["/no/such.jsonl"]}, "--data-path /no/such.jsonl does not exist"),
         ({"parallel__pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
     ],
@@ -213,6 +217,7 @@ def test_clear_errors(setup, change, message):
 def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tmp_path):
     from transformers import AutoTokenizer
 
+    from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.base.run_config import load_run_config
     from megatron_osprey.data.hidden_state_store import StoreMismatchError
     from megatron_osprey.models.drafter.model import DrafterArch
@@ -226,14 +231,14 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     # Same family, layers, width and tokenizer as the store's target; other weights (another seed).
     twin = write_chat_model(tmp_path / "twin", "qwen3", layers=8, hidden=64, seed=7)
     tokenizer = AutoTokenizer.from_pretrained(setup["target"])
-    cfg = tiny_config(setup, target__mode="offline", target__hidden_states=str(store_dir))
-    source = build_sources(cfg, arch, tokenizer)  # its own target: accepted
+    cfg = tiny_config(setup, data__mode="offline", data__hidden_states=str(store_dir))
+    source = build_sources(cfg, arch, ModelArch.from_hf_config(setup["target"]), tokenizer)  # its own: accepted
     online = ConversationSamples([str(setup["data"])], tokenizer, 64)
     # The token counts come from the store's ids and masks alone and equal the conversations' own.
     assert torch.equal(assistant_token_counts(source, arch.vocab_size), assistant_token_counts(online, arch.vocab_size))
-    cfg.target.target = str(twin)
+    cfg.target.path = str(twin)
     with pytest.raises(StoreMismatchError, match="config_hash"):
-        build_sources(cfg, arch, tokenizer)
+        build_sources(cfg, arch, ModelArch.from_hf_config(twin), tokenizer)
 
 
 def test_no_surviving_loss_tokens_is_refused_and_survivors_are_reported(setup, tmp_path):

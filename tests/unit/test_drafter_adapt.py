@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from megatron_osprey.base.run_config import load_run_config
+from megatron_osprey.models.drafter.adapt import adapt_reference_drafter
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
 from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.models.drafter.vocab_alignment import align_vocabularies, view_of
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
+from megatron_osprey.stages import adapt
+from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.training.checkpointing import load_checkpoint
 
 
@@ -164,17 +166,15 @@ def test_reduced_draft_vocab(adapted_drafter, tmp_path):
     counts[5] = 5000
     (tmp_path / "counts.json").write_text(json.dumps(counts))
     out = tmp_path / "reduced"
-    with parallel_context(ParallelConfig()) as state:
-        adapt_drafter(
-            AdaptConfig(
-                backbone=adapted_drafter["backbone"],
-                target=adapted_drafter["target"],
-                output=out,
-                draft_vocab_size=64,
-                token_counts=tmp_path / "counts.json",
-            ),
-            state,
+    adapt.run(  # the stage: its own process groups, then OUT/hf, OUT/megatron and the report
+        AdaptConfig(
+            backbone=str(adapted_drafter["backbone"]),
+            target=str(adapted_drafter["target"]),
+            output=str(out),
+            draft_vocab_size=64,
+            token_counts=str(tmp_path / "counts.json"),
         )
+    )
     reduced = ReferenceDrafter.from_pretrained(out / "hf")
     full = ReferenceDrafter.from_pretrained(adapted_drafter["drafter"] / "hf")
     expected_ids = torch.tensor([5] + list(range(1000, 1063)))
@@ -184,19 +184,24 @@ def test_reduced_draft_vocab(adapted_drafter, tmp_path):
     assert torch.equal(reduced.lm_head.weight, full.lm_head.weight[expected_ids])
 
 
+def _target_arch(target_dir):
+    from megatron_osprey.base.arch import ModelArch
+
+    return ModelArch.from_hf_config(target_dir)
+
+
 @pytest.mark.parametrize("aux", [[1, 3, 8], [2, 2, 3]])
 def test_bad_aux_layer_ids(adapted_drafter, tmp_path, aux):
-    with parallel_context(ParallelConfig()) as state:
-        with pytest.raises(ValueError, match=r"--aux-layer-ids .* \(the target has 8 layers\)"):
-            adapt_drafter(
-                AdaptConfig(
-                    backbone=adapted_drafter["backbone"],
-                    target=adapted_drafter["target"],
-                    output=tmp_path / "o",
-                    aux_layer_ids=aux,
-                ),
-                state,
-            )
+    with pytest.raises(ValueError, match=r"--aux-layer-ids .* \(the target has 8 layers\)"):
+        adapt_reference_drafter(
+            AdaptConfig(
+                backbone=adapted_drafter["backbone"],
+                target=adapted_drafter["target"],
+                output=tmp_path / "o",
+                aux_layer_ids=aux,
+            ),
+            _target_arch(adapted_drafter["target"]),
+        )
 
 
 def test_target_without_vocabulary(adapted_drafter, tmp_path):
@@ -207,43 +212,37 @@ def test_target_without_vocabulary(adapted_drafter, tmp_path):
     (target).mkdir()
     (target / "config.json").write_text((adapted_drafter["target"] / "config.json").read_text())
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE())).save_pretrained(target)
-    with parallel_context(ParallelConfig()) as state:
-        with pytest.raises(ValueError, match="--target .* has no vocabulary"):
-            adapt_drafter(
-                AdaptConfig(backbone=adapted_drafter["backbone"], target=target, output=tmp_path / "o"), state
-            )
+    with pytest.raises(ValueError, match="--target .* has no vocabulary"):
+        adapt_reference_drafter(
+            AdaptConfig(backbone=adapted_drafter["backbone"], target=target, output=tmp_path / "o"),
+            _target_arch(target),
+        )
 
 
 def test_backbone_that_is_not_a_pruned_backbone(adapted_drafter, tmp_path):
-    with parallel_context(ParallelConfig()) as state:
-        with pytest.raises(ValueError, match="is not a pruned backbone: it has no run_config.yaml"):
-            adapt_drafter(
-                AdaptConfig(
-                    backbone=adapted_drafter["source"], target=adapted_drafter["target"], output=tmp_path / "o"
-                ),
-                state,
-            )
-        with pytest.raises(ValueError, match="stage='adapt'"):
-            adapt_drafter(
-                AdaptConfig(
-                    backbone=adapted_drafter["drafter"], target=adapted_drafter["target"], output=tmp_path / "o"
-                ),
-                state,
-            )
+    target = _target_arch(adapted_drafter["target"])
+    with pytest.raises(ValueError, match="is not a pruned backbone: it has no run_config.yaml"):
+        adapt_reference_drafter(
+            AdaptConfig(backbone=adapted_drafter["source"], target=adapted_drafter["target"], output=tmp_path / "o"),
+            target,
+        )
+    with pytest.raises(ValueError, match="stage='adapt'"):
+        adapt_reference_drafter(
+            AdaptConfig(backbone=adapted_drafter["drafter"], target=adapted_drafter["target"], output=tmp_path / "o"),
+            target,
+        )
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_first(adapted_drafter, tmp_path):
-    from types import SimpleNamespace
-
     # What a 3-process torchrun would pass: checked before any tokenizer, weight or collective.
-    three = SimpleNamespace(config=ParallelConfig(tensor_model_parallel_size=3), rank=0, tp_rank=0)
     with pytest.raises(
         ValueError,
         match=r"--tensor-model-parallel-size 3 does not divide the model's "
         r"num_attention_heads \(4\)",
     ):
-        adapt_drafter(
+        adapt_reference_drafter(
             AdaptConfig(backbone=adapted_drafter["backbone"], target=adapted_drafter["target"], output=tmp_path / "o"),
-            three,
+            _target_arch(adapted_drafter["target"]),
+            tensor_parallel_size=3,
         )
     assert not (tmp_path / "o").exists()

@@ -7,14 +7,23 @@ import pytest
 import torch
 
 from megatron_osprey.base.arch import ModelArch
-from megatron_osprey.config.distill import DistillConfig
-from megatron_osprey.config.distill_args import distill_config_from_args
-from megatron_osprey.config.recipes import RECIPES, stage_config
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.recipes import RECIPES, get_recipe
+from megatron_osprey.stages.distill import DistillConfig
+from megatron_osprey.stages.distill import config_from_args as distill_config_and_invocation
 from megatron_osprey.testing.tiny_models import llama_config, qwen3_config
 from megatron_osprey.training.distillation import drafter_arch
+
+
+def stage_config(name: str, stage: str):
+    """A registered recipe's config for one stage (its paths unset)."""
+    return getattr(get_recipe(name), stage)
+
+
+def distill_config_from_args(argv):
+    return distill_config_and_invocation(argv)[0]
 
 
 def test_matched_recipes_train_both_arms_with_ttt_5():
@@ -31,7 +40,7 @@ def test_registry_eagle3_recipes_use_ttt_5():
     eagle3 = [name for name in RECIPES if "eagle3" in name and "ttt7" not in name]
     assert len(eagle3) > 10
     for name in eagle3:
-        assert RECIPES[name]().config().ttt.ttt_steps == 5, name
+        assert RECIPES[name]().distill.ttt.ttt_steps == 5, name
 
 
 def test_eagle3_num_layers_2_is_the_fused_variant_and_plain_must_be_named():
@@ -52,12 +61,12 @@ def qwen3_target(tmp_path_factory):
 
 def baseline_arch(target_dir, layers=1, extra="fused") -> DrafterArch:
     cfg = DistillConfig()
-    cfg.target.target = str(target_dir)
+    cfg.target.path = str(target_dir)
     cfg.drafter.baseline = "eagle3"
     cfg.drafter.eagle3_num_layers = layers
     cfg.drafter.eagle3_extra_layers = extra
     cfg.drafter.draft_vocab_size = 100
-    return drafter_arch(cfg)
+    return drafter_arch(cfg, ModelArch.from_hf_config(target_dir))
 
 
 def test_baseline_layer_has_no_qk_norm_on_a_qwen3_target(qwen3_target):

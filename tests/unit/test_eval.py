@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from megatron_osprey.eval import benchmark
-from megatron_osprey.eval.__main__ import main
 from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.eval.run import write_results
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
+from megatron_osprey.stages.evaluate import main
 from tests.unit.test_speculative import OracleSession
 
 
@@ -118,14 +118,17 @@ def test_prompts_stop_at_the_first_assistant_turn_in_file_order(tiny_setup):
 
 
 def test_eval_defaults_are_the_papers_protocol():
-    from megatron_osprey.stages.evaluate import build_config, parse_args
+    from megatron_osprey.stages import evaluate
+    from megatron_osprey.stages.cli import parse_config
 
-    args = parse_args(["--target", "T", "--drafter", "D", "--data", "x.jsonl", "--output", "O"])
-    config = build_config(args)
+    argv = ["--target", "T", "--drafter", "D", "--data", "x.jsonl", "--output", "O"]
+    config, _ = parse_config(argv, "evaluate", evaluate.EvaluateConfig, evaluate.FLAGS, evaluate.__doc__)
+    config = config.resolved()
+    # --temperature takes a sweep: the default is the one temperature 0.0.
     assert (config.max_new_tokens, config.prompt_messages, config.temperature, config.steps, config.topk) == (
         4096,
         "first_user",
-        0.0,
+        [0.0],
         5,
         1,
     )

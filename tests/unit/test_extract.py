@@ -8,21 +8,32 @@ import re
 import pytest
 import torch
 
-from megatron_osprey.base.arch import default_aux_layer_ids
+from megatron_osprey.base.arch import ModelArch, default_aux_layer_ids
 from megatron_osprey.base.memory import TargetMemoryError
 from megatron_osprey.data import hidden_state_store
-from megatron_osprey.data.extract import ExtractConfig, contiguous_slice, extract_hidden_states
+from megatron_osprey.data.extract import contiguous_slice, extract_hidden_states
 from megatron_osprey.data.hidden_state_store import (
     CorruptShardError,
     HiddenStateStore,
     HiddenStateStoreConfig,
     InsufficientDiskError,
 )
+from megatron_osprey.models.target.config import TargetConfig
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.stages.extract import parse_shard
+from megatron_osprey.recipes import run_stage
+from megatron_osprey.stages.extract import ExtractConfig
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta
-from tools.extract_hidden_states import main as tool_main
+
+
+def tool_main(argv):
+    """What tools/extract_hidden_states.py runs: the extract stage through the recipe registry."""
+    return run_stage("extract", argv)
+
+
+def parse_shard(text, environ):
+    return ExtractConfig(shard=text).shard_slice(environ)
+
 
 AUX = (1, 2, 4)
 
@@ -37,14 +48,15 @@ def target(tmp_path_factory):
 
 def run(root, data, store, encoding="bf16", on_batch=None):
     config = ExtractConfig(
-        target_dir=str(root / "qwen3_moe"),
+        target=TargetConfig(path=str(root / "qwen3_moe")),
         data_path=str(data),
         aux_layer_ids=AUX,
         micro_batch_size=2,
         store=HiddenStateStoreConfig(store_dir=str(store), samples_per_shard=3, encoding=encoding),
     )
+    arch = ModelArch.from_hf_config(config.target.path)
     with parallel_context(ParallelConfig()) as state:
-        return extract_hidden_states(config, state, log=lambda _: None, on_batch=on_batch)
+        return extract_hidden_states(config, state, arch, log=lambda _: None, on_batch=on_batch)
 
 
 def shard_digests(store) -> dict[str, str]:
@@ -187,6 +199,8 @@ def test_kill_9_mid_run_then_resume_gives_a_byte_identical_store(target, tmp_pat
     resumed, uninterrupted = store_files(killed), store_files(clean)
     assert sorted(resumed) == sorted(uninterrupted)
     assert len([n for n in resumed if n.startswith("shard-")]) == 6
+    # provenance.json (the stage's record) names its --output: the same record once the paths are swapped.
+    resumed["provenance.json"] = resumed["provenance.json"].replace(str(killed).encode(), str(clean).encode())
     for name, content in uninterrupted.items():
         assert resumed[name] == content, name
 
@@ -217,8 +231,10 @@ def test_short_disk_is_refused_before_loading_the_target(target, tmp_path, monke
 
 
 def test_tool_refuses_a_layout_that_cannot_fit_before_starting(target, tmp_path, capsys):
+    # The stage reports the refusal as one `error:` line and exit code 2 (an input error), not a traceback.
+    assert issubclass(TargetMemoryError, ValueError)
     root, _, data = target
-    with pytest.raises(TargetMemoryError, match=r"exceeds --gpu-memory-gib 0\.001"):
+    assert (
         tool_main(
             [
                 "--target",
@@ -235,7 +251,11 @@ def test_tool_refuses_a_layout_that_cannot_fit_before_starting(target, tmp_path,
                 "4",
             ]
         )
-    assert "per-GPU memory estimate for TP=1 PP=1 EP=1" in capsys.readouterr().out
+        == 2
+    )
+    captured = capsys.readouterr()
+    assert re.search(r"^error: .*exceeds --gpu-memory-gib 0\.001", captured.err, re.MULTILINE), captured.err
+    assert "per-GPU memory estimate for TP=1 PP=1 EP=1" in captured.out
     assert not (tmp_path / "s").exists()
 
 
@@ -279,7 +299,7 @@ def test_shard_and_slice_selection():
 
 def run_with(root, data, store, **changes):
     config = ExtractConfig(
-        target_dir=str(root / "qwen3_moe"),
+        target=TargetConfig(path=str(root / "qwen3_moe")),
         data_path=str(data),
         aux_layer_ids=AUX,
         micro_batch_size=2,
@@ -287,8 +307,9 @@ def run_with(root, data, store, **changes):
     )
     for key, value in changes.items():
         setattr(config, key, value)
+    arch = ModelArch.from_hf_config(config.target.path)
     with parallel_context(ParallelConfig()) as state:
-        return extract_hidden_states(config, state, log=lambda _: None)
+        return extract_hidden_states(config, state, arch, log=lambda _: None)
 
 
 def test_a_rerun_with_other_data_or_settings_is_refused_or_starts_fresh_with_overwrite(target, tmp_path):
@@ -319,25 +340,25 @@ def test_a_rerun_with_other_data_or_settings_is_refused_or_starts_fresh_with_ove
 
 
 def test_a_second_extract_on_a_locked_writer_says_so_before_loading_the_target(target, tmp_path, monkeypatch):
-    import fcntl
     import os
 
+    from megatron_osprey.base.locks import acquire_writer_lock
     from megatron_osprey.data import extract
 
     root, _, data = target
     store = tmp_path / "store"
     run_with(root, data, store)
-    fd = os.open(store / ".lock-rank00000-of-00001", os.O_RDWR)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # what a running extract holds
+    # What a running extract's writer holds: the flock, with "pid host" written in the lock file.
+    held = acquire_writer_lock(store / ".lock-rank00000-of-00001", f"hidden-state store {store}")
     loaded = []
     monkeypatch.setattr(extract, "load_target", lambda *a, **k: loaded.append(1))
     try:
         with pytest.raises(
             ValueError,
-            match=r"another extract \(pid \d+ on host .*\) is writing it as writer 'rank00000-of-00001' "
+            match=rf"another extract \(pid {os.getpid()} on host .*\) is writing it as writer 'rank00000-of-00001' "
             r"\(lock .* is held\); this run does not wait for it",
         ):
             run_with(root, data, store)
     finally:
-        os.close(fd)
+        held.release()
     assert not loaded

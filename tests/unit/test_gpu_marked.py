@@ -92,7 +92,7 @@ def test_transformer_engine_spec_equals_local_spec_and_hf(tmp_path, parallel):
 
 def test_fp8_training_step(tmp_path, parallel):
     pytest.importorskip("transformer_engine", reason="FP8 needs Transformer Engine")
-    from megatron_osprey.config.recipes import get_recipe
+    from megatron_osprey.recipes import get_recipe
     from megatron_osprey.training.pretraining import run_pretrain
     from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus
 
@@ -100,7 +100,7 @@ def test_fp8_training_step(tmp_path, parallel):
     make_backbone(tmp_path)
 
     def first_losses(fp8: str | None) -> list[float]:
-        cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
+        cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").pretrain
         cfg.model.backbone = str(tmp_path / "backbone")
         cfg.model.transformer_impl, cfg.model.bf16, cfg.model.fp8_format = "transformer_engine", True, fp8
         cfg.data.data_path = [str(tmp_path / "data" / "corpus_text_document")]
@@ -119,7 +119,9 @@ def test_importance_pruning_drops_the_layers_that_do_nothing(tmp_path, parallel)
     pytest.importorskip("modelopt.torch.prune", reason="--strategy importance needs nvidia-modelopt")
     from safetensors.torch import load_file
 
-    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+    from megatron_osprey.convert.megatron_to_hf import export_to_hf
+    from megatron_osprey.models.backbone.prune import prune_backbone
+    from megatron_osprey.stages.prune import PruneConfig
 
     source = tmp_path / "source"
     hf = write_chat_target(source, "qwen3")  # 6 layers, with a tokenizer for the calibration text
@@ -134,12 +136,19 @@ def test_importance_pruning_drops_the_layers_that_do_nothing(tmp_path, parallel)
     calibration.write_text(
         "".join(json.dumps({"text": f"the cat sat on mat number {i} and ran"}) + "\n" for i in range(8))
     )
+    # The library's pruning in this module's process groups (the stage's run() would set up its own),
+    # then the HF export the stage writes as OUT/hf.
     result = prune_backbone(
         PruneConfig(
-            source=source, output=tmp_path / "out", num_layers=2, strategy="importance", calibration_data=calibration
+            source=str(source),
+            output=str(tmp_path / "out"),
+            num_layers=2,
+            strategy="importance",
+            calibration_data=str(calibration),
         ),
         parallel,
     )
+    export_to_hf(result.models, result.arch, tmp_path / "out" / "hf")
     assert result.kept_layers == [0, 5]
     original = load_file(source / "model.safetensors")
     pruned = load_file(tmp_path / "out" / "hf" / "model.safetensors")

@@ -103,10 +103,10 @@ def test_drafter_norms_are_valid_under_sequence_parallel_without_the_cpu_compat_
 
 
 def test_context_parallel_is_refused_with_the_flag_named():
-    from megatron_osprey.config.pretrain import TrainingSection, validate_training
     from megatron_osprey.models.drafter.model import build_drafter_model
+    from megatron_osprey.training.config import TrainingConfig, validate_training
 
-    training = TrainingSection(train_iters=10, micro_batch_size=1, global_batch_size=2, seq_length=64)
+    training = TrainingConfig(train_iters=10, micro_batch_size=1, global_batch_size=2, seq_length=64)
     with pytest.raises(ValueError, match="--context-parallel-size 2 is not supported: batches are not split"):
         validate_training(training, ParallelConfig(context_parallel_size=2), world_size=2)
     arch, _ = make_drafter()
@@ -158,8 +158,10 @@ def test_packaging_allows_python_312_pins_te_and_leaves_a_containers_torch():
 
 def test_distributed_timeout_is_a_flag_of_extraction_and_must_be_positive():
     from megatron_osprey.stages import extract
+    from megatron_osprey.stages.cli import parse_config
 
-    args = extract.parse_args(["--target", "t", "--data", "d", "--output", "o", "--distributed-timeout-minutes", "45"])
-    assert args.distributed_timeout_minutes == 45
+    argv = ["--target", "t", "--data", "d", "--output", "o", "--distributed-timeout-minutes", "45"]
+    config, _ = parse_config(argv, "extract", extract.ExtractConfig, extract.FLAGS, extract.__doc__)
+    assert config.parallel.distributed_timeout_minutes == 45
     with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0"):
         ParallelConfig(distributed_timeout_minutes=0).validate(1)

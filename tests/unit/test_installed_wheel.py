@@ -16,19 +16,22 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = "tiny_cpu_osprey_distill_2proc_fp32"
+# A recipe whose chain has both stages this test runs (export locally, preprocess as a job).
+RECIPE = "smollm2_cpu_smoke"
+RUN_DIR = "smollm2_runs/smollm2_cpu_smoke_chat"  # the recipe's own run directory, relative to the work directory
 
 # Runs inside the unpacked wheel: the `osprey` console script is launcher.cli:main.
 PROBE = """
 import json, sys
 import launcher, megatron_osprey
 from launcher import cli
-from launcher.commands import ENTRY_POINTS, work_dir
-from launcher.render import TEMPLATE_DIR
+from launcher.commands import stage_module, work_dir
+from launcher.render import template_dir
+from megatron_osprey.recipes import STAGES
 
 recipe = sys.argv[1]
 out = {"launcher": launcher.__file__, "package": megatron_osprey.__file__, "work_dir": str(work_dir()),
-       "template_dir": str(TEMPLATE_DIR), "modules": {s: e.program[1] for s, e in ENTRY_POINTS.items()}}
+       "template_dir": str(template_dir()), "modules": {s: stage_module(s) for s in (*STAGES, "data")}}
 ran = []
 cli.subprocess.run = lambda argv, cwd, check: ran.append((argv, str(cwd))) or type("Done", (), {"returncode": 0})()
 out["export_rc"] = cli.main(["export", recipe])
@@ -36,7 +39,7 @@ out["export_argv"], out["export_cwd"] = ran[0]
 print("=====")
 out["plan_rc"] = cli.main(["plan", recipe, "--stage", "export"])
 print("=====")
-out["submit_rc"] = cli.main(["submit", recipe, "--stage", "preprocess", "--dry-run"])
+out["submit_rc"] = cli.main(["submit", recipe, "--stage", "preprocess", "--run-dir", "runs/x", "--dry-run"])
 print("=====")
 print(json.dumps(out))
 """
@@ -47,8 +50,9 @@ def _build_and_unpack(tmp_path: Path) -> tuple[Path, Path]:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("megatron_osprey", "launcher"):
-        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # launcher/slurm is a link to the top-level slurm/ (the templates), as in the checkout.
+    for name in ("megatron_osprey", "launcher", "slurm"):
+        shutil.copytree(REPO / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     built = subprocess.run(
         [
             sys.executable,
@@ -99,31 +103,29 @@ def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_
     assert Path(out["launcher"]).is_relative_to(site) and Path(out["package"]).is_relative_to(site)
     assert out["work_dir"] == str(cwd)
     assert Path(out["template_dir"]) == site / "launcher" / "slurm"
-    assert {p.name for p in (site / "launcher" / "slurm").glob("*.sbatch")} >= {
-        "pretrain.sbatch",
-        "distill.sbatch",
-        "extract.sbatch",
-        "preprocess.sbatch",
-        "regenerate.sbatch",
-        "export.sbatch",
-        "eval_sglang.sbatch",
-    }
+    shipped = {p.name for p in (site / "launcher" / "slurm").glob("*.sbatch")}
+    assert shipped == {p.name for p in (REPO / "slurm").glob("*.sbatch")}  # every template of the checkout
+    assert shipped >= {"distributed.sbatch", "stage.sbatch", "regenerate.sbatch", "eval_sglang.sbatch"}
     # Every command the launcher runs is a module the wheel holds (no tools/*.py: the wheel has none).
     for stage, module in out["modules"].items():
         where = site / Path(*module.split("."))
         assert where.with_suffix(".py").is_file() or (where / "__main__.py").is_file(), (stage, module)
     assert not (site / "tools").exists()
 
-    # A local run: a module, started in the user's directory, where its relative paths then resolve.
+    # A local run: a module, started in the user's directory, where its relative paths then resolve. The job
+    # resolves the recipe itself: it receives --recipe and the run directory every path derives from.
     assert out["export_rc"] == 0 and out["export_cwd"] == str(cwd)
-    assert out["export_argv"][1:3] == ["-m", "megatron_osprey.stages.export"]
-    assert out["export_argv"][out["export_argv"].index("--output") + 1] == f"tiny_runs/export/{RECIPE}_chat"
-    assert f"-m megatron_osprey.stages.export --checkpoint tiny_runs/checkpoints/{RECIPE}_chat" in export_out
-    assert out["plan_rc"] == 0 and "command" in plan_out and "-m megatron_osprey.stages.export" in plan_out
+    assert out["export_argv"][1:] == ["-m", "megatron_osprey.stages.export", "--recipe", RECIPE, "--run-dir", RUN_DIR]
+    assert f"-m megatron_osprey.stages.export --recipe {RECIPE} --run-dir {RUN_DIR}" in export_out
+    assert out["plan_rc"] == 0 and f"recipe   {RECIPE}_chat (stage export, cpu, fp32)" in plan_out
 
     # An sbatch script from the wheel's template: the job runs the module from the user's directory.
-    assert out["submit_rc"] == 0 and sbatch.startswith("#!/bin/bash")
+    assert out["submit_rc"] == 0 and sbatch.startswith("# --- preprocess ---\n#!/bin/bash")  # a dry run's header
     assert f'OSPREY_REPO="${{OSPREY_REPO:-{cwd}}}"' in sbatch
     assert f"{cwd}:{cwd}" in sbatch  # the default container mount
-    assert "ENTRY=(-m megatron_osprey.data.preprocess_cli --input" in sbatch
-    assert "tools/" not in sbatch and str(REPO) not in sbatch
+    assert f"ENTRY=(-m megatron_osprey.stages.preprocess --recipe {RECIPE} --run-dir {cwd / 'runs' / 'x'})" in sbatch
+    # The jobs' interpreter defaults to the one `osprey` ran on (this venv's, which happens to live in the
+    # checkout); nothing else points into the checkout.
+    assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in sbatch
+    assert "tools/" not in sbatch
+    assert str(REPO) not in sbatch.replace(sys.executable, "PYTHON")

@@ -13,8 +13,10 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from megatron_osprey.data.indexed_writer import AtomicIndexedWriter
-from megatron_osprey.data.preprocess import PreprocessConfig, partition_prefix, preprocess
+from megatron_osprey.data.preprocess import partition_prefix, preprocess
 from megatron_osprey.data.text_sources import open_text_source
+from megatron_osprey.recipes import run_stage
+from megatron_osprey.stages.preprocess import PreprocessConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = "<eos>"
@@ -228,12 +230,12 @@ def test_refuses_to_overwrite_unless_asked(tmp_path, tokenizer_dir):
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 2
 
 
+def _tool_main(argv):
+    """What tools/preprocess_data.py runs: the preprocess stage through the recipe registry."""
+    return run_stage("preprocess", argv)
+
+
 def test_cli_logs_eod_and_reports_errors_in_one_line(tmp_path, tokenizer_dir, capsys, caplog):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import preprocess_data as tool
-    finally:
-        sys.path.remove(str(REPO / "tools"))
     inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3])
     argv = [
         "--input",
@@ -248,13 +250,14 @@ def test_cli_logs_eod_and_reports_errors_in_one_line(tmp_path, tokenizer_dir, ca
         "1",
         "--no-progress",
     ]
+    # Exit codes follow the stages' shared contract (stages/cli.py): 2 for bad input, one `error:` line.
     with caplog.at_level("INFO"):
-        assert tool.main(argv) == 0
+        assert _tool_main(argv) == 0
     assert "EOD token '<eos>' (id 1)" in caplog.text
     assert len(IndexedDataset(str(tmp_path / "cli_text_document"))) == 3
-    assert tool.main(argv) == 1
+    assert _tool_main(argv) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert tool.main(argv[:1] + [str(tmp_path / "missing.jsonl")] + argv[2:] + ["--overwrite"]) == 1
+    assert _tool_main(argv[:1] + [str(tmp_path / "missing.jsonl")] + argv[2:] + ["--overwrite"]) == 2
     assert f"--input {tmp_path / 'missing.jsonl'} does not exist." in capsys.readouterr().err
 
 
@@ -312,11 +315,6 @@ def test_an_input_whose_every_record_is_skipped_fails_and_writes_nothing(tmp_pat
 
 
 def test_cli_exits_non_zero_on_an_empty_result(tmp_path, tokenizer_dir, capsys):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import preprocess_data as tool
-    finally:
-        sys.path.remove(str(REPO / "tools"))
     inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3], key="content")
     argv = [
         "--input",
@@ -331,6 +329,6 @@ def test_cli_exits_non_zero_on_an_empty_result(tmp_path, tokenizer_dir, capsys):
         "1",
         "--no-progress",
     ]
-    assert tool.main(argv) == 1
+    assert _tool_main(argv) == 2
     err = capsys.readouterr().err
     assert "all 3 records were skipped (missing key: 3)" in err and "in.jsonl line 1" in err

@@ -11,8 +11,10 @@ import torch
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.models.backbone.gpt import build_gpt_model
+from megatron_osprey.models.backbone.prune import prune_backbone, validate
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.stages.prune import PruneConfig, prune_backbone, validate
+from megatron_osprey.stages import prune
+from megatron_osprey.stages.prune import PruneConfig
 from megatron_osprey.testing.tiny_models import (
     VOCAB,
     causal_logits,
@@ -33,12 +35,13 @@ def parallel():
 
 
 @pytest.mark.parametrize("make_config", [qwen3_config, llama_config], ids=["qwen3_tied", "llama_untied"])
-def test_prune_keeps_first_two_layers_exactly(make_config, tmp_path, parallel):
+def test_prune_keeps_first_two_layers_exactly(make_config, tmp_path):
     source = tmp_path / "source"
     hf = make_hf_model(make_config(), source)
     (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
     out = tmp_path / "out"
-    result = prune_backbone(PruneConfig(source=source, output=out, num_layers=2), parallel)
+    # The stage's run: its own process groups, then OUT/megatron, OUT/hf, OUT/run_config.yaml.
+    result = prune.run(PruneConfig(source=str(source), output=str(out), num_layers=2))
     assert result.kept_layers == [0, 1]
 
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -53,16 +56,17 @@ def test_prune_keeps_first_two_layers_exactly(make_config, tmp_path, parallel):
         torch.testing.assert_close(pruned_hf(ids).logits, expected, atol=1e-4, rtol=0)
     assert (out / "hf" / "tokenizer_config.json").is_file()
     n_params = sum(p.numel() for p in pruned_hf.parameters())
-    assert result.num_parameters == n_params
+    assert result.arch.num_parameters() == n_params
 
     # OUT/megatron is a dist checkpoint that loads into a fresh 2-layer GPTModel.
     arch = ModelArch.from_hf_config(out / "hf")
-    model = build_gpt_model(arch, parallel.config).eval()
-    assert read_latest_iteration(out / "megatron") == 0
-    state, _ = load_checkpoint(out / "megatron", model.sharded_state_dict())
-    model.load_state_dict(state)
-    with torch.no_grad():
-        torch.testing.assert_close(causal_logits(model, ids)[..., :VOCAB], expected, atol=1e-4, rtol=0)
+    with parallel_context(ParallelConfig()) as parallel:
+        model = build_gpt_model(arch, parallel.config).eval()
+        assert read_latest_iteration(out / "megatron") == 0
+        state, _ = load_checkpoint(out / "megatron", model.sharded_state_dict())
+        model.load_state_dict(state)
+        with torch.no_grad():
+            torch.testing.assert_close(causal_logits(model, ids)[..., :VOCAB], expected, atol=1e-4, rtol=0)
     assert load_run_config(out)["kept_layers"] == [0, 1]
     assert load_run_config(out / "megatron" / "iter_0000000")["stage"] == "prune"
 

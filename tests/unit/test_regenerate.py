@@ -18,7 +18,7 @@ from megatron_osprey.data.fingerprint import write_settings
 from megatron_osprey.data.regenerate import (
     HFBackend,
     HFBackendConfig,
-    RegenerateConfig,
+    RegenerationRun,
     SamplingParams,
     ServerBackend,
     ServerBackendConfig,
@@ -73,7 +73,7 @@ def prompts(tmp_path_factory) -> Path:
 def reference(tmp_path_factory, prompts, hf_backend) -> bytes:
     """Uninterrupted HF-backend run: the file every other run must reproduce."""
     out = tmp_path_factory.mktemp("reference") / "out.jsonl"
-    summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+    summary = regenerate_file(RegenerationRun(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
     assert (summary.succeeded, summary.failed) == (6, 0)
     return out.read_bytes()
 
@@ -134,7 +134,7 @@ def _run_server(backend_inner, prompts: Path, out: Path, urls_count: int = 1, re
         config = ServerBackendConfig(urls=tuple(s.url for s in servers), retries=retries, backoff_s=0.01)
         backend = ServerBackend(config)
         try:
-            summary = regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=3, progress=False), backend)
+            summary = regenerate_file(RegenerationRun(prompts, out, SAMPLING, concurrency=3, progress=False), backend)
         finally:
             backend.close()
     finally:
@@ -215,7 +215,7 @@ def test_truncated_last_line_is_dropped_on_resume(tmp_path, prompts, hf_backend,
     out.write_bytes(lines[0] + lines[1] + lines[2][: len(lines[2]) // 2])
     assert recover_output(out, {f"r{i}" for i in range(6)}) == ["r0", "r1"]
     assert out.read_bytes() == lines[0] + lines[1]
-    config = RegenerateConfig(prompts, out, SAMPLING, concurrency=2, progress=False)
+    config = RegenerationRun(prompts, out, SAMPLING, concurrency=2, progress=False)
     # What the killed run recorded before its first row.
     write_settings(settings_path_for(out), regenerate_settings(config, hf_backend))
     summary = regenerate_file(config, hf_backend)
@@ -289,7 +289,7 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
             )
         )
         assert "sk-wrong" not in repr(backend.config)
-        summary = regenerate_file(RegenerateConfig(prompts, wrong, SAMPLING, concurrency=2, progress=False), backend)
+        summary = regenerate_file(RegenerationRun(prompts, wrong, SAMPLING, concurrency=2, progress=False), backend)
         backend.close()
     assert summary.failed == 6
     errors = failures_path_for(wrong).read_text()
@@ -363,7 +363,7 @@ def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(
     tmp_path, prompts, hf_backend, reference
 ):
     out = tmp_path / "out.jsonl"
-    regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+    regenerate_file(RegenerationRun(prompts, out, SAMPLING, concurrency=1, progress=False), hf_backend)
     assert out.read_bytes() == reference
     hotter = SamplingParams(temperature=0.7, max_tokens=6, seed=1)
     with pytest.raises(
@@ -371,19 +371,19 @@ def test_a_rerun_with_other_input_model_or_sampling_is_refused_or_starts_fresh(
         match=r"--output .*out.jsonl holds rows regenerated from other inputs or settings "
         r"\(sampling: .*\"temperature\": 0.0.* -> .*\"temperature\": 0.7.*Pass --overwrite",
     ):
-        regenerate_file(RegenerateConfig(prompts, out, hotter, concurrency=1, progress=False), hf_backend)
+        regenerate_file(RegenerationRun(prompts, out, hotter, concurrency=1, progress=False), hf_backend)
     with ChatCompletionServer(hf_backend, model_name="another-model") as server:
         backend = ServerBackend(ServerBackendConfig(urls=(server.url,), retries=0))
         with pytest.raises(ValueError, match=r"model: .*-> .*another-model"):
-            regenerate_file(RegenerateConfig(prompts, out, SAMPLING, concurrency=1, progress=False), backend)
+            regenerate_file(RegenerationRun(prompts, out, SAMPLING, concurrency=1, progress=False), backend)
         backend.close()
     edited = tmp_path / "edited.jsonl"
     edited.write_text(prompts.read_text().replace("Question 0?", "Question zero?"))
     with pytest.raises(ValueError, match=r"input_sha256"):
-        regenerate_file(RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False), hf_backend)
+        regenerate_file(RegenerationRun(edited, out, SAMPLING, concurrency=1, progress=False), hf_backend)
     assert out.read_bytes() == reference  # the refusals left it alone
     summary = regenerate_file(
-        RegenerateConfig(edited, out, SAMPLING, concurrency=1, progress=False, overwrite=True), hf_backend
+        RegenerationRun(edited, out, SAMPLING, concurrency=1, progress=False, overwrite=True), hf_backend
     )
     assert (summary.already_done, summary.succeeded) == (0, 6)
     first = json.loads(out.read_text().splitlines()[0])

@@ -79,11 +79,11 @@ def test_megatron_logits_equal_hf_and_round_trip_is_bit_identical(smollm2_dir, s
 @pytest.fixture(scope="module")
 def pruned(smollm2_dir, tmp_path_factory):
     """Stage 1: SmolLM2 pruned to its first 2 layers (the Osprey arm's same-family backbone)."""
-    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages import prune
+    from megatron_osprey.stages.prune import PruneConfig
 
     out = tmp_path_factory.mktemp("smollm2_pruned") / "out"
-    with parallel_context(ParallelConfig()) as state:
-        result = prune_backbone(PruneConfig(source=smollm2_dir, output=out, num_layers=2), state)
+    result = prune.run(PruneConfig(source=str(smollm2_dir), output=str(out), num_layers=2))  # its own groups
     return out, result
 
 
@@ -95,7 +95,8 @@ def test_pruned_logits_equal_truncated_hf(pruned, smollm2, long_ids):
     out, result = pruned
     assert result.kept_layers == [0, 1]
     # Embedding (tied) + 2 blocks + final norm.
-    assert result.num_parameters == VOCAB * 576 + 2 * 3_540_096 + 576
+    assert result.arch.num_layers == 2
+    assert result.arch.num_parameters() == VOCAB * 576 + 2 * 3_540_096 + 576
     expected = truncated_logits(smollm2, long_ids, num_layers=2)
 
     pruned_hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
@@ -122,8 +123,10 @@ def test_pruned_logits_equal_truncated_hf(pruned, smollm2, long_ids):
 def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(
     smollm2_dir, smollm2, smollm2_tokenizer, tmp_path
 ):
-    from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
+    from megatron_osprey.data.extract import extract_hidden_states
     from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
+    from megatron_osprey.models.target.config import TargetConfig
+    from megatron_osprey.stages.extract import ExtractConfig
 
     data = tmp_path / "conversations.jsonl"
     rows = [
@@ -135,13 +138,14 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(
     ]
     data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n" for i, c in enumerate(rows)))
     config = ExtractConfig(
-        target_dir=str(smollm2_dir),
+        target=TargetConfig(path=str(smollm2_dir)),
         data_path=str(data),
         micro_batch_size=2,
         store=HiddenStateStoreConfig(store_dir=str(tmp_path / "store")),
     )
+    arch = ModelArch.from_hf_config(smollm2_dir)
     with parallel_context(ParallelConfig()) as state:
-        extract_hidden_states(config, state, log=lambda _: None)
+        extract_hidden_states(config, state, arch, log=lambda _: None)
     store = HiddenStateStore(tmp_path / "store", dtype=torch.float32)
     assert len(store) == 2 and tuple(store.header.aux_layer_ids) == SMOLLM2_AUX  # the default taps for 30 layers
 
@@ -183,11 +187,11 @@ def test_extracted_hidden_states_equal_hf_at_the_aux_and_final_layers(
 def adapted(pruned, smollm2_dir, tmp_path_factory):
     """Stage 3 on the pruned SmolLM2 backbone for the SmolLM2 target: the drafter at initialization."""
     from megatron_osprey.eval.loading import load_drafter
-    from megatron_osprey.stages.adapt import AdaptConfig, adapt_drafter
+    from megatron_osprey.stages import adapt
+    from megatron_osprey.stages.adapt import AdaptConfig
 
     out = tmp_path_factory.mktemp("smollm2_adapted") / "out"
-    with parallel_context(ParallelConfig()) as state:
-        report = adapt_drafter(AdaptConfig(backbone=pruned[0], target=smollm2_dir, output=out), state)
+    report = adapt.run(AdaptConfig(backbone=str(pruned[0]), target=str(smollm2_dir), output=str(out)))  # own groups
     return load_drafter(out).drafter, report
 
 

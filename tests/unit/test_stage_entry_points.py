@@ -1,11 +1,12 @@
 """The stages' entry points: one main() per stage module, reached the same way from every command.
 
-`python -m megatron_osprey.stages.X`, the documented tools/*.py scripts and the older
-`python -m megatron_osprey.{pretrain,distill,eval}` all run the stage module's main().
+`python -m megatron_osprey.stages.X` and the documented tools/*.py scripts (each calls
+megatron_osprey.recipes.run_stage(X)) all run the stage module's main().
 """
 
 from __future__ import annotations
 
+import ast
 import runpy
 import subprocess
 import sys
@@ -16,22 +17,16 @@ import pytest
 from megatron_osprey.stages.cli import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("prune", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export")
+STAGES = ("data", "prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export")
 TOOLS = {
     "prune": "prune_backbone",
+    "preprocess": "preprocess_data",
     "adapt": "adapt_drafter",
     "regenerate": "regenerate",
     "extract": "extract_hidden_states",
     "export": "export_checkpoint",
 }
-# Not a stage, but launched the same way: its main() lives in the package, the tool is a shim over it.
-SHIMS = {**TOOLS, "preprocess": "preprocess_data"}
-PREPROCESS_MODULE = "megatron_osprey.data.preprocess_cli"
-LEGACY_MODULES = {
-    "pretrain": "megatron_osprey.pretrain",
-    "distill": "megatron_osprey.distill",
-    "evaluate": "megatron_osprey.eval",
-}
+SHIMS = TOOLS
 
 
 def _help(run, argv0: str, monkeypatch, capsys) -> str:
@@ -61,14 +56,16 @@ def test_every_stage_runs_as_a_module_and_its_other_commands_show_the_same_flags
             capsys,
         )
         assert _options(tool) == _options(own)
-    if stage in LEGACY_MODULES:
-        legacy = _help(lambda: runpy.run_module(LEGACY_MODULES[stage], run_name="__main__"), stage, monkeypatch, capsys)
-        assert _options(legacy) == _options(own)
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
 def test_preprocess_runs_as_a_module_with_the_tools_flags(monkeypatch, capsys):
-    own = _help(lambda: runpy.run_module(PREPROCESS_MODULE, run_name="__main__"), "preprocess", monkeypatch, capsys)
+    own = _help(
+        lambda: runpy.run_module("megatron_osprey.stages.preprocess", run_name="__main__"),
+        "preprocess",
+        monkeypatch,
+        capsys,
+    )
     tool = _help(
         lambda: runpy.run_path(str(REPO / "tools" / "preprocess_data.py"), run_name="__main__"),
         "preprocess_data.py",
@@ -76,6 +73,29 @@ def test_preprocess_runs_as_a_module_with_the_tools_flags(monkeypatch, capsys):
         capsys,
     )
     assert "--output-prefix" in own and _options(tool) == _options(own)
+
+
+@pytest.mark.parametrize("stage", sorted(TOOLS))
+def test_a_tool_script_is_the_job_door_of_its_stage(stage):
+    """Each tools/*.py script runs `megatron_osprey.recipes.run_stage(STAGE)` (so --recipe works from it too)."""
+    tree = ast.parse((REPO / "tools" / f"{TOOLS[stage]}.py").read_text())
+    imports = [
+        (node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names
+    ]
+    assert ("megatron_osprey.recipes", "run_stage") in imports
+    calls = [
+        [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_stage"
+    ]
+    assert calls == [[stage]]
+
+
+def test_every_stage_module_is_listed():
+    """Every module of megatron_osprey/stages/ but the shared ones is a stage this file runs."""
+    shared = {"__init__", "cli"}
+    modules = {p.stem for p in (REPO / "megatron_osprey" / "stages").glob("*.py")} - shared
+    assert modules == set(STAGES)
 
 
 @pytest.mark.parametrize("stage", sorted(SHIMS))

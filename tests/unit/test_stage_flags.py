@@ -2,8 +2,12 @@
 
 import pytest
 
-from megatron_osprey.config.distill_args import distill_config_from_args
+from megatron_osprey.stages.distill import config_from_args
 from megatron_osprey.training.checkpointing import resume_iteration
+
+
+def distill_config_from_args(argv):
+    return config_from_args(argv)[0]
 
 
 @pytest.mark.parametrize("flag", ["--eval-interval", "--eval-iters"])

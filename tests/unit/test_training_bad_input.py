@@ -7,13 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_osprey.config.args import config_from_args
-from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
+from megatron_osprey.recipes import get_recipe, stage_resolver
+from megatron_osprey.stages.pretrain import config_from_args as pretrain_config_and_invocation
 from megatron_osprey.testing.tiny_models import VOCAB
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_backbone, make_corpus
+
+
+def config_from_args(argv):
+    """The resolved PretrainConfig alone, with --recipe resolved by the registry."""
+    return pretrain_config_and_invocation(argv, recipes=stage_resolver)[0]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +41,13 @@ def write_docs(prefix: Path, docs: list[list[int]]) -> str:
 
 
 def tiny(work, data=None, forward_step=gpt_forward_step, **changes):
-    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").pretrain
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [data or str(work / "data" / "corpus_text_document")]
     cfg.training.train_iters = 6
+    # The recipe's warmup is a fraction (0.1) of the run, resolved at run time: pin the 2 steps it gave the recipe's
+    # 20, which the schedule checks below count on.
+    cfg.optimizer.lr_warmup_iters = 2
     cfg.logging.progress_bar = False
     cfg.logging.eval_interval, cfg.logging.eval_iters = 6, 1
     for key, value in changes.items():
@@ -145,12 +153,13 @@ def test_an_unwritable_save_is_refused_before_training(work, tmp_path):
 
 
 def test_the_entry_point_prints_one_line_for_bad_input(work, capsys):
-    from megatron_osprey.pretrain import main
+    from megatron_osprey.recipes import run_stage
 
     prefix = write_docs(work / "data" / "empty2_text_document", [])
     # The recipe's own save and TensorBoard paths are under the working directory: point them here.
     out = str(work / "bad_input_run")
-    code = main(
+    code = run_stage(
+        "pretrain",
         [
             "--recipe",
             "tiny_cpu_backbone_pretrain_2proc_fp32",
@@ -167,7 +176,7 @@ def test_the_entry_point_prints_one_line_for_bad_input(work, capsys):
             out,
             "--tensorboard-dir",
             out,
-        ]
+        ],
     )
     err = capsys.readouterr().err
     assert code == 2 and "error: --data-path" in err and "holds 0 documents" in err and "Traceback" not in err
@@ -181,13 +190,15 @@ def test_a_warmup_as_long_as_the_run_is_refused_naming_the_flag():
             "tiny_cpu_backbone_pretrain_2proc_fp32",
             "--train-iters",
             "2",
+            "--lr-warmup-iters",  # the recipe's warmup is now a fraction of the run: name the 2 steps it gave
+            "2",
             "--hf-model",
             "x",
             "--data-path",
             "p",
         ]
     )
-    from megatron_osprey.config.pretrain import validate_optimizer
+    from megatron_osprey.training.config import validate_optimizer
 
     with pytest.raises(ValueError, match=r"--lr-warmup-iters 2 must be below the decay length 2"):
         validate_optimizer(cfg.optimizer, cfg.training)

@@ -3,16 +3,20 @@
 import pytest
 
 from megatron_osprey.base.arch import ModelArch
-from megatron_osprey.config.args import config_from_args
-from megatron_osprey.config.pretrain import (
-    PretrainConfig,
-    validate_against_model,
-    validate_numerics,
-    validate_training,
-)
-from megatron_osprey.parallel import ParallelConfig
+from megatron_osprey.models.backbone.config import validate_numerics
+from megatron_osprey.parallel.config import ParallelConfig
+from megatron_osprey.recipes.registry import stage_resolver
+from megatron_osprey.stages.pretrain import PretrainConfig
+from megatron_osprey.stages.pretrain import config_from_args as _config_and_invocation
 from megatron_osprey.testing.tiny_models import qwen3_config
+from megatron_osprey.training.config import validate_training
 from megatron_osprey.training.data import check_prefixes, parse_blend
+from megatron_osprey.training.pretraining import validate_against_model
+
+
+def config_from_args(argv):
+    """The resolved PretrainConfig alone, with --recipe resolved by the registry."""
+    return _config_and_invocation(argv, recipes=stage_resolver)[0]
 
 
 def test_megatron_flags_land_in_their_sections():
@@ -65,7 +69,7 @@ def test_megatron_flags_land_in_their_sections():
 
 
 def test_recipe_then_flags_then_set():
-    cfg = config_from_args(
+    cfg, invocation = _config_and_invocation(
         [
             "--recipe",
             "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16",
@@ -75,18 +79,23 @@ def test_recipe_then_flags_then_set():
             "optimizer.lr=5e-5",
             "--set",
             "training.seq_length=1024",
-        ]
+        ],
+        recipes=stage_resolver,
     )
-    assert cfg.recipe == "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
+    assert invocation.recipe == "qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16"
     assert cfg.model.bf16 and cfg.optimizer.use_distributed_optimizer  # from the recipe, untouched
-    assert cfg.training.global_batch_size == 256
+    # The recipe's batch (recipes/backbone.py GLOBAL_BATCH: 462B tokens / 55k steps / 4,096); was 256 before the
+    # restructuring.
+    assert cfg.training.global_batch_size == 2048
     assert cfg.optimizer.lr == 5e-5 and isinstance(cfg.optimizer.lr, float)  # --set wins over the flag
     assert cfg.training.seq_length == 1024
 
 
-def test_unknown_set_key_names_the_valid_ones():
-    with pytest.raises(ValueError, match="no key 'lrr' in optimizer; valid keys: lr, min_lr"):
+def test_unknown_set_key_names_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # bad input: argparse's one line, exit 2
         config_from_args(["--set", "optimizer.lrr=1"])
+    assert exit_info.value.code == 2
+    assert "no key 'lrr' in optimizer; valid keys: lr, min_lr" in capsys.readouterr().err
 
 
 def test_unknown_recipe_is_refused():
@@ -118,14 +127,14 @@ def test_odd_blend_is_refused():
 
 
 def _arch():
-    return ModelArch.from_hf_config(qwen3_config(layers=2))
+    return ModelArch.from_hf_config(qwen3_config(layers=2))  # max_position_embeddings 256
 
 
 def test_seq_length_above_max_positions():
     cfg = PretrainConfig()
     cfg.training.seq_length = 512
     with pytest.raises(ValueError, match=r"--seq-length 512 exceeds the model's max_position_embeddings \(256\)"):
-        validate_against_model(cfg, 256, _arch())
+        validate_against_model(cfg, _arch())
 
 
 def test_tensor_parallel_must_divide_heads_and_pipeline_the_layers():
@@ -135,12 +144,12 @@ def test_tensor_parallel_must_divide_heads_and_pipeline_the_layers():
     with pytest.raises(
         ValueError, match="--tensor-model-parallel-size 8 does not divide the model's num_attention_heads"
     ):
-        validate_against_model(cfg, 256, _arch())
+        validate_against_model(cfg, _arch())
     cfg.parallel = ParallelConfig(pipeline_model_parallel_size=4)
     with pytest.raises(
         ValueError, match="--pipeline-model-parallel-size 4 does not divide the model's num_hidden_layers"
     ):
-        validate_against_model(cfg, 256, _arch())
+        validate_against_model(cfg, _arch())
 
 
 def test_fp8_on_cpu_says_transformer_engine_and_cuda():

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatron_osprey.base.run_config import load_run_config
-from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import parallel_context
+from megatron_osprey.recipes import get_recipe
 from megatron_osprey.training.pretraining import run_pretrain
 from tests.distributed.scripts.check_pretrain_fixtures import make_backbone, make_corpus, plain_pytorch_run
 
@@ -27,10 +27,12 @@ def work(tmp_path_factory):
 
 
 def tiny_config(work):
-    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").pretrain
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [str(work / "data" / "corpus_text_document")]
     cfg.training.train_iters = 10
+    # The golden run's fixed warmup (the recipe's warmup is 10% of the run, 1 step of these 10).
+    cfg.optimizer.lr_warmup_iters = 2
     cfg.logging.progress_bar = False
     cfg.logging.eval_interval, cfg.logging.eval_iters = 10, 1
     return cfg

@@ -80,13 +80,13 @@ def test_wsd_schedule_holds_then_decays():
     import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_osprey.config.pretrain import OptimizerSection
+    from megatron_osprey.training.config import OptimizerConfig
     from megatron_osprey.training.scheduler import build_scheduler
 
     class Opt:
         param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]}]
 
-    section = OptimizerSection(
+    section = OptimizerConfig(
         lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_style="WSD", lr_wsd_decay_iters=4, lr_wsd_decay_style="linear"
     )
     sched = build_scheduler(Opt(), section, train_iters=10)
@@ -103,10 +103,10 @@ def test_wsd_schedule_holds_then_decays():
 def test_tensorboard_and_offline_wandb_get_the_metrics_and_no_secret(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_osprey.config.pretrain import LoggingSection
+    from megatron_osprey.training.config import LoggingConfig
     from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
 
-    cfg = LoggingSection(
+    cfg = LoggingConfig(
         log_interval=1,
         wandb_project="p",
         wandb_exp_name="e",

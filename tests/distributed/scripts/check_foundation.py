@@ -14,7 +14,8 @@ from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.convert.megatron_to_hf import export_to_hf
 from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+from megatron_osprey.stages import prune
+from megatron_osprey.stages.prune import PruneConfig
 from megatron_osprey.testing.tiny_models import (
     VOCAB,
     causal_logits,
@@ -130,9 +131,14 @@ def main(work: Path, result_path: Path) -> None:
 
     # Stage 1 under TP=2, then its dist checkpoint loaded (resharded) at PP=2.
     directory, _, truncated = models["qwen3"]
-    cfg = ParallelConfig(tensor_model_parallel_size=2)
-    with parallel_context(cfg) as state:
-        prune_backbone(PruneConfig(source=directory, output=work / "pruned", num_layers=2), state)
+    prune.run(  # in the TP=2 process groups its run() sets up
+        PruneConfig(
+            source=str(directory),
+            output=str(work / "pruned"),
+            num_layers=2,
+            parallel=ParallelConfig(tensor_model_parallel_size=2),
+        )
+    )
     arch = ModelArch.from_hf_config(work / "pruned" / "hf")
     cfg = ParallelConfig(pipeline_model_parallel_size=2)
     with parallel_context(cfg) as state:

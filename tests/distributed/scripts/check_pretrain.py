@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.config.recipes import get_recipe
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+from megatron_osprey.recipes import get_recipe
+from megatron_osprey.stages import prune
+from megatron_osprey.stages.prune import PruneConfig
 from megatron_osprey.testing.tiny_models import make_hf_model, qwen3_config
 from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
@@ -24,7 +25,7 @@ RESHARD_AT = 25  # the TP=2 run saves here; resharded runs continue to ITERS
 
 
 def config(work: Path, **parallel):
-    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").config(paths=False)
+    cfg = get_recipe("tiny_cpu_backbone_pretrain_2proc_fp32").pretrain
     cfg.model.backbone = str(work / "backbone")
     cfg.data.data_path = [str(work / "data" / "corpus_text_document")]
     cfg.data.split = "100,0,0"  # no validation: keeps every run to its training steps
@@ -120,10 +121,13 @@ def main(work: Path, result_path: Path) -> None:
             cfg4.eos_token_id = EOD
             make_hf_model(cfg4, work / "hf_source")
         torch.distributed.barrier()
-        prune_backbone(
-            PruneConfig(source=work / "hf_source", output=work / "backbone", num_layers=2, transformer_impl="local"),
-            state,
+    # Stage 1 on both ranks (DP=2), in the process groups its run() sets up.
+    prune.run(
+        PruneConfig(
+            source=str(work / "hf_source"), output=str(work / "backbone"), num_layers=2, transformer_impl="local"
         )
+    )
+    with parallel_context(ParallelConfig()) as state:
         results["hf_first_loss"] = hf_first_step_loss(work, config(work))
         # The independent reference every layout's curve is held to. Building the GPTDataset is
         # collective, so both ranks run it (at the same time, a few seconds).

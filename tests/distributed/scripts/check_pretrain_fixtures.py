@@ -32,15 +32,14 @@ def make_corpus(prefix: str | Path, num_docs: int = 400, seed: int = 0) -> str:
 
 def make_backbone(work: Path) -> Path:
     """A 4-layer tiny Qwen3 pruned to its first 2 layers (Stage 1, single rank); returns the output dir."""
-    from megatron_osprey.parallel import ParallelConfig, parallel_context
-    from megatron_osprey.stages.prune import PruneConfig, prune_backbone
+    from megatron_osprey.stages import prune
 
     source, out = work / "hf_source", work / "backbone"
     config = qwen3_config(layers=4)
     config.eos_token_id = EOD
     make_hf_model(config, source)
-    with parallel_context(ParallelConfig()) as state:
-        prune_backbone(PruneConfig(source=source, output=out, num_layers=2, transformer_impl="local"), state)
+    # The stage's run: its own single-rank process groups, then OUT/megatron, OUT/hf, OUT/run_config.yaml.
+    prune.run(prune.PruneConfig(source=str(source), output=str(out), num_layers=2, transformer_impl="local"))
     return out
 
 
@@ -87,7 +86,7 @@ def plain_pytorch_run(work: Path, cfg, iters: int):
     decay = opt.lr_decay_iters or train.num_train_iters()
     out = {"loss": [], "lr": []}
     for step in range(iters):
-        lr = scheduled_lr(step, opt.lr, opt.min_lr, opt.lr_warmup_iters, decay)
+        lr = scheduled_lr(step, opt.lr, opt.min_lr, opt.warmup_iters(train.num_train_iters()), decay)
         for group in optimizer.param_groups:
             group["lr"] = lr
         first = step * train.global_batch_size

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_osprey.data.extract import ExtractConfig, extract_hidden_states
+from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.data.extract import extract_hidden_states
 from megatron_osprey.data.hidden_state_store import HiddenStateStore, HiddenStateStoreConfig
+from megatron_osprey.models.target.config import TargetConfig
 from megatron_osprey.models.target.pipeline_stage import PrefillCapture, load_target
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.stages.extract import ExtractConfig
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
 from tests.store_quanta import error_in_quanta
 
@@ -94,14 +97,15 @@ def main(work: Path, result_path: Path) -> None:
         directory = references[family][0]
         store_dir = work / f"store_{family}_{label}"
         config = ExtractConfig(
-            target_dir=str(directory),
+            target=TargetConfig(path=str(directory)),
             data_path=str(data),
             micro_batch_size=2,
             aux_layer_ids=(0, 2, 4),
             store=HiddenStateStoreConfig(store_dir=str(store_dir), samples_per_shard=2),
         )
+        arch = ModelArch.from_hf_config(directory)
         with parallel_context(LAYOUTS[label]) as state:
-            extract_hidden_states(config, state, log=lambda _: None)
+            extract_hidden_states(config, state, arch, log=lambda _: None)
         if rank == 0:
             from transformers import AutoModelForCausalLM
 
