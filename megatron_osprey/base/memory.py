@@ -73,6 +73,16 @@ def _stage_weight_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int, s
     return params
 
 
+def parallel_sizes(parallel) -> dict[str, int | None]:
+    """estimate_target_memory's parallel keywords from a ParallelConfig (or anything with its four sizes)."""
+    return {
+        "tensor_parallel": parallel.tensor_model_parallel_size,
+        "pipeline_parallel": parallel.pipeline_model_parallel_size,
+        "expert_parallel": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel": parallel.expert_tensor_parallel_size,
+    }
+
+
 def estimate_target_memory(
     arch: ModelArch,
     *,

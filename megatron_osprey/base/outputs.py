@@ -49,6 +49,48 @@ def _recorded_stage(directory: Path) -> str | None:
         return None
 
 
+def check_output(
+    output: str | Path,
+    inputs: dict[str, str | Path | None],
+    marker: str,
+    overwrite: bool,
+    *,
+    stage: str | None = None,
+    flag: str = "--output",
+) -> bool:
+    """Check OUTPUT against the inputs without touching it; True when it holds this stage's earlier output that
+    overwrite may replace (False: it is absent or empty).
+
+    `inputs` maps a flag or name to each path the stage reads (None: not given); `marker` is the file the
+    stage writes into its output (provenance.json, a settings record) that makes the directory its own;
+    `stage`, when given, must also match the stage a provenance.json in it names. Raises ValueError naming
+    the directory and why, FileExistsError without overwrite.
+    """
+    output = Path(output).expanduser()
+    resolved = output.resolve()
+    check_disjoint(output, inputs, flag)
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"{flag} {output} is a file, not a directory; choose another {flag}.")
+    if not (output.is_dir() and any(output.iterdir())):
+        return False
+    if not overwrite:
+        raise FileExistsError(f"{flag} {output} exists and is not empty; pass --overwrite to replace it.")
+    if not (output / marker).is_file():
+        raise ValueError(
+            f"{flag} {output} is not empty and has no {marker}, so this stage did not write it; --overwrite "
+            f"deletes only its own output. Choose another {flag}, or empty it yourself."
+        )
+    recorded = _recorded_stage(output)
+    if stage is not None and recorded is not None and recorded != stage:
+        raise ValueError(
+            f"{flag} {output} holds the output of the {recorded} stage, not of {stage}; --overwrite deletes only "
+            f"this stage's own output. Choose another {flag}."
+        )
+    if resolved == Path.home().resolve() or resolved == Path(resolved.anchor):
+        raise ValueError(f"{flag} {output} is a home or root directory; choose a directory of its own.")
+    return True
+
+
 def prepare_output(
     output: str | Path,
     inputs: dict[str, str | Path | None],
@@ -58,34 +100,10 @@ def prepare_output(
     stage: str | None = None,
     flag: str = "--output",
 ) -> Path:
-    """Check OUTPUT against the inputs and, with overwrite, empty it if it is this stage's; returns it, created.
-
-    `inputs` maps a flag or name to each path the stage reads (None: not given); `marker` is the file the
-    stage writes into its output (provenance.json, a settings record) that makes the directory its own;
-    `stage`, when given, must also match the stage a provenance.json in it names. All checks run before
-    anything is deleted. Raises ValueError naming the directory and why, FileExistsError without overwrite.
-    """
+    """check_output, then empty OUTPUT if it holds this stage's earlier output; returns it, created. All checks
+    run before anything is deleted."""
     output = Path(output).expanduser()
-    resolved = output.resolve()
-    check_disjoint(output, inputs, flag)
-    if output.exists() and not output.is_dir():
-        raise FileExistsError(f"{flag} {output} is a file, not a directory; choose another {flag}.")
-    if output.is_dir() and any(output.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{flag} {output} exists and is not empty; pass --overwrite to replace it.")
-        if not (output / marker).is_file():
-            raise ValueError(
-                f"{flag} {output} is not empty and has no {marker}, so this stage did not write it; --overwrite "
-                f"deletes only its own output. Choose another {flag}, or empty it yourself."
-            )
-        recorded = _recorded_stage(output)
-        if stage is not None and recorded is not None and recorded != stage:
-            raise ValueError(
-                f"{flag} {output} holds the output of the {recorded} stage, not of {stage}; --overwrite deletes only "
-                f"this stage's own output. Choose another {flag}."
-            )
-        if resolved == Path.home().resolve() or resolved == Path(resolved.anchor):
-            raise ValueError(f"{flag} {output} is a home or root directory; choose a directory of its own.")
+    if check_output(output, inputs, marker, overwrite, stage=stage, flag=flag):
         shutil.rmtree(output)
     output.mkdir(parents=True, exist_ok=True)
     return output

@@ -31,6 +31,7 @@ import numpy as np
 
 from megatron_osprey.base.arch import hf_config_file, load_target_config, looks_like_hub_id
 from megatron_osprey.base.atomic_io import fsync_dir, make_staging_dir, write_json_atomic
+from megatron_osprey.base.outputs import check_output
 from megatron_osprey.data.chat_template import (
     REASONING_MODES,
     TOOL_MODES,
@@ -354,21 +355,6 @@ def _load_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(target)
 
 
-def _prepare_output(output: Path, overwrite: bool, inputs: list[Path]) -> None:
-    for path in inputs:
-        if output.resolve() == path.resolve() or output.resolve() in path.resolve().parents:
-            raise ValueError(f"--output {output} holds the input {path}; choose another --output.")
-    if not output.exists() or not any(output.iterdir()):
-        return
-    if not overwrite:
-        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-    if not (output / SUMMARY_FILE).is_file():
-        raise FileExistsError(
-            f"--output {output} holds files osprey data did not write (no {SUMMARY_FILE}); --overwrite replaces "
-            f"only an earlier osprey data output: choose an empty --output."
-        )
-
-
 def _write_rows(path: Path, rows: Iterable[Conversation]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_conversations(path, rows)
@@ -382,7 +368,8 @@ def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
     config.validate()
     domains_in = parse_inputs(config.inputs)
     output = Path(config.output)
-    _prepare_output(output, config.overwrite, [p for paths in domains_in.values() for p in paths])
+    inputs = {f"--input {p}": p for paths in domains_in.values() for p in paths}
+    check_output(output, inputs, SUMMARY_FILE, config.overwrite)
     tokenizer = tokenizer or _load_tokenizer(config.target)
     template_reasoning, template_tools = template_defaults(tokenizer)
     reasoning, tools = config.reasoning or template_reasoning, config.tools or template_tools

@@ -20,16 +20,12 @@ from typing import Callable
 import yaml
 
 from megatron_osprey.assets.download import osprey_cache_dir, pip_download, resolve_cache_dir, verify_sha256
-from megatron_osprey.assets.sources import Distribution
+from megatron_osprey.assets.sources import pure_wheel
 from megatron_osprey.base.atomic_io import write_json_atomic
 
 # English dialogues and those of 27 other languages, as YAML under chatterbot_corpus/data/<language>/.
-CHATTERBOT_CORPUS = Distribution(
-    package="chatterbot-corpus",
-    version="1.3.3",
-    filename="chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
-    sha256="86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154",
-    is_wheel=True,
+CHATTERBOT_CORPUS = pure_wheel(
+    "chatterbot-corpus", "1.3.3", "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154", "py2.py3-none-any"
 )
 CHATTERBOT_LANGUAGES = ("english", "spanish", "french", "german", "italian", "portuguese")
 

@@ -145,6 +145,29 @@ def in_process_groups(parallel, work: Callable):
         return work(state)
 
 
+def train_on_every_rank(config, invocation, inputs: dict, train: Callable, outputs: Callable[[Path], dict | None]):
+    """The training stages' run(): rank 0 checks the inputs, every rank runs `train(config, state)` inside the
+    process groups, and rank 0 records provenance in --save once `outputs(save)` names what was written."""
+    checked = check_inputs(inputs) if is_rank0() else {}
+    result = in_process_groups(config.parallel, lambda state: train(config, state))
+    save = Path(config.checkpoint.save) if config.checkpoint.save else None
+    written = outputs(save) if is_rank0() and save is not None else None
+    if written:
+        invocation.record(save, config, checked, written)
+    return result
+
+
+def train_main(config, invocation, run: Callable) -> int:
+    """The training stages' main() once the flags are parsed: wandb's mode, then `run` on this rank; the exit
+    code is 2 for bad input (one line), 1 for a non-finite loss."""
+    resolve_wandb_mode(config)
+
+    def train() -> None:  # run's result is for programmatic callers, not an exit code
+        run(config, invocation)
+
+    return exit_code(train)
+
+
 def resolve_wandb_mode(config) -> None:
     """wandb stays offline unless the user chose a mode (WANDB_MODE); the API key is wandb's to read, never ours."""
     config.logging.wandb_mode = os.environ.get("WANDB_MODE", "offline")

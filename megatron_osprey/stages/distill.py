@@ -22,12 +22,9 @@ from megatron_osprey.models.target.config import TARGET_FLAGS, TARGET_LAYOUT_FLA
 from megatron_osprey.parallel.config import ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
-    check_inputs,
-    exit_code,
-    in_process_groups,
-    is_rank0,
     parse_config,
-    resolve_wandb_mode,
+    train_main,
+    train_on_every_rank,
 )
 from megatron_osprey.stages.pretrain import SHARED_TRAINING_FLAGS
 from megatron_osprey.training.config import (
@@ -116,33 +113,25 @@ def run(config: DistillConfig, invocation: Invocation = Invocation("distill")):
     With --save, SAVE/provenance.json records the checkpoint that export and evaluate read."""
     from megatron_osprey.training.distillation import run_distill
 
-    inputs = check_inputs(_inputs(config)) if is_rank0() else {}
-    result = in_process_groups(config.parallel, lambda state: run_distill(config, state))
-    save = Path(config.checkpoint.save) if config.checkpoint.save else None
-    if is_rank0() and save is not None and save.is_dir():
-        invocation.record(save, config, inputs, {"checkpoint": save})
-    return result
+    return train_on_every_rank(config, invocation, _inputs(config), run_distill, _outputs)
+
+
+def _outputs(save: Path) -> dict | None:
+    return {"checkpoint": save} if save.is_dir() else None
 
 
 def config_from_args(argv: list[str] | None = None, recipes=None):
-    """(The resolved config, its Invocation); `--help` lists the flags; `recipes` resolves --recipe."""
+    """The DistillConfig these flags resolve to (a --recipe through `recipes`) and its Invocation."""
     return parse_config(argv, "distill", DistillConfig, FLAGS, __doc__, recipes)
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:
     """Parse the flags, distill; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
-    config, invocation = config_from_args(argv, recipes)
-    resolve_wandb_mode(config)
-
-    def train() -> None:  # its result is for programmatic callers, not an exit code
-        run(config, invocation)
-
-    return exit_code(train)
+    return train_main(*config_from_args(argv, recipes), run)
 
 
 if __name__ == "__main__":
-    # The job door. The recipe registry builds this module's config, so only the program imports it. The guard
-    # matters too: every checkpoint save starts a multiprocessing Manager with spawn.
+    # The job door, guarded and importing the registry late for the reasons given in stages/pretrain.py.
     from megatron_osprey.recipes import run_stage
 
     sys.exit(run_stage("distill"))

@@ -130,7 +130,7 @@ def device_memory_gib() -> float | None:
 def preflight_memory(config: ExtractConfig, arch, say=print) -> None:
     """Print the per-GPU estimate; refuse (TargetMemoryError) when it exceeds the GPU's memory."""
     from megatron_osprey.base.arch import resolve_aux_layer_ids
-    from megatron_osprey.base.memory import check_fits, estimate_target_memory
+    from megatron_osprey.base.memory import check_fits, estimate_target_memory, parallel_sizes
 
     p = config.parallel
     arch.validate_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
@@ -139,10 +139,7 @@ def preflight_memory(config: ExtractConfig, arch, say=print) -> None:
     aux = resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers)
     estimate = estimate_target_memory(
         arch,
-        tensor_parallel=p.tensor_model_parallel_size,
-        pipeline_parallel=p.pipeline_model_parallel_size,
-        expert_parallel=p.expert_model_parallel_size,
-        expert_tensor_parallel=p.expert_tensor_parallel_size,
+        **parallel_sizes(p),
         micro_batch_size=config.micro_batch_size,
         seq_length=config.max_length,
         num_captured_layers=len(aux) + 1,

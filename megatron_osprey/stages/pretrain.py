@@ -18,12 +18,9 @@ from megatron_osprey.models.backbone.config import BACKBONE_FLAGS, BackboneConfi
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
-    check_inputs,
-    exit_code,
-    in_process_groups,
-    is_rank0,
     parse_config,
-    resolve_wandb_mode,
+    train_main,
+    train_on_every_rank,
 )
 from megatron_osprey.training.config import (
     CHECKPOINT_FLAGS,
@@ -107,12 +104,11 @@ def run(config: PretrainConfig, invocation: Invocation = Invocation("pretrain"))
     With --save, SAVE/provenance.json records the backbone Stage 3 reads (SAVE/hf, SAVE/run_config.yaml)."""
     from megatron_osprey.training.pretraining import run_pretrain
 
-    inputs = check_inputs(_inputs(config)) if is_rank0() else {}
-    result = in_process_groups(config.parallel, lambda state: run_pretrain(config, state))
-    save = Path(config.checkpoint.save) if config.checkpoint.save else None
-    if is_rank0() and save is not None and (save / "hf").is_dir():
-        invocation.record(save, config, inputs, {"hf": save / "hf", "run_config": save / "run_config.yaml"})
-    return result
+    return train_on_every_rank(config, invocation, _inputs(config), run_pretrain, _outputs)
+
+
+def _outputs(save: Path) -> dict | None:
+    return {"hf": save / "hf", "run_config": save / "run_config.yaml"} if (save / "hf").is_dir() else None
 
 
 def config_from_args(argv: list[str] | None = None, recipes=None):
@@ -122,13 +118,7 @@ def config_from_args(argv: list[str] | None = None, recipes=None):
 
 def main(argv: list[str] | None = None, recipes=None) -> int:
     """Parse the flags, pretrain; returns the exit code: 2 bad input (one line), 1 a non-finite loss."""
-    config, invocation = config_from_args(argv, recipes)
-    resolve_wandb_mode(config)
-
-    def train() -> None:  # its result is for programmatic callers, not an exit code
-        run(config, invocation)
-
-    return exit_code(train)
+    return train_main(*config_from_args(argv, recipes), run)
 
 
 if __name__ == "__main__":

@@ -266,18 +266,25 @@ def save_checkpoint(
     return final
 
 
+def existing_iteration(root: Path, iteration: int | None, name: str) -> tuple[Path, int]:
+    """The directory of the named (or else the latest complete) iteration under `root`, and its number;
+    `name` (the flag and path a user gave) opens each error."""
+    if iteration is None:
+        iteration = read_latest_iteration(root)
+        if iteration is None:
+            raise FileNotFoundError(f"{name}: no complete checkpoint there ({LATEST_FILE} is missing).")
+    path = iteration_dir(root, iteration)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{name}: checkpoint directory {path} is missing.")
+    return path, iteration
+
+
 def load_checkpoint(
     root: str | Path, sharded_state_dict: dict, iteration: int | None = None, *, verify: bool = True
 ) -> tuple[dict, int]:
     """Load (resharding as needed) the named or latest iteration, its checksums verified; returns (state, iteration)."""
     root = Path(root)
-    if iteration is None:
-        iteration = read_latest_iteration(root)
-        if iteration is None:
-            raise FileNotFoundError(f"no complete checkpoint under {root}: {LATEST_FILE} is missing.")
-    path = iteration_dir(root, iteration)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} named by {root / LATEST_FILE} is missing.")
+    path, iteration = existing_iteration(root, iteration, str(root))
     check_checkpoint_files(path, verify)
     return _dist_load(sharded_state_dict, path), iteration
 
@@ -451,13 +458,7 @@ def load_training_checkpoint(
     from megatron_osprey.training.optimizer import prepare_for_load, restore_adam_steps
 
     root = Path(root)
-    if iteration is None:
-        iteration = read_latest_iteration(root)
-        if iteration is None:
-            raise FileNotFoundError(f"--load {root}: no complete checkpoint there ({LATEST_FILE} is missing).")
-    path = iteration_dir(root, iteration)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--load {root}: checkpoint directory {path} is missing.")
+    path, iteration = existing_iteration(root, iteration, f"--load {root}")
     check_checkpoint_files(path, verify)
     check_checkpoint_metadata(path)
     common = load_common_state(path)

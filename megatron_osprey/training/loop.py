@@ -85,22 +85,27 @@ def extra_means(losses_reduced: list[dict], device: torch.device) -> dict[str, f
     return {k: (total[i, 0] / total[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
 
-def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResult:
-    """Forward and backward over one global batch (Megatron's PP schedules), then the optimizer step."""
+def _global_batch(forward_step: Callable, data_iterator, run: TrainRun, forward_only: bool) -> list[dict]:
+    """One global batch through megatron-core's schedule (pipelined when PP > 1); the per-microbatch reports."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for chunk in run.model:
-        chunk.zero_grad_buffer()
-    run.optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
         model=run.model,
         num_microbatches=num_microbatches(run.training, run.dp_size),
         seq_length=run.training.seq_length,
         micro_batch_size=run.training.micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
+
+
+def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResult:
+    """Forward and backward over one global batch (Megatron's PP schedules), then the optimizer step."""
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    losses = _global_batch(forward_step, data_iterator, run, forward_only=False)
     lr = current_lr(run.optimizer)
     ok, grad_norm, _ = run.optimizer.step()
     if ok:
@@ -112,21 +117,11 @@ def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResu
 @torch.no_grad()
 def evaluate(forward_step: Callable, data_iterator, run: TrainRun) -> float:
     """Mean validation loss over --eval-iters global batches (forward only)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in run.model:
         chunk.eval()
     reports = []
     for _ in range(run.logging.eval_iters):
-        reports += get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data_iterator,
-            model=run.model,
-            num_microbatches=num_microbatches(run.training, run.dp_size),
-            seq_length=run.training.seq_length,
-            micro_batch_size=run.training.micro_batch_size,
-            forward_only=True,
-        )
+        reports += _global_batch(forward_step, data_iterator, run, forward_only=True)
     for chunk in run.model:
         chunk.train()
     return global_mean_loss(reports, run.device)

@@ -331,7 +331,7 @@ def test_same_seed_same_bytes_and_output_is_never_clobbered(inputs, qwen3, tmp_p
     assert (tmp_path / "a" / "eval/chat.jsonl").read_bytes() == (tmp_path / "c" / "eval/chat.jsonl").read_bytes()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match="did not write"):
+    with pytest.raises(ValueError, match="did not write"):
         run_data(inputs, tmp_path / "mine", overwrite=True, tokenizer=qwen3)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 

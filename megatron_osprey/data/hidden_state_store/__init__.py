@@ -7,8 +7,8 @@ the parts merged into manifest.json; reader: random access and prefetching itera
 
 from importlib import import_module
 
-from megatron_osprey.base.checksums import file_sha256
-from megatron_osprey.data.hidden_state_store.config import HiddenStateStoreConfig
+from megatron_osprey.base.checksums import file_sha256 as file_sha256
+from megatron_osprey.data.hidden_state_store.config import HiddenStateStoreConfig as HiddenStateStoreConfig
 
 # The other names load torch with their module, so that the config above imports without it.
 _LAZY = {
@@ -40,25 +40,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "CorruptShardError",
-    "HiddenStateStore",
-    "HiddenStateStoreConfig",
-    "HiddenStateWriter",
-    "InsufficientDiskError",
-    "ShardRecord",
-    "StoreHeader",
-    "StoreMismatchError",
-    "check_free_disk",
-    "estimate_store_bytes",
-    "file_sha256",
-    "lock_path",
-    "finalize_store",
-    "open_store",
-    "open_writer",
-    "part_name",
-    "shard_name",
-    "writer_tag",
-]
+__all__ = sorted(["HiddenStateStoreConfig", "file_sha256", *_HOME])

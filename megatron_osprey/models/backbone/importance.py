@@ -31,6 +31,19 @@ def _calibration_batches(path: Path, tokenizer_dir: Path, seq_length: int = 512,
             yield torch.tensor([ids], device="cuda")
 
 
+def load_source(config, arch: ModelArch, parallel):
+    """The source model (or its first layers: `arch` says how many) built on this rank and loaded from HF."""
+    model = build_gpt_model(
+        arch,
+        parallel.config,
+        transformer_impl=config.transformer_impl,
+        params_dtype=arch.torch_dtype_obj(),
+        perform_initialization=False,
+    )
+    load_hf_weights(model, config.source, arch, parallel.tp_rank, parallel.config.tensor_model_parallel_size)
+    return model
+
+
 def prune_by_importance(config, arch: ModelArch, parallel) -> tuple[torch.nn.Module, list[int], ModelArch]:
     """Score layers on calibration text with Minitron and keep the N most important.
 
@@ -47,14 +60,7 @@ def prune_by_importance(config, arch: ModelArch, parallel) -> tuple[torch.nn.Mod
         )
     import modelopt.torch.prune as mtp
 
-    model = build_gpt_model(
-        arch,
-        parallel.config,
-        transformer_impl=config.transformer_impl,
-        params_dtype=arch.torch_dtype_obj(),
-        perform_initialization=False,
-    )
-    load_hf_weights(model, config.source, arch, parallel.tp_rank, parallel.config.tensor_model_parallel_size)
+    model = load_source(config, arch, parallel)
     model.cuda().eval()
     batches = list(_calibration_batches(Path(config.calibration_data), Path(config.source)))
 

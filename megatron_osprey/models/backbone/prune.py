@@ -11,10 +11,8 @@ import dataclasses
 from pathlib import Path
 
 from megatron_osprey.base.arch import ModelArch
-from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.models.backbone.config import PRUNE_STRATEGIES as STRATEGIES
-from megatron_osprey.models.backbone.gpt import build_gpt_model
-from megatron_osprey.models.backbone.importance import prune_by_importance
+from megatron_osprey.models.backbone.importance import load_source, prune_by_importance
 from megatron_osprey.parallel import ParallelState
 
 
@@ -81,13 +79,6 @@ def prune_backbone(config, parallel: ParallelState) -> PrunedBackbone:
         model, kept, pruned = prune_by_importance(config, arch, parallel)
         return PrunedBackbone(pruned, [model], kept)
     pruned = arch.with_num_layers(config.num_layers)
-    model = build_gpt_model(
-        pruned,
-        parallel.config,
-        transformer_impl=config.transformer_impl,
-        params_dtype=arch.torch_dtype_obj(),
-        perform_initialization=False,
-    )
     # The pruned model's layers are the source's first N: loading reads only those slices.
-    load_hf_weights(model, config.source, pruned, parallel.tp_rank, parallel.config.tensor_model_parallel_size)
+    model = load_source(config, pruned, parallel)
     return PrunedBackbone(pruned, [model], list(range(config.num_layers)))
