@@ -220,6 +220,18 @@ def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> Base
     )
 
 
+def require_psutil() -> None:
+    """megatron-core's checkpoint writer calls psutil inside its forked writer processes: without it each
+    writer dies before it reports, and the save waits for them forever instead of failing."""
+    import importlib.util
+
+    if importlib.util.find_spec("psutil") is None:
+        raise ModuleNotFoundError(
+            "saving a checkpoint needs psutil (megatron-core's checkpoint writer processes use it, and without "
+            "it the save hangs): install psutil==7.2.2."
+        )
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -228,6 +240,8 @@ def save_checkpoint(
 ) -> Path:
     """Save collectively into a temp dir, rename it into place, then move the latest pointer."""
     from megatron.core import dist_checkpointing
+
+    require_psutil()
 
     root = Path(root)
     final = iteration_dir(root, iteration)
