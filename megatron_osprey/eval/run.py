@@ -107,6 +107,33 @@ def _eos_ids(target_dir: Path, generation_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def visible_memory(device: str) -> tuple[int, int]:
+    """(bytes of `device`, bytes of host memory available now); on "cpu" both are the host's."""
+    import psutil
+
+    host = psutil.virtual_memory().available
+    if not device.startswith("cuda"):
+        return host, host
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(index).total_memory, host
+
+
+def check_target_fits(config, device: str) -> None:
+    """Refuse, with the numbers, a HF target that cannot fit the device it is moved to at --dtype (families the
+    plan arithmetic does not know are loaded unchecked)."""
+    from megatron_osprey.base.arch import load_target_config
+    from megatron_osprey.base.memory import check_eval_target_fits, estimate_eval_target_memory
+
+    try:
+        arch = load_target_config(config.target)
+    except ValueError:
+        return
+    estimate = estimate_eval_target_memory(arch, config.dtype, config.max_new_tokens, config.batch_size)
+    device_bytes, host_bytes = visible_memory(device)
+    check_eval_target_fits(estimate, str(config.target), config.dtype, device, device_bytes, host_bytes)
+
+
 def _load_target(config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,11 +143,13 @@ def _load_target(config):
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}.")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    if config.target_backend not in ("hf", "megatron"):
+        raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
+    if config.target_backend == "hf":
+        check_target_fits(config, device)  # from config.json alone, before any weight is read
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if config.target_backend == "megatron":
         return None, tokenizer, "cpu"
-    if config.target_backend != "hf":
-        raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[config.dtype]).to(device).eval()
     return model, tokenizer, device
 
