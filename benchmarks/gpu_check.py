@@ -199,6 +199,7 @@ def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
                     "loss_mask": torch.ones(1, sizes.seq, dtype=torch.bool),
                     "aux_hidden": torch.randn(1, sizes.seq, 3 * ht, generator=gen),
                     "final_hidden": torch.randn(1, sizes.seq, ht, generator=gen),
+                    "lengths": torch.tensor([sizes.seq]),
                 }.items()
             }
 

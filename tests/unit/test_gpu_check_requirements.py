@@ -109,6 +109,11 @@ def bare_python(tmp_path_factory) -> Path:
     return python
 
 
+def _bare_env() -> dict[str, str]:
+    """This process's environment less what would put another environment's packages on the bare venv's path."""
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def _json_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith('{"check"')]
 
@@ -130,7 +135,9 @@ def test_the_bare_venv_holds_torch_and_the_list_only(bare_python):
         "['torch', 'megatron.core', 'safetensors', 'yaml', 'psutil', 'numpy', 'einops', 'transformers', "
         "'megatron_osprey']}))"
     )
-    done = subprocess.run([str(bare_python), "-c", probe], cwd="/", capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [str(bare_python), "-c", probe], cwd="/", env=_bare_env(), capture_output=True, text=True, check=True
+    )
     found = json.loads(done.stdout)
     # Not even the project itself: gpu_check.py puts the checkout on sys.path, as on the GPU image.
     assert found == {
@@ -140,11 +147,10 @@ def test_the_bare_venv_holds_torch_and_the_list_only(bare_python):
 
 
 def test_the_dry_run_passes_with_torch_and_the_list_only(bare_python):
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     done = subprocess.run(
         [str(bare_python), str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--check-timeout", "120"],
         cwd="/",
-        env=dict(env, OMP_NUM_THREADS="1"),
+        env=dict(_bare_env(), OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=600,
