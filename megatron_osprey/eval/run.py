@@ -20,6 +20,7 @@ from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
+from megatron_osprey.speculative.ngram import NgramDrafter, is_ngram_dir
 
 RESULTS_TAG = "megatron_osprey.eval/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -79,6 +80,40 @@ def check_engine(config, settings: list[dict]) -> None:
             f"--batch-size {config.batch_size} decodes greedy chains only (--topk 1, --temperature 0); "
             f"trees and sampling run with --batch-size 1."
         )
+
+
+def check_ngram_drafters(config) -> None:
+    """An n-gram drafter drafts chains on the reference engine: refuse trees, batches and replay, naming it."""
+    for item in config.drafters:
+        if not is_ngram_dir(item.path):
+            continue
+        if config.topk != 1:
+            raise ValueError(
+                f"--drafter {item.name}={item.path} is an n-gram drafter, which drafts chains only; evaluate it "
+                f"with --topk 1 (got --topk {config.topk})."
+            )
+        if config.batch_size != 1 or config.replay:
+            raise ValueError(
+                f"--drafter {item.name}={item.path} is an n-gram drafter, which runs on the reference engine; "
+                f"evaluate it without --batch-size above 1 and without --replay."
+            )
+
+
+def check_ngram_fits_target(path: Path, drafter: NgramDrafter, target: Path, tokenizer) -> None:
+    """An n-gram table is over token ids: the target's tokenizer must be the one it was counted with."""
+    from megatron_osprey.speculative.ngram_corpus import vocab_sha256
+
+    recorded = drafter.metadata.get("vocab_sha256")
+    if drafter.vocab_size != len(tokenizer) or (recorded and recorded != vocab_sha256(tokenizer)):
+        raise ValueError(
+            f"--drafter {path} was counted with tokenizer {drafter.tokenizer or '?'} ({drafter.vocab_size} tokens), "
+            f"which is not --target {target}'s ({len(tokenizer)} tokens); rebuild it with --tokenizer {target}."
+        )
+
+
+# Target layers an n-gram drafter's target taps: the target adapters always return aux features, and an
+# n-gram drafter ignores them, so the cheapest valid choice.
+NGRAM_AUX_LAYERS = [0, 0, 0]
 
 
 def split_names(paths: list[Path]) -> list[str]:
@@ -269,6 +304,7 @@ def run_eval(config) -> dict:
     for kw in settings:
         SpecConfig(**kw)  # validate every draft shape before any loading
     check_engine(config, settings)
+    check_ngram_drafters(config)
     splits = split_names(config.data)
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):
@@ -296,15 +332,16 @@ def run_eval(config) -> dict:
     drafters, warnings = [], {}
     for item in config.drafters:
         loaded = load_drafter(item.path)
-        cfg = loaded.drafter.config
-        check_drafter_fits_target(item.path, cfg, config.target, target_config)
+        if isinstance(loaded.drafter, NgramDrafter):
+            check_ngram_fits_target(item.path, loaded.drafter, config.target, tokenizer)
+        else:
+            check_drafter_fits_target(item.path, loaded.drafter.config, config.target, target_config)
         warning = recorded_target_warning(item.path, loaded.run_config, config.target)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
             warnings[item.name] = warning
-        drafters.append(
-            (item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config), item.method or cfg.variant)
-        )
+        domain = item.train_domain or _domain_from_run_config(loaded.run_config)
+        drafters.append((item, loaded, domain, item.method or _variant(loaded.drafter)))
 
     from tqdm import tqdm
 
@@ -319,9 +356,13 @@ def run_eval(config) -> dict:
         _target_factory(config, model) as make_target,
     ):
         for item, loaded, domain, method in drafters:
-            drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
-            target = make_target(list(drafter.config.aux_layer_ids))
-            session = benchmark.make_session(drafter)
+            if isinstance(loaded.drafter, NgramDrafter):
+                drafter, aux = loaded.drafter, NGRAM_AUX_LAYERS
+            else:
+                drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
+                aux = list(drafter.config.aux_layer_ids)
+            target = make_target(aux)
+            session = benchmark.make_session(drafter, target_config.vocab_size)
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
@@ -355,9 +396,11 @@ def run_eval(config) -> dict:
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).
                     progress_done += len(requests)
+                    per_token = summary["draft_seconds_per_token"]
+                    drafting = "" if per_token is None else f", drafting {per_token * 1e6:.1f} us/token"
                     tqdm.write(
                         f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
-                        f"{len(requests)} requests, {summary['seconds']:.0f} s "
+                        f"{len(requests)} requests, {summary['seconds']:.0f} s{drafting} "
                         f"({progress_done}/{total} requests done)"
                     )
                     cells[index].append(Cell(item.name, method, domain, split, summary))
@@ -377,7 +420,8 @@ def run_eval(config) -> dict:
                         for r in results
                         if r.mismatch_at is not None
                     ]
-            loaded.drafter.to("cpu")
+            if not isinstance(loaded.drafter, NgramDrafter):
+                loaded.drafter.to("cpu")
     sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
     first = specs[0]
     results = {
@@ -398,7 +442,7 @@ def run_eval(config) -> dict:
                 "path": str(item.path),
                 "method": method,
                 "train_domain": domain,
-                "variant": loaded.drafter.config.variant,
+                "variant": _variant(loaded.drafter),
                 "source": loaded.source,
                 "trained_target": loaded.run_config.get("target"),
                 "target_warning": warnings.get(item.name),
@@ -416,6 +460,11 @@ def run_eval(config) -> dict:
     }
     write_results(results, Path(config.output))
     return results
+
+
+def _variant(drafter) -> str:
+    """The drafter's kind as results name it: osprey / eagle3 (its config) or ngram."""
+    return "ngram" if isinstance(drafter, NgramDrafter) else drafter.config.variant
 
 
 def merge_results(parts: list[dict], output: Path) -> dict:

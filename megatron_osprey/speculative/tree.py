@@ -68,6 +68,9 @@ def build_chain(session: DraftSession, root_logits: torch.Tensor, cfg: SpecConfi
     tree, logits, session_id = DraftTree(), root_logits, -1
     sample = cfg.temperature > 0 and cfg.sample_drafts
     for level in range(cfg.steps):
+        # A row of -inf is a drafter with nothing to propose (an n-gram drafter's unseen context): stop.
+        if bool(torch.isneginf(logits).all()):
+            break
         if sample:
             probs = _proposal_probs(logits, cfg.temperature)
             token = int(torch.multinomial(probs.float(), 1, generator=generator))
