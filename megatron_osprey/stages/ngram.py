@@ -116,4 +116,7 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The job door, as every stage's: the recipe registry resolves --recipe (no recipe holds this stage).
+    from megatron_osprey.recipes import run_stage
+
+    sys.exit(run_stage("ngram"))

@@ -124,7 +124,7 @@ def test_conversations_count_assistant_tokens_as_the_template_renders_them(tiny_
 
 
 def _evaluate(root, out, drafter_dir, *extra):
-    from megatron_osprey.eval.__main__ import main
+    from megatron_osprey.stages.evaluate import main
 
     return main(
         [
