@@ -2,6 +2,7 @@
 hidden-state norm per chain step with and without the post-norm."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -142,3 +143,37 @@ def test_osprey_reads_its_state_through_hidden_norm_so_the_post_norm_barely_move
     print("Osprey hidden norm per step, without / with post-norm:", pairs)
     assert max(without) < 1.2 * min(without)
     assert all(abs(a - b) < 0.02 * a for a, b in zip(without, with_post))
+
+
+def test_one_layer_eagle3_with_both_norms_exports_to_stock_sglang_flags_and_reads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_osprey.export.formats import export_drafter, read_export
+    from tests.sglang_stock import stock_load
+
+    target = ModelArch.from_hf_config(qwen3_config(layers=8, tie=False, vocab=VOCAB).to_dict())
+    arch = dataclasses.replace(_arch("eagle3", post=True, aux=True), body=eagle3_body(target, 1))
+    drafter = _random_reference(arch)
+    export_drafter(drafter, "sglang", tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["fc_norm"] is True
+    assert config["norm_output"] is True
+    loaded = stock_load(tmp_path / "s")  # sglang 0.5.23 builds fc_norm.{0,1,2} from the fc_norm flag
+    assert loaded.skipped == [] and loaded.missing == [] and "model.fc_norm.2.weight" in loaded.loaded
+    back = read_export(tmp_path / "s")
+    assert back.config == drafter.config
+    # SGLang's semantics on the exported tensors: each aux chunk RMS-normed by fc_norm.i, then fc; the state
+    # handed to the next draft step is norm(h) under norm_output.
+    tensors = load_file(str(tmp_path / "s" / "model.safetensors"))
+    ids, aux = _inputs(arch)
+    eps = config["rms_norm_eps"]
+    rms = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+    chunks = aux.chunk(3, dim=-1)
+    fused = torch.cat([rms(c, tensors[f"fc_norm.{i}.weight"]) for i, c in enumerate(chunks)], -1)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.fuse(aux), fused @ tensors["fc.weight"].T, atol=1e-5, rtol=1e-5)
+        _, state = drafter(ids, aux_hidden=aux)
+        _, hidden = drafter.ttt_forward(ids, aux, 1, return_hidden=True)
+    torch.testing.assert_close(state, rms(hidden[0], tensors["norm.weight"]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="--format speculators"):
+        export_drafter(drafter, "speculators", tmp_path / "spec")
