@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from megatron_osprey.base.atomic_io import atomic_path, write_json_atomic
+from megatron_osprey.models.drafter.reference import CONFIG_NAME
 
 from .draft_session import DraftSession
 
-FORMAT_TAG = "megatron_osprey.ngram_drafter/1"
-CONFIG_NAME = "config.json"
+NGRAM_FORMAT_TAG = "megatron_osprey.ngram_drafter/1"
 TABLES_NAME = "ngram.npz"
 
 # A multiply-xorshift hash of the context read newest token first, so the hash of k tokens extends the
@@ -131,7 +131,7 @@ class NgramDrafter:
             with open(tmp, "wb") as handle:
                 np.savez(handle, **arrays)
         config = {
-            "format": FORMAT_TAG,
+            "format": NGRAM_FORMAT_TAG,
             "order": self.order,
             "vocab_size": self.vocab_size,
             "tokenizer": self.tokenizer,
@@ -145,8 +145,8 @@ class NgramDrafter:
         """Read a directory that save() wrote (no pickle: plain arrays only)."""
         directory = Path(directory)
         config = json.loads((directory / CONFIG_NAME).read_text())
-        if config.get("format") != FORMAT_TAG:
-            raise ValueError(f"{directory / CONFIG_NAME} is not an n-gram drafter config (format {FORMAT_TAG}).")
+        if config.get("format") != NGRAM_FORMAT_TAG:
+            raise ValueError(f"{directory / CONFIG_NAME} is not an n-gram drafter config (format {NGRAM_FORMAT_TAG}).")
         if not (directory / TABLES_NAME).is_file():
             raise FileNotFoundError(f"{directory}: {TABLES_NAME} is missing beside its n-gram config.json.")
         order = int(config["order"])
@@ -171,7 +171,7 @@ def is_ngram_dir(path: str | Path) -> bool:
     if not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("format") == FORMAT_TAG
+        return json.loads(config.read_text()).get("format") == NGRAM_FORMAT_TAG
     except (ValueError, AttributeError):
         return False
 

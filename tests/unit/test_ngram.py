@@ -9,7 +9,7 @@ import torch
 from megatron_osprey.speculative import SpecConfig, build_chain
 from megatron_osprey.speculative import ngram as ngram_module
 from megatron_osprey.speculative.ngram import (
-    FORMAT_TAG,
+    NGRAM_FORMAT_TAG,
     NgramCounter,
     NgramDrafter,
     NgramDraftSession,
@@ -76,7 +76,7 @@ def test_the_store_round_trips_and_chunked_counting_equals_one_pass(tmp_path, mo
     whole.save(tmp_path / "ng")
     loaded = NgramDrafter.load(tmp_path / "ng")
     config = json.loads((tmp_path / "ng" / "config.json").read_text())
-    assert config["format"] == FORMAT_TAG and config["order"] == 4 and config["vocab_size"] == 20
+    assert config["format"] == NGRAM_FORMAT_TAG and config["order"] == 4 and config["vocab_size"] == 20
     assert is_ngram_dir(tmp_path / "ng") and not is_ngram_dir(tmp_path)
     for other in (chunked, loaded):
         for a, b in zip(whole.tables, other.tables):
