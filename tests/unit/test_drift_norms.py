@@ -9,7 +9,7 @@ import torch
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter.arch import DrafterArch, eagle3_body
-from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DrafterConfig
+from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DistillDrafterConfig
 from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.testing.tiny_models import qwen3_config
 
@@ -50,9 +50,11 @@ def _inputs(arch: DrafterArch):
 
 
 def test_flags_and_arch_carry_the_options_and_default_off():
-    assert not DrafterConfig().hidden_post_norm and not DrafterConfig().aux_hidden_norm
+    assert not DistillDrafterConfig().hidden_post_norm and not DistillDrafterConfig().aux_hidden_norm
     assert {"--hidden-post-norm", "--aux-hidden-norm"} <= {f.flag for f in DRAFTER_FLAGS}
-    arch = _arch("osprey", False, False).with_drift_norms(DrafterConfig(hidden_post_norm=True, aux_hidden_norm=True))
+    arch = _arch("osprey", False, False).with_drift_norms(
+        DistillDrafterConfig(hidden_post_norm=True, aux_hidden_norm=True)
+    )
     assert DrafterArch.from_dict(arch.to_dict()) == arch and arch.hidden_post_norm and arch.aux_hidden_norm
     old = {k: v for k, v in arch.to_dict().items() if k not in ("hidden_post_norm", "aux_hidden_norm")}
     assert not DrafterArch.from_dict(old).hidden_post_norm  # checkpoints saved before the options: off
