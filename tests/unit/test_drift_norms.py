@@ -179,3 +179,29 @@ def test_one_layer_eagle3_with_both_norms_exports_to_stock_sglang_flags_and_read
     torch.testing.assert_close(state, rms(hidden[0], tensors["norm.weight"]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="--format speculators"):
         export_drafter(drafter, "speculators", tmp_path / "spec")
+
+
+def test_distill_from_stage3_trains_both_options_and_the_checkpoint_serves_them(tmp_path):
+    # Stage 3's checkpoint has no fc_norm: distill starts those norms at ones, trains them, saves both options.
+    from megatron_osprey.eval.loading import load_megatron_drafter
+    from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.recipes import get_recipe
+    from megatron_osprey.testing.distill_setup import build_distill_setup
+    from megatron_osprey.training.distillation import run_distill
+
+    setup = build_distill_setup(tmp_path / "setup")
+    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
+    cfg.target.path, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
+    cfg.data.data_path = [str(setup["data"])]
+    cfg.training.seq_length, cfg.training.train_iters = 64, 3
+    cfg.logging.progress_bar = False
+    cfg.drafter.hidden_post_norm = cfg.drafter.aux_hidden_norm = True
+    cfg.checkpoint.save = str(tmp_path / "ckpt")
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    assert result.arch.hidden_post_norm and result.arch.aux_hidden_norm
+    loaded = load_megatron_drafter(tmp_path / "ckpt")
+    assert loaded.drafter.config.hidden_post_norm and loaded.drafter.config.aux_hidden_norm
+    weights = torch.stack([norm.weight for norm in loaded.drafter.fc_norm])
+    assert weights.shape == (3, loaded.drafter.config.target_hidden_size)
+    assert not torch.equal(weights, torch.ones_like(weights))  # moved off their init: trained, and saved
