@@ -8,7 +8,7 @@ import pytest
 
 from megatron_osprey.base.arch import load_target_config
 from megatron_osprey.base.memory import GIB, TargetMemoryError, check_eval_target_fits, estimate_eval_target_memory
-from megatron_osprey.eval import run
+from megatron_osprey.eval import checks, run
 
 # meta-llama/Llama-3.3-70B-Instruct's published config.json.
 LLAMA_70B = {
@@ -59,7 +59,7 @@ def test_the_estimate_counts_the_published_parameters_and_the_kv_cache(target):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_70b_target_on_one_80_gib_gpu_is_refused_with_the_numbers(target, dtype, monkeypatch, nothing_loaded):
-    monkeypatch.setattr(run, "visible_memory", lambda device: (80 * GIB, 2048 * GIB))
+    monkeypatch.setattr(checks, "visible_memory", lambda device: (80 * GIB, 2048 * GIB))
     with pytest.raises(TargetMemoryError) as refused:
         run._load_target(_config(target, dtype))
     message = str(refused.value)
@@ -72,7 +72,7 @@ def test_a_70b_target_on_one_80_gib_gpu_is_refused_with_the_numbers(target, dtyp
 
 
 def test_on_cpu_the_host_memory_is_the_budget(target, monkeypatch, nothing_loaded):
-    monkeypatch.setattr(run, "visible_memory", lambda device: (24 * GIB, 24 * GIB))
+    monkeypatch.setattr(checks, "visible_memory", lambda device: (24 * GIB, 24 * GIB))
     with pytest.raises(ValueError, match=r"host's available memory is 24\.0 GiB"):
         run._load_target(_config(target, "bfloat16", device="cpu"))
 
@@ -87,5 +87,5 @@ def test_weights_larger_than_the_host_are_refused_even_when_the_gpu_holds_them(t
 
 def test_a_family_the_plan_cannot_size_is_loaded_unchecked(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}))
-    monkeypatch.setattr(run, "visible_memory", lambda device: (0, 0))
-    assert run.check_target_fits(_config(tmp_path, "float32"), "cuda") is None
+    monkeypatch.setattr(checks, "visible_memory", lambda device: (0, 0))
+    assert checks.check_target_fits(_config(tmp_path, "float32"), "cuda") is None
