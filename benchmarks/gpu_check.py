@@ -5,8 +5,8 @@
     python benchmarks/gpu_check.py --dry-run     # CPU, toy sizes: the same code paths (tests run this)
     python benchmarks/gpu_check.py --only ttt_memory ttt_loss
 
-Checks (each line: {"check": NAME, "ok": true|false, ...figures}; a check that raises prints ok false
-and its error, and the next check still runs):
+Checks (each line: {"check": NAME, "ok": true|false, ...figures}; a check that raises, or runs past
+--check-timeout seconds, prints ok false and its error, and the next check still runs):
   init         torch.distributed up with NCCL and the CPU compatibility layer off (an NCCL all-reduce).
   placement    every parameter, buffer and rotary table of the drafter and the backbone on the GPU.
   train_steps  one BF16 training step of the drafter (TTT loss) and of the backbone (LM loss), each
@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import json
 import math
+import signal
 import sys
 import tempfile
 import time
@@ -198,6 +199,7 @@ def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
                     "loss_mask": torch.ones(1, sizes.seq, dtype=torch.bool),
                     "aux_hidden": torch.randn(1, sizes.seq, 3 * ht, generator=gen),
                     "final_hidden": torch.randn(1, sizes.seq, ht, generator=gen),
+                    "lengths": torch.tensor([sizes.seq]),
                 }.items()
             }
 
@@ -419,8 +421,20 @@ def _free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _guarded(name: str, fn, *args) -> dict:
+class CheckTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise CheckTimeout("ran past --check-timeout (a child process may have died while the check waited on it)")
+
+
+def _guarded(name: str, limit_s: int, fn, *args) -> dict:
+    """Run one check; an error or running past limit_s prints its failing line and the next check runs."""
     start = time.perf_counter()
+    # A check that waits forever (a dead writer process in a checkpoint save) must not take the whole window.
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(limit_s)
     try:
         line = fn(*args)
     except Exception as err:  # one failing check must not hide the others
@@ -433,6 +447,9 @@ def _guarded(name: str, fn, *args) -> dict:
         )
         traceback.clear_frames(err.__traceback__)  # the frames hold the check's models alive
         del err
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     _free_memory()
     return line
 
@@ -441,6 +458,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (no GPU needed)")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument(
+        "--check-timeout", type=int, default=180, metavar="S", help="seconds one check may run (default 180)"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; use --dry-run for the CPU toy run.", file=sys.stderr)
@@ -459,11 +479,11 @@ def main(argv=None) -> int:
                 "checkpoint": check_checkpoint,
                 "ttt_loss": check_ttt_loss,
             }
-            lines += [_guarded(name, table[name], sizes, state) for name in in_context]
+            lines += [_guarded(name, args.check_timeout, table[name], sizes, state) for name in in_context]
     if "ttt_memory" in args.only:
-        lines.append(_guarded("ttt_memory", check_ttt_memory, sizes))
+        lines.append(_guarded("ttt_memory", args.check_timeout, check_ttt_memory, sizes))
     if "throughput" in args.only:
-        lines.append(_guarded("throughput", check_throughput, sizes))
+        lines.append(_guarded("throughput", args.check_timeout, check_throughput, sizes))
     return 0 if all(line["ok"] for line in lines) else 1
 
 

@@ -6,6 +6,7 @@
   osprey submit RECIPE --stage STAGE --run-dir DIR [--set ...] [--dry-run]
   osprey recipes
   osprey data --input DOMAIN=FILE ... --target DIR --output DIR   (your own prompts, eval sets, counts)
+  osprey ngram --input FILE.jsonl ... --tokenizer TARGET_DIR --output DIR   (an n-gram drafter)
   osprey cluster up|status|down [--dir DIR]
   osprey fetch-model NAME --output DIR
 
@@ -46,6 +47,7 @@ STAGE_HELP = {
 # Doors that take only their own flags (no recipe): the stage module parses them.
 FLAG_DOORS = {
     "data": "build the prompts, eval sets and token counts a recipe reads from your own files (osprey data --help)",
+    "ngram": "count an n-gram drafter from text or conversations with the target's tokenizer (osprey ngram --help)",
 }
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, STAGES, Recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Stages outside every recipe's chain, run with their own flags only (`osprey data ...`, `osprey ngram ...`).
+FLAG_STAGES = ("data", "ngram")
 
 
 def work_dir() -> Path:
@@ -23,8 +25,8 @@ def work_dir() -> Path:
 
 def stage_module(stage: str) -> str:
     """The module every job and local run of `stage` executes (`python -m ...`)."""
-    if stage not in (*STAGES, "data"):
-        raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}.")
+    if stage not in (*STAGES, *FLAG_STAGES):
+        raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join((*STAGES, *FLAG_STAGES))}.")
     return f"megatron_osprey.stages.{stage}"
 
 

@@ -60,6 +60,8 @@ def stock_parameters(config: dict) -> dict[str, tuple[int, ...]]:
         "model.fc.weight": (h, aux * target_h),
         "model.norm.weight": (h,),
     }
+    if config.get("fc_norm") or config.get("use_aux_norm", False):  # one RMSNorm per aux state before fc
+        params.update({f"model.fc_norm.{i}.weight": (target_h,) for i in range(aux)})
     for i in range(config.get("num_hidden_layers", 1)):
         prefix = f"model.layers.{i}"
         params[f"{prefix}.self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * d, 2 * h if i == 0 else h)

@@ -187,3 +187,54 @@ def ttt_logits_bytes(rows: int, local_vocab: int, steps: int, dtype_bytes: int =
     saves (TTT_LOSS_SAVED_BYTES_PER_LOGIT per entry per step), the target's logits in the compute dtype,
     and the backward's float32 logits gradient of one step."""
     return rows * local_vocab * (TTT_LOSS_SAVED_BYTES_PER_LOGIT * steps + dtype_bytes + 4)
+
+
+# Bytes per element of the dtypes `osprey eval --dtype` loads a HF target in.
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def estimate_eval_target_memory(arch: ModelArch, dtype: str, tokens: int, batch_size: int = 1) -> MemoryEstimate:
+    """The least one device needs to decode with the whole HF target in `dtype` (local `osprey eval`): its
+    weights and a KV cache of `tokens` positions per sequence, plus the runtime reserve. Prompts and the
+    forward's own activations come on top, so a refusal on this figure is certain."""
+    width = DTYPE_BYTES[dtype]
+    weights = arch.num_parameters() * width
+    kv_cache = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * tokens * batch_size * width
+    layout = f"the whole target in {dtype}, a {tokens}-token KV cache x {batch_size} sequence(s)"
+    return MemoryEstimate(weights, kv_cache, RUNTIME_RESERVE_BYTES, layout)
+
+
+def check_eval_target_fits(
+    estimate: MemoryEstimate, target: str, dtype: str, device: str, device_bytes: int, host_bytes: int
+) -> None:
+    """Refuse (TargetMemoryError naming --target and --dtype, with the numbers) a local eval whose target
+    cannot fit: transformers first loads the weights into host memory, then moves them to `device`, whose
+    `device_bytes` must hold the weights, the KV cache and the runtime reserve (on "cpu", the host's)."""
+    on_cpu = device == "cpu"
+    need = estimate.weight_bytes + estimate.activation_bytes + (0 if on_cpu else estimate.reserve_bytes)
+    problems = []
+    if estimate.weight_bytes > host_bytes and not on_cpu:
+        problems.append(
+            f"its weights alone ({estimate.weight_bytes / GIB:.1f} GiB) exceed the host's available "
+            f"{host_bytes / GIB:.1f} GiB, where they are loaded first"
+        )
+    budget = host_bytes if on_cpu else device_bytes
+    if need > budget:
+        where = "the host's available memory" if on_cpu else f"{device}'s memory"
+        problems.append(
+            f"it needs at least {need / GIB:.1f} GiB (weights {estimate.weight_bytes / GIB:.1f} GiB + KV cache "
+            f"{estimate.activation_bytes / GIB:.1f} GiB"
+            + ("" if on_cpu else f" + runtime reserve {estimate.reserve_bytes / GIB:.1f} GiB")
+            + f") but {where} is {budget / GIB:.1f} GiB"
+        )
+    if not problems:
+        return
+    hint = ""
+    if DTYPE_BYTES[dtype] > DTYPE_BYTES["bfloat16"]:
+        halved = estimate.weight_bytes // DTYPE_BYTES[dtype] * DTYPE_BYTES["bfloat16"]
+        hint = f"pass --dtype bfloat16 ({halved / GIB:.1f} GiB of weights), "
+    raise TargetMemoryError(
+        f"--target {target} cannot be evaluated locally at --dtype {dtype} ({estimate.layout}): "
+        + "; ".join(problems)
+        + f". {hint}lower --max-new-tokens, or evaluate it with SGLang on the cluster (the Slurm eval path)."
+    )

@@ -26,6 +26,7 @@ from megatron_osprey.speculative.batched import (
     replay_speculative_generate,
     target_features,
 )
+from megatron_osprey.speculative.ngram import NgramDrafter, NgramDraftSession
 
 
 @dataclass
@@ -43,6 +44,9 @@ class RequestResult:
     mismatch_at: int | None = None
     target_seconds: float | None = None
     output_ids: list[int] = field(default_factory=list)
+    # Drafter wall time and proposed tokens (the reference engine measures them; the batched ones do not).
+    draft_seconds: float | None = None
+    drafted_tokens: int | None = None
 
     @property
     def acceptance_length(self) -> float:
@@ -56,8 +60,10 @@ class RequestResult:
         }
 
 
-def make_session(drafter: ReferenceDrafter) -> DraftSession:
-    """The draft session the benchmark drives (one per drafter)."""
+def make_session(drafter: ReferenceDrafter | NgramDrafter, target_vocab_size: int | None = None) -> DraftSession:
+    """The draft session the benchmark drives (one per drafter; an n-gram one proposes over the target's ids)."""
+    if isinstance(drafter, NgramDrafter):
+        return NgramDraftSession(drafter, target_vocab_size)
     return ReferenceDraftSession(drafter)
 
 
@@ -104,6 +110,8 @@ def run_requests(
             seconds,
             list(out.accept_lengths),
             output_ids=[int(t) for t in out.tokens],
+            draft_seconds=out.draft_seconds,
+            drafted_tokens=out.drafted_tokens,
         )
         if verify_lossless:
             if prompt.id not in references:

@@ -6,7 +6,9 @@ Accepted directories, detected from their contents:
 * a Megatron drafter checkpoint root (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/run_config.yaml``
   naming a ``drafter``), as Stage 3 (``OUT/megatron``) and Stage 4 write it;
 * a Stage 3 output directory (``OUT/`` holding ``megatron/``; its Megatron weights win over ``hf/``);
-* an export from ``tools/export_checkpoint.py`` (``sglang`` or ``speculators`` layout), read back exactly.
+* an export from ``tools/export_checkpoint.py`` (``sglang`` or ``speculators`` layout), read back exactly;
+* an n-gram drafter (``config.json`` tagged ``megatron_osprey.ngram_drafter/1``, the ngram stage's output),
+  loaded as an NgramDrafter: it drafts chains from token statistics and reads no target hidden state.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.models.drafter.reference import CONFIG_NAME, FORMAT_TAG, ReferenceDrafter
+from megatron_osprey.speculative.ngram import NgramDrafter, is_ngram_dir
 
 
 @dataclass
 class LoadedDrafter:
     """A drafter plus what its directory says about how it was made."""
 
-    drafter: ReferenceDrafter
-    source: str  # "reference", "megatron" or an export format name
+    drafter: ReferenceDrafter | NgramDrafter
+    source: str  # "reference", "megatron", "ngram" or an export format name
     run_config: dict = field(default_factory=dict)
 
 
@@ -88,6 +91,8 @@ def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory.")
+    if is_ngram_dir(path):
+        return LoadedDrafter(NgramDrafter.load(path), "ngram")
     if is_megatron_checkpoint(path):
         return load_megatron_drafter(path)
     if is_megatron_checkpoint(path / "megatron"):

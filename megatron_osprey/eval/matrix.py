@@ -27,6 +27,8 @@ def summarize(requests: list[dict]) -> dict:
     verifies = sum(r["verify_count"] for r in requests)
     seconds = sum(r["seconds"] for r in requests)
     per_request = [r["completion_tokens"] / max(r["verify_count"], 1) for r in requests]
+    timed = [r for r in requests if r.get("drafted_tokens")]
+    drafted = sum(r["drafted_tokens"] for r in timed)
     return {
         "requests": len(requests),
         "mean_acceptance_length": sum(per_request) / len(per_request),
@@ -35,6 +37,9 @@ def summarize(requests: list[dict]) -> dict:
         "verify_count": verifies,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        # Drafting cost: drafter wall time over the tokens it proposed, pooled (None when not measured).
+        "drafted_tokens": drafted,
+        "draft_seconds_per_token": sum(r["draft_seconds"] for r in timed) / drafted if drafted else None,
     }
 
 
@@ -52,7 +57,7 @@ def build_matrices(cells: list[Cell], splits: list[str]) -> dict:
             method["train_domains"].append(cell.train_domain)
     lookup = {(c.drafter, c.split): c for c in cells}
     for method in out.values():
-        al, pooled, speed, ident, other = [], [], [], [], []
+        al, pooled, speed, ident, other, drafting = [], [], [], [], [], []
         for drafter, domain in zip(method["drafters"], method["train_domains"]):
             row_al, row_pooled, row_speed = [], [], []
             for split in splits:
@@ -61,6 +66,8 @@ def build_matrices(cells: list[Cell], splits: list[str]) -> dict:
                 row_al.append(value)
                 row_pooled.append(None if cell is None else cell.summary["pooled_acceptance_length"])
                 row_speed.append(None if cell is None else cell.summary["tokens_per_s"])
+                if cell is not None and cell.summary.get("draft_seconds_per_token") is not None:
+                    drafting.append(cell.summary["draft_seconds_per_token"])
                 if value is not None and domain is not None:
                     (ident if domain == split else other).append(value)
             al.append(row_al)
@@ -76,6 +83,7 @@ def build_matrices(cells: list[Cell], splits: list[str]) -> dict:
             ood_mean=_mean(other),
             id_cells=len(ident),
             ood_cells=len(other),
+            draft_seconds_per_token=_mean(drafting),  # the mean over cells of each cell's pooled figure
         )
     return out
 
@@ -95,15 +103,18 @@ def matrix_markdown(matrices: dict, header: str = "") -> str:
         lines += [header, ""]
     lines += [
         "AL = per-request mean of completion_tokens / verify_count (SGLang's definition); ID = diagonal "
-        "(drafter trained on the eval domain), OOD = off-diagonal, mean = all cells.",
+        "(drafter trained on the eval domain), OOD = off-diagonal, mean = all cells. Drafting: the drafter's wall "
+        "time (prefill, commits, drafting) per proposed token, averaged over cells.",
         "",
-        "| method | mean AL | ID AL | OOD AL | cells (ID/OOD) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| method | mean AL | ID AL | OOD AL | cells (ID/OOD) | drafting us/token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, m in matrices.items():
+        per_token = m.get("draft_seconds_per_token")
+        drafting = "-" if per_token is None else f"{per_token * 1e6:.1f}"
         lines.append(
             f"| {name} | {_fmt(m['mean'])} | {_fmt(m['id_mean'])} | {_fmt(m['ood_mean'])} | "
-            f"{m['id_cells']}/{m['ood_cells']} |"
+            f"{m['id_cells']}/{m['ood_cells']} | {drafting} |"
         )
     for name, m in matrices.items():
         lines += [

@@ -15,11 +15,21 @@ import torch
 
 from megatron_osprey.base.atomic_io import write_text_atomic
 from megatron_osprey.eval import benchmark
+from megatron_osprey.eval.checks import (
+    check_drafter_fits_target,
+    check_engine,
+    check_ngram_drafters,
+    check_ngram_fits_target,
+    check_target_fits,
+    fit_prompts,
+    recorded_target_warning,
+)
 from megatron_osprey.eval.config import DrafterSpec  # noqa: F401  (the drafters a run names)
 from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
+from megatron_osprey.speculative.ngram import NgramDrafter
 
 RESULTS_TAG = "megatron_osprey.eval/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -54,31 +64,9 @@ def sweep_settings(config) -> list[dict]:
     return settings
 
 
-def check_engine(config, settings: list[dict]) -> None:
-    """--replay and --batch-size above 1 decode greedy chains on the HF target only (one error per bad flag)."""
-    if config.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {config.batch_size}.")
-    if config.replay:
-        if config.verify_lossless:
-            raise ValueError(
-                "--replay commits the target-only output by construction, so --verify-lossless would "
-                "check nothing; check live decoding without --replay."
-            )
-        if config.target_backend != "hf" or any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
-            raise ValueError("--replay covers greedy chains (--topk 1, --temperature 0) on the HF target only.")
-        return
-    if config.batch_size == 1:
-        return
-    if config.target_backend != "hf":
-        raise ValueError(
-            f"--batch-size {config.batch_size} needs --target-backend hf (the batched engine drives a HF "
-            f"model's KV cache); use --batch-size 1 with --target-backend {config.target_backend}."
-        )
-    if any(kw["topk"] != 1 or kw["temperature"] != 0 for kw in settings):
-        raise ValueError(
-            f"--batch-size {config.batch_size} decodes greedy chains only (--topk 1, --temperature 0); "
-            f"trees and sampling run with --batch-size 1."
-        )
+# Target layers an n-gram drafter's target taps: the target adapters always return aux features, and an
+# n-gram drafter ignores them, so the cheapest valid choice.
+NGRAM_AUX_LAYERS = [0, 0, 0]
 
 
 def split_names(paths: list[Path]) -> list[str]:
@@ -116,11 +104,13 @@ def _load_target(config):
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}.")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    if config.target_backend not in ("hf", "megatron"):
+        raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
+    if config.target_backend == "hf":
+        check_target_fits(config, device)  # from config.json alone, before any weight is read
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if config.target_backend == "megatron":
         return None, tokenizer, "cpu"
-    if config.target_backend != "hf":
-        raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[config.dtype]).to(device).eval()
     return model, tokenizer, device
 
@@ -136,81 +126,6 @@ def _target_facts(config, model) -> tuple[object, object]:
     except OSError:
         generation = None
     return AutoConfig.from_pretrained(str(config.target)), generation
-
-
-def fit_prompts(prompts: list, path: Path, config, max_positions: int | None, draft_tokens: int) -> tuple[list, int]:
-    """Refuse (or, with --truncate-prompts, left-truncate) prompts whose decode would pass the target's positions.
-
-    A prompt plus --max-new-tokens plus one verify step's draft tokens must fit in
-    max_position_embeddings; past it a RoPE model decodes without an error but
-    out of its trained range, so the AL would be measured on garbage.
-    """
-    if not max_positions:
-        return prompts, 0
-    room = max_positions - config.max_new_tokens - draft_tokens
-    out, cut = [], 0
-    for prompt in prompts:
-        n = len(prompt.input_ids)
-        if n <= room:
-            out.append(prompt)
-            continue
-        if not config.truncate_prompts or room < 1:
-            raise ValueError(
-                f"--data {path}: prompt {prompt.id!r} has {n} tokens; with --max-new-tokens {config.max_new_tokens} "
-                f"and {draft_tokens} draft tokens it needs {n + config.max_new_tokens + draft_tokens} positions, more "
-                f"than --target {config.target}'s max_position_embeddings {max_positions}. Pass --truncate-prompts "
-                f"to keep its last {max(room, 0)} tokens, or lower --max-new-tokens."
-            )
-        out.append(type(prompt)(prompt.id, prompt.input_ids[n - room :]))
-        cut += 1
-    return out, cut
-
-
-def recorded_target_warning(path: Path, run_config: dict, target: Path) -> str | None:
-    """A warning when the drafter was trained against another target than --target (None: the same, or unknown).
-
-    Shapes can match across targets (two fine-tunes of one base): the drafter then runs, but its
-    acceptance length measures the wrong pairing. Two directories holding the same config.json and
-    tokenizer count as the same target.
-    """
-    from megatron_osprey.base.checksums import file_sha256
-
-    recorded = run_config.get("target")
-    if not recorded or Path(recorded).resolve() == Path(target).resolve():
-        return None
-
-    def identity(directory: Path) -> list[str | None]:
-        files = [directory / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json")]
-        return [file_sha256(f) if f.is_file() else None for f in files]
-
-    if Path(recorded).is_dir() and Path(target).is_dir() and identity(Path(recorded)) == identity(Path(target)):
-        return None
-    return (
-        f"--drafter {path} was trained against target {recorded}, but --target is {target}; its acceptance "
-        f"length measures another pairing than the one it was trained for."
-    )
-
-
-def check_drafter_fits_target(path: Path, drafter_config, target: Path, target_config) -> None:
-    """The drafter reads the target's hidden states: sizes and tapped layers must match, naming both models."""
-    vocab = target_config.vocab_size
-    if drafter_config.vocab_size != vocab:
-        raise ValueError(
-            f"--drafter {path}: its vocabulary ({drafter_config.vocab_size}) is not the target's "
-            f"({vocab}); was it adapted to --target {target}?"
-        )
-    hidden = getattr(target_config, "hidden_size", None)
-    if hidden is not None and drafter_config.target_hidden_size != hidden:
-        raise ValueError(
-            f"--drafter {path} was trained on hidden states of size {drafter_config.target_hidden_size}, "
-            f"but --target {target} has hidden_size {hidden}; it belongs to another target."
-        )
-    layers = getattr(target_config, "num_hidden_layers", None)
-    if layers is not None and max(drafter_config.aux_layer_ids) >= layers:
-        raise ValueError(
-            f"--drafter {path} taps target layers {list(drafter_config.aux_layer_ids)}, but --target "
-            f"{target} has {layers} layers; it belongs to another target."
-        )
 
 
 @contextlib.contextmanager
@@ -240,6 +155,7 @@ def run_eval(config) -> dict:
     for kw in settings:
         SpecConfig(**kw)  # validate every draft shape before any loading
     check_engine(config, settings)
+    check_ngram_drafters(config)
     splits = split_names(config.data)
     names = [d.name for d in config.drafters]
     if len(set(names)) != len(names):
@@ -267,15 +183,16 @@ def run_eval(config) -> dict:
     drafters, warnings = [], {}
     for item in config.drafters:
         loaded = load_drafter(item.path)
-        cfg = loaded.drafter.config
-        check_drafter_fits_target(item.path, cfg, config.target, target_config)
+        if isinstance(loaded.drafter, NgramDrafter):
+            check_ngram_fits_target(item.path, loaded.drafter, config.target, tokenizer)
+        else:
+            check_drafter_fits_target(item.path, loaded.drafter.config, config.target, target_config)
         warning = recorded_target_warning(item.path, loaded.run_config, config.target)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
             warnings[item.name] = warning
-        drafters.append(
-            (item, loaded, item.train_domain or _domain_from_run_config(loaded.run_config), item.method or cfg.variant)
-        )
+        domain = item.train_domain or _domain_from_run_config(loaded.run_config)
+        drafters.append((item, loaded, domain, item.method or _variant(loaded.drafter)))
 
     from tqdm import tqdm
 
@@ -290,9 +207,13 @@ def run_eval(config) -> dict:
         _target_factory(config, model) as make_target,
     ):
         for item, loaded, domain, method in drafters:
-            drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
-            target = make_target(list(drafter.config.aux_layer_ids))
-            session = benchmark.make_session(drafter)
+            if isinstance(loaded.drafter, NgramDrafter):
+                drafter, aux = loaded.drafter, NGRAM_AUX_LAYERS
+            else:
+                drafter = loaded.drafter.to(device=device, dtype=DTYPES[config.dtype])
+                aux = list(drafter.config.aux_layer_ids)
+            target = make_target(aux)
+            session = benchmark.make_session(drafter, target_config.vocab_size)
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
@@ -326,9 +247,11 @@ def run_eval(config) -> dict:
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).
                     progress_done += len(requests)
+                    per_token = summary["draft_seconds_per_token"]
+                    drafting = "" if per_token is None else f", drafting {per_token * 1e6:.1f} us/token"
                     tqdm.write(
                         f"eval: {item.name} on {split}: AL {summary['mean_acceptance_length']:.3f} over "
-                        f"{len(requests)} requests, {summary['seconds']:.0f} s "
+                        f"{len(requests)} requests, {summary['seconds']:.0f} s{drafting} "
                         f"({progress_done}/{total} requests done)"
                     )
                     cells[index].append(Cell(item.name, method, domain, split, summary))
@@ -348,7 +271,8 @@ def run_eval(config) -> dict:
                         for r in results
                         if r.mismatch_at is not None
                     ]
-            loaded.drafter.to("cpu")
+            if not isinstance(loaded.drafter, NgramDrafter):
+                loaded.drafter.to("cpu")
     sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
     first = specs[0]
     results = {
@@ -369,7 +293,7 @@ def run_eval(config) -> dict:
                 "path": str(item.path),
                 "method": method,
                 "train_domain": domain,
-                "variant": loaded.drafter.config.variant,
+                "variant": _variant(loaded.drafter),
                 "source": loaded.source,
                 "trained_target": loaded.run_config.get("target"),
                 "target_warning": warnings.get(item.name),
@@ -387,6 +311,11 @@ def run_eval(config) -> dict:
     }
     write_results(results, Path(config.output))
     return results
+
+
+def _variant(drafter) -> str:
+    """The drafter's kind as results name it: osprey / eagle3 (its config) or ngram."""
+    return "ngram" if isinstance(drafter, NgramDrafter) else drafter.config.variant
 
 
 def merge_results(parts: list[dict], output: Path) -> dict:

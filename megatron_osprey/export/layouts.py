@@ -151,6 +151,12 @@ def sglang_config(
         config["swap_h_and_emb"] = True
     elif cfg.num_layers > 1:
         config["eagle3_extra_layers"] = cfg.eagle3_extra_layers
+    # The flags sglang 0.5.23's LlamaForCausalLMEagle3 reads (the plugin too): an RMSNorm per aux state before
+    # fc (weights fc_norm.{0,1,2}), and the final-normed hidden as the state the next draft step reads.
+    if cfg.aux_hidden_norm:
+        config["fc_norm"] = True
+    if cfg.hidden_post_norm:
+        config["norm_output"] = True
     config["megatron_osprey"] = {**_reference_fields(cfg), **(extra or {})}
     return config
 
@@ -160,6 +166,12 @@ def sglang_config(
 
 def speculators_refusal(cfg: DrafterConfig) -> str | None:
     """Why this drafter does not fit speculators' Eagle3 format, or None when it does."""
+    if cfg.hidden_post_norm or cfg.aux_hidden_norm:
+        return (
+            "--format speculators: Eagle3Speculator has no post-norm between draft steps and no per-state "
+            "norm before fc; export a drafter trained with --hidden-post-norm or --aux-hidden-norm with "
+            "--format sglang."
+        )
     if cfg.variant == "osprey":
         return (
             "--format speculators: an Osprey drafter keeps its own embedding as the residual stream in every "
@@ -265,4 +277,6 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
         variant="osprey" if config.get("swap_h_and_emb") else "eagle3",
         # A third-party multi-layer draft without the key is SGLang's stock layout: plain extra layers.
         eagle3_extra_layers=config.get("eagle3_extra_layers", "plain"),
+        hidden_post_norm=bool(config.get("norm_output", False)),
+        aux_hidden_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
     )

@@ -74,6 +74,10 @@ class SpecResult:
     tokens: list[int]
     verify_count: int
     accept_lengths: list[int] = field(default_factory=list)
+    # Wall time inside the drafter (prefill, commits and drafting) and the tokens it proposed: drafting
+    # cost per token, which is what makes a cheap drafter worth its lower acceptance.
+    draft_seconds: float = 0.0
+    drafted_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -84,6 +88,11 @@ class SpecResult:
     def acceptance_length(self) -> float:
         """AL = completion_tokens / verify_count (SGLang's definition; the prefill token counts)."""
         return self.completion_tokens / max(self.verify_count, 1)
+
+    @property
+    def draft_seconds_per_token(self) -> float | None:
+        """Drafter wall time per proposed token (None when nothing was proposed)."""
+        return self.draft_seconds / self.drafted_tokens if self.drafted_tokens else None
 
 
 def acceptance_summary(results: list[SpecResult]) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatron_osprey.models.target.decoding import TargetModel
@@ -49,10 +51,13 @@ def speculative_generate(
     result = SpecResult(tokens=tokens, verify_count=0)
     if done:
         return result
+    began = time.perf_counter()
     root_logits = drafter.start(prompt_ids, tokens[-1], aux)
     while True:
         tree = build_draft(drafter, root_logits, cfg, generator)
         drafter.end_round()
+        result.draft_seconds += time.perf_counter() - began
+        result.drafted_tokens += len(tree)
         verify_tokens, depths, allowed = tree.verify_inputs(tokens[-1])
         target_logits, target_aux = target.verify(verify_tokens, depths, allowed)
         result.verify_count += 1
@@ -67,6 +72,7 @@ def speculative_generate(
             return result
         rows = [0] + [i + 1 for i in path]
         target.commit(rows)
+        began = time.perf_counter()
         root_logits = drafter.extend(torch.tensor(new), target_aux[rows])
 
 

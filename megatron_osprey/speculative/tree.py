@@ -68,12 +68,17 @@ def build_chain(session: DraftSession, root_logits: torch.Tensor, cfg: SpecConfi
     tree, logits, session_id = DraftTree(), root_logits, -1
     sample = cfg.temperature > 0 and cfg.sample_drafts
     for level in range(cfg.steps):
+        # A row of -inf is a drafter with nothing to propose (an n-gram drafter's unseen context): stop.
         if sample:
+            if bool(torch.isneginf(logits).all()):
+                break
             probs = _proposal_probs(logits, cfg.temperature)
             token = int(torch.multinomial(probs.float(), 1, generator=generator))
             tree.add(token, level - 1, probs)
         else:
             token = int(torch.argmax(logits))
+            if logits[token] == float("-inf"):  # the maximum is -inf: every entry is
+                break
             tree.add(token, level - 1)
         if level < cfg.steps - 1:
             logits = session.expand([session_id], torch.tensor([token]))[0]

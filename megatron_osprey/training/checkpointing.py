@@ -220,6 +220,18 @@ def _explain_failed_save(exc: BaseException, root: Path, iteration: int) -> Base
     )
 
 
+def require_psutil() -> None:
+    """megatron-core's checkpoint writer calls psutil inside its forked writer processes: without it each
+    writer dies before it reports, and the save waits for them forever instead of failing."""
+    import importlib.util
+
+    if importlib.util.find_spec("psutil") is None:
+        raise ModuleNotFoundError(
+            "saving a checkpoint needs psutil (megatron-core's checkpoint writer processes use it, and without "
+            "it the save hangs): install psutil==7.2.2."
+        )
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -228,6 +240,8 @@ def save_checkpoint(
 ) -> Path:
     """Save collectively into a temp dir, rename it into place, then move the latest pointer."""
     from megatron.core import dist_checkpointing
+
+    require_psutil()
 
     root = Path(root)
     final = iteration_dir(root, iteration)
@@ -529,19 +543,26 @@ def _same_model_split(saved: dict | None, current: dict) -> bool:
     return saved is not None and all(saved.get(k) == current[k] for k in keys)
 
 
-def load_model_weights(root: str | Path, module, iteration: int | None = None, *, verify: bool = True) -> int:
+def load_model_weights(
+    root: str | Path, module, iteration: int | None = None, *, verify: bool = True, fresh: tuple[str, ...] = ()
+) -> int:
     """A model's weights from any of our checkpoints (Stage 1/3 or training), resharded to this layout.
 
     Training checkpoints also hold the optimizer, scheduler and counters as common
     state; only the model's own keys are taken. Transformer Engine modules add
     `_extra_state` entries (their FP8 scaling state) that a checkpoint written with the
-    local spec (Stage 1 and 3 on a CPU) does not have: those start fresh.
+    local spec (Stage 1 and 3 on a CPU) does not have: those start fresh, as do keys starting with `fresh`
+    (modules an option adds that the checkpoint was written without).
     """
     wanted = module.sharded_state_dict()
-    weights = {key: value for key, value in wanted.items() if not key.endswith(EXTRA_STATE_SUFFIX)}
+    weights = {
+        key: value
+        for key, value in wanted.items()
+        if not key.endswith(EXTRA_STATE_SUFFIX) and not key.startswith(fresh)
+    }
     loaded, iteration = load_checkpoint(root, weights, iteration, verify=verify)
     missing, unexpected = module.load_state_dict({key: loaded[key] for key in weights}, strict=False)
-    missing = [key for key in missing if not key.endswith(EXTRA_STATE_SUFFIX)]
+    missing = [key for key in missing if not key.endswith(EXTRA_STATE_SUFFIX) and not key.startswith(fresh)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {root}: missing keys {missing}, unexpected keys {unexpected}.")
     return iteration
@@ -556,9 +577,10 @@ def resume_iteration(checkpoint) -> int | None:
     return read_latest_iteration(checkpoint.load)
 
 
-def load_backbone_weights(megatron_dir: str | Path, model_chunks: list) -> int:
+def load_backbone_weights(megatron_dir: str | Path, model_chunks: list, fresh: tuple[str, ...] = ()) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None
     for i, chunk in enumerate(model_chunks):
-        iteration = load_model_weights(megatron_dir, unwrap_model(chunk), verify=i == 0)  # the files once
+        # The files once; keys starting with `fresh` keep their init.
+        iteration = load_model_weights(megatron_dir, unwrap_model(chunk), verify=i == 0, fresh=fresh)
     return iteration

@@ -46,7 +46,7 @@ def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
         saved = load_run_config(cfg.drafter.drafter_init)
         if "drafter" not in saved:
             raise ValueError(f"--drafter-init {cfg.drafter.drafter_init}: run_config.yaml has no drafter section.")
-        return DrafterArch.from_dict(saved["drafter"])
+        return DrafterArch.from_dict(saved["drafter"]).with_drift_norms(cfg.drafter)
     return DrafterArch(
         body=eagle3_body(target, cfg.drafter.eagle3_num_layers),
         target_hidden_size=target.hidden_size,
@@ -55,6 +55,8 @@ def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
         aux_layer_ids=tuple(resolve_aux_layer_ids(cfg.drafter.aux_layer_ids, target.num_layers)),
         variant="eagle3",
         eagle3_extra_layers=cfg.drafter.eagle3_extra_layers,
+        hidden_post_norm=cfg.drafter.hidden_post_norm,
+        aux_hidden_norm=cfg.drafter.aux_hidden_norm,
     )
 
 
@@ -225,7 +227,9 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
 
     def initialize(chunks: list) -> None:
         if cfg.drafter.drafter_init:
-            checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks)
+            # Stage 3 writes no aux_norms: under --aux-hidden-norm they start at their init (ones, the identity).
+            fresh = ("aux_norms.",) if arch.aux_hidden_norm else ()
+            checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh)
         else:
             init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
 

@@ -296,7 +296,7 @@ def test_identical_drafter_gives_al_draft_tokens_and_wrong_drafter_al_one(tiny_s
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_setup / "target")).eval()
-    monkeypatch.setattr(benchmark, "make_session", lambda drafter: OracleSession(model, mode))
+    monkeypatch.setattr(benchmark, "make_session", lambda drafter, *vocab: OracleSession(model, mode))
     assert _cli(tiny_setup, tmp_path, "--max-new-tokens", "10", "--verify-lossless") == 0
     results = json.loads((tmp_path / "results.json").read_text())
     for cell in results["cells"]:

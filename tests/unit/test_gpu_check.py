@@ -57,3 +57,20 @@ def test_real_run_on_the_gpu():
     code, lines, err = _run(timeout=600)
     assert list(lines) == CHECKS and code == 0, (lines, err)
     assert lines["init"]["backend"] == "nccl" and lines["init"]["compat_active"] is False
+
+
+def test_a_check_that_waits_forever_fails_at_its_time_limit_and_the_next_runs(monkeypatch):
+    import importlib.util
+    import threading
+    import time
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts the checkout and benchmarks/ first
+    spec.loader.exec_module(gpu_check)
+    start = time.perf_counter()
+    line = gpu_check._guarded("checkpoint", 1, threading.Event().wait)  # a writer that never reports back
+    assert time.perf_counter() - start < 10
+    assert line["check"] == "checkpoint" and line["ok"] is False and line["error"].startswith("CheckTimeout: ")
+    assert gpu_check._guarded("ttt_memory", 1, lambda: {"check": "ttt_memory", "ok": True})["ok"] is True

@@ -131,7 +131,8 @@ def test_a_gpu_recipe_without_transformer_engine_is_refused_for_moe_and_sequence
               ["pretrain.model.transformer_impl=local", "pretrain.parallel.sequence_parallel=true",
                "pretrain.parallel.tensor_model_parallel_size=2"])  # fmt: skip
     cpu = ["pretrain.parallel.sequence_parallel=true", "pretrain.parallel.tensor_model_parallel_size=2"]
-    assert _plan("tiny_cpu_backbone_pretrain_2proc_fp32", "pretrain", cpu)["fits"]  # the CPU layer handles torch norms under SP
+    # The CPU layer handles torch norms under SP.
+    assert _plan("tiny_cpu_backbone_pretrain_2proc_fp32", "pretrain", cpu)["fits"]
 
 
 def test_a_job_receives_the_recipe_and_its_overrides_not_a_flag_list(tmp_path):
@@ -260,3 +261,23 @@ def test_osprey_errors_are_one_line(capsys):
     assert osprey(["plan", "no_such_recipe"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("osprey: error: recipe 'no_such_recipe' is unknown") and err.count("\n") == 1
+
+
+def test_osprey_ngram_runs_the_ngram_stage_with_its_own_flags(tmp_path):
+    from launcher.cli import FLAG_DOORS
+    from launcher.commands import FLAG_STAGES
+
+    assert set(FLAG_DOORS) == set(FLAG_STAGES)
+    script = "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = [sys.executable, "-c", script, "ngram"]
+    shown = subprocess.run([*run, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "python -m megatron_osprey.stages.ngram" in shown.stdout, shown.stderr
+    assert "--order" in shown.stdout and "--tokenizer" in shown.stdout
+    refused = subprocess.run(
+        [*run, "--tokenizer", str(tmp_path), "--output", str(tmp_path / "ng")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 2 and refused.stderr.strip() == "error: --input is required."

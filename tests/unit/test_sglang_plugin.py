@@ -3,6 +3,7 @@
 matched both ways, its forward gives the Megatron drafter's logits, and stock SGLang (mocked) either
 refuses an export or loads every weight of it."""
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -63,6 +64,8 @@ def _llama_body(layers: int) -> ModelArch:
 
 
 def _arch(case: str) -> DrafterArch:
+    if case.endswith("+norms"):  # both drift options: fc_norm and norm_output in the export
+        return dataclasses.replace(_arch(case[: -len("+norms")]), hidden_post_norm=True, aux_hidden_norm=True)
     common = dict(
         target_hidden_size=TARGET_HIDDEN, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=(1, 2, 3)
     )
@@ -100,7 +103,14 @@ def _plugin_model(plugin, directory: Path):
     return classes[config.architectures[0]](config)
 
 
-CASES = ["osprey-qwen3", "osprey-llama", "eagle3-2-fused", "eagle3-2-plain"]
+CASES = [
+    "osprey-qwen3",
+    "osprey-llama",
+    "eagle3-2-fused",
+    "eagle3-2-plain",
+    "osprey-llama+norms",
+    "eagle3-2-fused+norms",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -130,7 +140,11 @@ def test_plugin_loads_every_weight_and_gives_the_megatron_logits(plugin, case, t
             load_reference_state(megatron, reference.state_dict(), 0, 1)
             megatron_logits, megatron_hidden = megatron(ids[None], aux_hidden=aux[None])
     torch.testing.assert_close(out.next_token_logits, megatron_logits[0, :, :DRAFT_VOCAB], atol=2e-5, rtol=0)
-    # The pre-norm hidden the next draft step reads back as g.
+    # The hidden the next draft step reads back as g: pre-norm, or final-normed under --hidden-post-norm.
+    if arch.hidden_post_norm:
+        assert config["norm_output"] is True and config["fc_norm"] is True
+        with torch.no_grad():
+            megatron_hidden = megatron.final_layernorm(megatron_hidden)
     torch.testing.assert_close(out.hidden_states[0], megatron_hidden[:, 0], atol=2e-5, rtol=0)
 
 

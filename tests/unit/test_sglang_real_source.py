@@ -63,7 +63,7 @@ NOT_SGLANG = {
     # the HF config SGLang passes through, torch, Python
     ("config", "draft_vocab_size"), ("config", "hidden_size"), ("config", "rms_norm_eps"),
     ("config", "vocab_size"), ("logits_config", "vocab_size"), ("copy", "deepcopy"),
-    ("embeds", "shape"), ("g", "shape"), ("tensor", "device"), ("tensor", "shape"),
+    ("embeds", "shape"), ("g", "chunk"), ("g", "shape"), ("tensor", "device"), ("tensor", "shape"),
     ("torch", "Tensor"), ("torch", "arange"), ("torch", "cat"),
     ("nn", "Linear"), ("nn", "Module"), ("nn", "ModuleList"), ("nn.Module", "__init__"), ("super()", "__init__"),
     ("layers", "append"), ("shards", "setdefault"), ("shards.setdefault()", "add"),

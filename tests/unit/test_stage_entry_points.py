@@ -17,7 +17,19 @@ import pytest
 from megatron_osprey.stages.cli import exit_code
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("data", "prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "evaluate", "export")
+STAGES = (
+    "data",
+    "prune",
+    "preprocess",
+    "pretrain",
+    "adapt",
+    "regenerate",
+    "extract",
+    "distill",
+    "evaluate",
+    "export",
+    "ngram",
+)
 TOOLS = {
     "prune": "prune_backbone",
     "preprocess": "preprocess_data",

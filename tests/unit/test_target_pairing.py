@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_osprey.eval.run import recorded_target_warning
+from megatron_osprey.eval.checks import recorded_target_warning
 from megatron_osprey.training.distillation import check_drafter_matches_target
 
 

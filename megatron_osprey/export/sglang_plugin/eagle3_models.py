@@ -7,10 +7,12 @@ SGLang does not know (``OspreyLlamaForCausalLMEagle3``, ``OspreyQwen3ForCausalLM
 that needs this plugin fails to load without it instead of serving a half-loaded model, and stock
 ``LlamaForCausalLMEagle3`` drafts (one-layer EAGLE-3 baselines, third-party drafts) keep SGLang's own code.
 
-Per forward, with ``g`` the fused target features (``fc(aux)``, or the previous draft step's pre-norm
-hidden) and ``e`` the drafter's embedding: Osprey runs every layer on ``side = g, stream = e``; EAGLE-3
-on ``side = e, stream = g``. A fused layer attends over ``cat(input_layernorm(side), hidden_norm(stream))``,
-a plain one over ``input_layernorm(stream)``; both add attention and MLP outputs to the stream. The layers
+Per forward, with ``g`` the fused target features (``fc(aux)``, each aux state RMS-normed first under
+``fc_norm``), or the previous draft step's pre-norm hidden (its final norm under ``norm_output``, the
+flags stock sglang 0.5.23 reads for the same options), and ``e`` the drafter's embedding: Osprey runs
+every layer on ``side = g, stream = e``; EAGLE-3 on ``side = e, stream = g``. A fused layer attends over
+``cat(input_layernorm(side), hidden_norm(stream))``, a plain one over ``input_layernorm(stream)``; both
+add attention and MLP outputs to the stream. The layers
 are driven here, not through their own forward(): SGLang's decoder layers hand the residual and the
 tensor-parallel sums to per-layer stage boundaries whose interface moves between releases, so the
 attention and the MLP are built to complete their own sums. Names follow megatron_osprey.export.layouts.
@@ -89,6 +91,10 @@ class OspreyDraftModel(nn.Module):
         )
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
         self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
+        self.fc_norm = None
+        if getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False):
+            self.fc_norm = nn.ModuleList(RMSNorm(target_hidden, eps=config.rms_norm_eps) for _ in range(3))
+        self.norm_output = bool(getattr(config, "norm_output", False))
         self.kinds = layer_kinds(config)
         if make_layer is _qwen3_layer and "plain" in self.kinds:
             raise ValueError(
@@ -109,13 +115,16 @@ class OspreyDraftModel(nn.Module):
         embeds = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         g = forward_batch.spec_info.hidden_states
         if g.shape[-1] != embeds.shape[-1]:  # fresh target taps: 3*Ht wide
+            if self.fc_norm is not None:
+                g = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, g.chunk(3, dim=-1))], dim=-1)
             g = self.fc(g)
         if g.shape[0] == 0:  # idle batch
             return g, [g]
         side, stream = (g, embeds) if self.swap_h_and_emb else (embeds, g)
         for kind, layer in zip(self.kinds, self.layers):
             stream = _layer_forward(layer, kind == "fused", positions, side, stream, forward_batch)
-        return self.norm(stream), [stream]
+        normed = self.norm(stream)
+        return normed, [normed if self.norm_output else stream]
 
 
 class OspreyLlamaForCausalLMEagle3(StockLlamaEagle3):

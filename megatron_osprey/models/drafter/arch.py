@@ -6,7 +6,7 @@ stages and the speculative engine read a drafter's shape without importing Megat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
@@ -64,6 +64,8 @@ class DrafterArch:
     aux_layer_ids: tuple[int, ...]
     variant: str = "osprey"
     eagle3_extra_layers: str = "fused"  # EAGLE-3 layers after the first: fused (paper) or plain
+    hidden_post_norm: bool = False  # the state passed between steps is final_layernorm(hidden)
+    aux_hidden_norm: bool = False  # one RMSNorm per captured target hidden state before fusion_fc
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -94,6 +96,8 @@ class DrafterArch:
             "aux_layer_ids": list(self.aux_layer_ids),
             "variant": self.variant,
             "eagle3_extra_layers": self.eagle3_extra_layers,
+            "hidden_post_norm": self.hidden_post_norm,
+            "aux_hidden_norm": self.aux_hidden_norm,
         }
 
     @classmethod
@@ -107,6 +111,16 @@ class DrafterArch:
             variant=data["variant"],
             # Drafters saved before the field existed had plain extra layers.
             eagle3_extra_layers=data.get("eagle3_extra_layers", "plain"),
+            hidden_post_norm=bool(data.get("hidden_post_norm", False)),
+            aux_hidden_norm=bool(data.get("aux_hidden_norm", False)),
+        )
+
+    def with_drift_norms(self, drafter_config) -> "DrafterArch":
+        """This arch with the drift options of a stage's DrafterConfig (Stage 3 saves an arch without them)."""
+        return replace(
+            self,
+            hidden_post_norm=bool(drafter_config.hidden_post_norm),
+            aux_hidden_norm=bool(drafter_config.aux_hidden_norm),
         )
 
     def reference_config(self):
@@ -132,4 +146,6 @@ class DrafterArch:
             tie_word_embeddings=False,
             variant=self.variant,
             eagle3_extra_layers=self.eagle3_extra_layers,
+            hidden_post_norm=self.hidden_post_norm,
+            aux_hidden_norm=self.aux_hidden_norm,
         )

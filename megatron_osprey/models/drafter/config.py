@@ -27,6 +27,11 @@ class DistillDrafterConfig:
     aux_layer_ids: list[int] | None = None  # baseline only; Osprey's come from Stage 3
     transformer_impl: str = "auto"
     bf16: bool = False
+    # Against attention drift (both off: faithful to Osprey and EAGLE-3). hidden_post_norm: the state a
+    # chain step passes to the next is the final-normed hidden (SGLang's `norm_output`); aux_hidden_norm:
+    # an RMSNorm on each captured target hidden state before fusion_fc (SGLang's `fc_norm`).
+    hidden_post_norm: bool = False
+    aux_hidden_norm: bool = False
 
     def validate(self) -> None:
         """Exactly one way to start, and known options."""
@@ -54,4 +59,14 @@ DRAFTER_FLAGS = [
     Flag("--aux-layer-ids", "aux_layer_ids", {"type": int, "nargs": 3}),
     Flag("--transformer-impl", "transformer_impl", {"choices": list(TRANSFORMER_IMPLS)}),
     Flag("--bf16", "bf16", STORE_TRUE),
+    Flag(
+        "--hidden-post-norm",
+        "hidden_post_norm",
+        {**STORE_TRUE, "help": "pass the final-normed hidden state between chain / TTT steps (against drift)"},
+    ),
+    Flag(
+        "--aux-hidden-norm",
+        "aux_hidden_norm",
+        {**STORE_TRUE, "help": "RMSNorm each captured target hidden state before the fusion fc"},
+    ),
 ]

@@ -30,6 +30,8 @@ def drafter_rules(arch: DrafterArch, layer_fused: list[bool]) -> list[WeightRule
         WeightRule("final_layernorm.weight", ("norm.weight",), Split.REPLICATED),
         WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB),
     ]
+    if arch.aux_hidden_norm:
+        rules += [WeightRule(f"aux_norms.{i}.weight", (f"fc_norm.{i}.weight",), Split.REPLICATED) for i in range(3)]
     for index, fused in enumerate(layer_fused):
         eagle_first = fused and arch.variant == "eagle3"
         stream_norm = "hidden_norm" if eagle_first else "input_layernorm"

@@ -15,7 +15,10 @@ variants differ only in what `side` and `stream` are:
   keeps ordinary decoder layers after the first (SGLang's stock multi-layer draft).
 
 g is `fusion_fc(cat(aux states))` at TTT step 0 and the drafter's own
-pre-final-norm output of step k-1 at step k > 0. The training-time-test
+pre-final-norm output of step k-1 at step k > 0. Against attention drift (both
+off by default): `hidden_post_norm` passes `final_layernorm(output)` to the
+next step instead, and `aux_hidden_norm` RMS-normalizes each captured target
+state (`aux_norms`) before `fusion_fc`. The training-time-test
 attention pattern (queries of step k attend causally to step-0 keys plus the
 same-position keys of steps 1..k) is computed by `TTTCoreAttention` in memory
 linear in the sequence (`models.ttt_attention`); positions shift by k.
@@ -252,6 +255,12 @@ class OspreyDrafterModel(MegatronModule):
         self.fusion_fc = torch.nn.Linear(
             3 * arch.target_hidden_size, arch.hidden_size, bias=False, dtype=config.params_dtype
         )
+        if arch.aux_hidden_norm:
+            # Applied before the sequence is split for SP, like fusion_fc: plain replicated norms.
+            self.aux_norms = torch.nn.ModuleList(
+                torch.nn.RMSNorm(arch.target_hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+                for _ in range(3)
+            )
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,
@@ -289,6 +298,9 @@ class OspreyDrafterModel(MegatronModule):
 
     def fuse_aux(self, aux_hidden: Tensor) -> Tensor:
         """g = fusion_fc(cat(aux)) for aux [b, s, 3*Ht]; returned [s(/tp under SP), b, H]."""
+        if self.arch.aux_hidden_norm:
+            chunks = aux_hidden.chunk(3, dim=-1)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.aux_norms, chunks)], dim=-1)
         g = self.fusion_fc(aux_hidden).transpose(0, 1).contiguous()
         if self.config.sequence_parallel:
             g = tensor_parallel.scatter_to_sequence_parallel_region(g)
@@ -337,7 +349,7 @@ class OspreyDrafterModel(MegatronModule):
         """Per-step logits (and pre-norm hiddens) of a K-step training-time-test unroll.
 
         Step k reads input_ids shifted left by k (zero-padded), positions + k and
-        g = step k-1's pre-norm output; rows t >= s-k are padding for the loss.
+        g = step k-1's pre-norm output (final-normed under hidden_post_norm); rows t >= s-k are padding for the loss.
         rows[k] [b, s] bool, when given: step k's logits for those rows only ([n_k, Vd/TP]).
         """
         logits_per_step, hidden_per_step, past = [], [], ()
@@ -353,7 +365,7 @@ class OspreyDrafterModel(MegatronModule):
             past = past + (new,)
             logits_per_step.append(logits)
             hidden_per_step.append(hidden)
-            g = hidden
+            g = self.final_layernorm(hidden) if self.arch.hidden_post_norm else hidden
         return logits_per_step, hidden_per_step
 
 

@@ -22,6 +22,13 @@ Layer anatomy (H = hidden_size, Ht = target_hidden_size):
 Side input g: ``fusion_fc(cat(aux states))`` (parameter name ``fc``) at TTT
 step 0; at step k > 0 the drafter's own pre-final-norm output of step k-1.
 
+Two options against attention drift, both off by default (faithful to Osprey):
+``hidden_post_norm`` passes ``norm(output)`` (the final norm, the one before the
+LM head) to the next step instead of the pre-norm output, so the state's
+magnitude cannot grow with chain depth (SGLang's ``norm_output``);
+``aux_hidden_norm`` applies one RMSNorm per captured target hidden state before
+``fc`` (``fc_norm.{0,1,2}``, SGLang's ``fc_norm``).
+
 Weight names are HF-style without a ``model.`` prefix: ``embed_tokens``,
 ``fc``, ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.
 {q,k}_norm``, ``layers.{i}.{hidden_norm,input_layernorm,
@@ -74,6 +81,8 @@ class DrafterConfig:
     tie_word_embeddings: bool = False
     variant: str = "osprey"
     eagle3_extra_layers: str = "plain"
+    hidden_post_norm: bool = False
+    aux_hidden_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is None:
@@ -296,6 +305,8 @@ class ReferenceDrafter(nn.Module):
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        if cfg.aux_hidden_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
         kinds = [cfg.variant] + [
             "osprey" if cfg.variant == "osprey" else ("eagle3" if cfg.eagle3_extra_layers == "fused" else "plain")
         ] * (cfg.num_layers - 1)
@@ -356,6 +367,17 @@ class ReferenceDrafter(nn.Module):
         self.fc.weight[:shared, 2 * ht : 2 * ht + shared] = torch.eye(shared)
 
     # ----- forward -----
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """g = fc(cat(aux states)), each state RMS-normed first under aux_hidden_norm."""
+        if self.config.aux_hidden_norm:
+            chunks = aux_hidden.chunk(3, dim=-1)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def passed_state(self, stream: torch.Tensor) -> torch.Tensor:
+        """What the next chain / TTT step reads as g: the pre-norm output, or its final norm (hidden_post_norm)."""
+        return self.norm(stream) if self.config.hidden_post_norm else stream
+
     def _streams(self, emb: torch.Tensor, g: torch.Tensor):
         return (emb, g) if self.config.variant == "osprey" else (g, emb)
 
@@ -369,7 +391,9 @@ class ReferenceDrafter(nn.Module):
         allowed: torch.Tensor | None = None,
         logits_rows: torch.Tensor | None = None,
     ):
-        """One drafter pass; returns (draft-vocab logits [B,T,Vd], pre-final-norm hidden [B,T,H]).
+        """One drafter pass; returns (draft-vocab logits [B,T,Vd], the state the next step reads as g [B,T,H]).
+
+        That state is the pre-final-norm hidden, or its final norm under hidden_post_norm.
 
         Pass exactly one of aux_hidden [B,T,3*Ht] (g = fc(aux)) or g [B,T,H].
         position_ids default to cache length + arange(T). With kv_cache, new
@@ -383,7 +407,7 @@ class ReferenceDrafter(nn.Module):
         b, t = input_ids.shape
         past = 0 if kv_cache is None else kv_cache.length
         if g is None:
-            g = self.fc(aux_hidden)
+            g = self.fuse(aux_hidden)
         if position_ids is None:
             position_ids = (past + torch.arange(t, device=input_ids.device)).expand(b, t)
         if allowed is None:
@@ -395,7 +419,7 @@ class ReferenceDrafter(nn.Module):
             if kv_cache is not None:
                 kv_cache.append(i, k, v)
         head_input = stream if logits_rows is None else stream[torch.arange(b, device=stream.device), logits_rows, None]
-        return self.lm_head(self.norm(head_input)), stream
+        return self.lm_head(self.norm(head_input)), self.passed_state(stream)
 
     def ttt_forward(
         self,
@@ -405,18 +429,18 @@ class ReferenceDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
     ):
-        """Step-by-step training-time-test unroll; returns per-step draft-vocab logits [B,T,Vd] (and hiddens).
+        """Step-by-step training-time-test unroll; returns per-step draft-vocab logits [B,T,Vd] (and pre-norm hiddens).
 
         Row t of step 0 reads (input_ids[t], fc(aux_hidden[t])) at position_ids[t].
         Step k reads input_ids shifted left by k (zero-padded: rows t >= T-k are
         padding), positions + k, and g = step k-1's pre-final-norm output at the
-        same row. Its queries attend causally to step-0 keys plus the same-row
-        keys of steps 1..k.
+        same row (its final norm under hidden_post_norm). Its queries attend causally
+        to step-0 keys plus the same-row keys of steps 1..k.
         """
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        g = self.fc(aux_hidden)
+        g = self.fuse(aux_hidden)
         keys = [[] for _ in self.layers]
         values = [[] for _ in self.layers]
         logits_per_step, hidden_per_step = [], []
@@ -431,7 +455,7 @@ class ReferenceDrafter(nn.Module):
                 values[i].append(vv)
             logits_per_step.append(self.lm_head(self.norm(stream)))
             hidden_per_step.append(stream)
-            g = stream
+            g = self.passed_state(stream)
         return (logits_per_step, hidden_per_step) if return_hidden else logits_per_step
 
     # ----- persistence -----
