@@ -24,6 +24,7 @@ import json
 import math
 
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
+from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
     GIB,
     RUNTIME_RESERVE_BYTES,
@@ -337,6 +338,13 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
         )
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
+    fp8 = getattr(config, "model", None)
+    if getattr(fp8, "fp8_format", None) and recipe.hardware in GPU_CAPABILITY:
+        capability, gpu = GPU_CAPABILITY[recipe.hardware], recipe.hardware.upper()
+        refusal = fp8_recipe_refusal(fp8.fp8_recipe, capability, f"its hardware {gpu}")
+        if refusal:
+            raise LayoutError(f"recipe {recipe.run_name} ({stage}.model.fp8_recipe): {refusal}")
+        checks.append(f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]})")
     if stage in TARGET_STAGES:
         bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
         online = stage == "extract" or config.data.mode == "online"

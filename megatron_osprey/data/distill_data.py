@@ -1,12 +1,15 @@
 """Stage 4 samples: tokenized conversations (online) or the hidden-state store (offline).
 
 Both sources index samples 0..N-1 (data/micro_batches.py orders and batches them)
-and give the tokens alone through `iter_tokens`, which the EAGLE-3 baseline counts
-before step 1 to pick its draft vocabulary.
+and give the tokens alone through `iter_tokens`, which the stage counts before step 1
+(loss tokens that survive --seq-length; the EAGLE-3 baseline's draft vocabulary). Each
+rank counts its own share (`rank`, `ranks`) and the counts are summed, so no rank waits
+in a collective while another tokenizes the whole data set.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Iterator
 
@@ -36,9 +39,9 @@ class ConversationSamples:
             "loss_mask": torch.as_tensor(tokenized.loss_mask, dtype=torch.bool),
         }
 
-    def iter_tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(input_ids, loss_mask) of every sample, in order."""
-        for index in range(len(self)):
+    def iter_tokens(self, rank: int = 0, ranks: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of samples rank, rank + ranks, ... in order; only those are tokenized."""
+        for index in range(rank, len(self), ranks):
             sample = self[index]
             yield sample["input_ids"], sample["loss_mask"]
 
@@ -71,18 +74,16 @@ class StoreSamples:
         for _, mask in self.store.iter_tokens():
             yield mask
 
-    def iter_tokens(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(input_ids, loss_mask) of every sample, without decoding hidden states."""
-        return self.store.iter_tokens()
+    def iter_tokens(self, rank: int = 0, ranks: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of samples rank, rank + ranks, ..., without decoding hidden states."""
+        return itertools.islice(self.store.iter_tokens(), rank, None, ranks)
 
 
-def loss_token_survivors(source, seq_length: int) -> tuple[int, int]:
-    """(samples, loss tokens) that still train once every sample is cut to seq_length, as collate cuts it."""
-    masks = (
-        source.loss_masks() if hasattr(source, "loss_masks") else (source[i]["loss_mask"] for i in range(len(source)))
-    )
+def loss_token_survivors(source, seq_length: int, rank: int = 0, ranks: int = 1) -> tuple[int, int]:
+    """(samples, loss tokens) of samples rank, rank + ranks, ... that still train once cut to seq_length, as
+    collate cuts them; the sums over rank = 0..ranks-1 are the data set's."""
     samples = tokens = 0
-    for mask in masks:
+    for _, mask in source.iter_tokens(rank, ranks):
         kept = int(mask[:seq_length].sum())
         samples += kept > 0
         tokens += kept

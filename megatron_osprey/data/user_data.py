@@ -286,11 +286,11 @@ def split_domains(
         if not train:
             raise ValueError(f"domain {domain!r}: every training conversation repeats an eval prompt.")
         splits[domain] = DomainSplit(train, evals[domain], len(domains[domain]), duplicates, tool_dropped, leaks)
-    check_disjoint(splits)
+    check_splits_disjoint(splits)
     return splits
 
 
-def check_disjoint(splits: dict[str, DomainSplit]) -> None:
+def check_splits_disjoint(splits: dict[str, DomainSplit]) -> None:
     """Raise when any training conversation has a user turn equal to an eval prompt (of any domain)."""
     held_out = {first_prompt(c): (domain, c.id) for domain, split in splits.items() for c in split.eval}
     for domain, split in splits.items():

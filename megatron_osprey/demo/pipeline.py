@@ -231,7 +231,7 @@ def _config_digest(cfg: DemoConfig) -> str:
     return hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_output(output: Path, cfg: DemoConfig, fresh: bool = False) -> None:
+def prepare_demo_output(output: Path, cfg: DemoConfig, fresh: bool = False) -> None:
     """Resume a demo directory of the same config; refuse anything else unless --fresh (demo dirs only)."""
     import shutil
 
@@ -543,7 +543,7 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     from megatron_osprey.assets.models import get_model_dir
 
     output = Path(output)
-    prepare_output(output, cfg, fresh)
+    prepare_demo_output(output, cfg, fresh)
     arms = [("osprey", "target")] + ([("osprey_xtok", "small_lm")] if cfg.cross_tokenizer else [])
     steps = StepRunner(output, total_steps=8)
 

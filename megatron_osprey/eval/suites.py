@@ -14,13 +14,12 @@ a `de/` save_to_disk directory...), read round-robin across languages as the rel
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from megatron_osprey.data.conversations import Conversation, validate_row, write_conversations
+from megatron_osprey.data.user_data import read_rows
 
 MGSM_LANGUAGES = ("en", "es", "fr", "de", "ru", "zh", "ja", "th", "sw", "bn", "te")
 GLOBAL_MMLU_LANGUAGES = (
@@ -87,8 +86,9 @@ def is_saved_dataset(path: Path) -> bool:
     return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a JSONL / JSONL.gz / Parquet file or a `datasets` save_to_disk directory, in order."""
+def read_benchmark_rows(path: str | Path) -> list[dict]:
+    """The rows of a JSONL / JSONL.gz / Parquet file or a `datasets` save_to_disk directory, in order; a saved
+    DatasetDict gives its 'test' split (the one a benchmark is evaluated on), else its first."""
     path = Path(path)
     if path.is_dir():
         if not is_saved_dataset(path):
@@ -96,19 +96,13 @@ def read_rows(path: str | Path) -> list[dict]:
         import datasets
 
         loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):  # the split a benchmark is evaluated on
+        if isinstance(loaded, datasets.DatasetDict):
             split = "test" if "test" in loaded else next(iter(loaded))
             loaded = loaded[split]
         return [dict(row) for row in loaded]
     if not path.is_file():
         raise FileNotFoundError(f"Benchmark file {path} does not exist.")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    return [row for _, row in read_rows(path)]
 
 
 def _language_sources(directory: Path, languages: Iterable[str]) -> dict[str, Path]:
@@ -146,10 +140,10 @@ def suite_rows(suite: Suite, source: str | Path) -> Iterator[tuple[str | None, d
                 f"{source}: no per-language file of {suite.name} (names ending in a language code, e.g. en.jsonl)."
             )
         # The release's language order, whatever order the directory lists them in.
-        ordered = {lang: read_rows(entries[lang]) for lang in suite.languages if lang in entries}
+        ordered = {lang: read_benchmark_rows(entries[lang]) for lang in suite.languages if lang in entries}
         yield from _round_robin(ordered)
         return
-    rows = read_rows(source)
+    rows = read_benchmark_rows(source)
     if suite.languages:
         by_language: dict[str, list[dict]] = {}
         for row in rows:

@@ -57,6 +57,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def choose_cuda_device(local_rank: int, visible: int, cuda_visible_devices: str | None) -> int:
+    """The CUDA device index of the task with LOCAL_RANK `local_rank` that sees `visible` GPUs.
+
+    A launcher that shows every task all of a node's GPUs (torchrun, srun without GPU binding) wants
+    LOCAL_RANK; one that binds one GPU per task (--gpus-per-task=1, a CUDA_VISIBLE_DEVICES per task)
+    leaves each task a single device 0, whatever its LOCAL_RANK.
+    """
+    if visible > local_rank:
+        return local_rank
+    if visible == 1:
+        return 0
+    shown = "unset" if cuda_visible_devices is None else cuda_visible_devices
+    raise ValueError(
+        f"LOCAL_RANK {local_rank} has no GPU of its own: this task sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={shown}); start one task per GPU with all of the node's GPUs visible to each, "
+        f"or bind exactly one GPU per task (--gpus-per-task=1)."
+    )
+
+
 def _init_process_group(config: ParallelConfig) -> bool:
     """Start torch.distributed from torchrun's environment, or as a single local rank."""
     if torch.distributed.is_initialized():
@@ -65,7 +84,9 @@ def _init_process_group(config: ParallelConfig) -> bool:
     timeout = datetime.timedelta(minutes=config.distributed_timeout_minutes)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            visible = torch.cuda.device_count()
+            torch.cuda.set_device(choose_cuda_device(local_rank, visible, os.environ.get("CUDA_VISIBLE_DEVICES")))
         torch.distributed.init_process_group(backend=backend, timeout=timeout)
     else:
         # A single process (tests, the demo, tools): a loopback rendezvous of one rank.

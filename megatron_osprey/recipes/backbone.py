@@ -33,7 +33,13 @@ def backbone_pretrain(steps: int, hardware: str, precision: str) -> Recipe:
             bf16=True, transformer_impl="transformer_engine", fp8_format=fp8_format, fp8_recipe=fp8_recipe
         ),
         training=TrainingConfig(micro_batch_size=4, global_batch_size=GLOBAL_BATCH, train_iters=steps),
-        optimizer=OptimizerConfig(lr_warmup_iters=2000 if steps > 20_000 else 500, use_distributed_optimizer=True),
+        # DP 64 under the distributed optimizer: the reduce-scatter and the all-gather hide behind compute.
+        optimizer=OptimizerConfig(
+            lr_warmup_iters=2000 if steps > 20_000 else 500,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+        ),
         logging=LoggingConfig(eval_iters=20, wandb_project="osprey"),
     )
     pretrain.checkpoint.save_interval = 1000

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from typing import Any
 
+from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -119,11 +120,7 @@ class Recipe:
         """Raise one clear sentence for a field outside its allowed values."""
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
-        if self.precision == "mxfp8" and self.hardware != "b200":
-            raise ValueError(
-                f"recipe {self.name}: MXFP8 needs Blackwell (b200); a {self.hardware.upper()} has no MXFP8 GEMMs: "
-                f"use precision fp8 or bf16."
-            )
+        self._refuse_fp8_the_gpu_lacks()
         for stage in self.chain:
             if stage not in STAGES:
                 raise ValueError(f"recipe {self.name}: chain stage {stage!r} is not one of {', '.join(STAGES)}.")
@@ -133,6 +130,19 @@ class Recipe:
             for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
                 if int(getattr(res, key)) < 1:
                     raise ValueError(f"recipe {self.name}: resources.{stage}.{key} must be at least 1.")
+
+    def _refuse_fp8_the_gpu_lacks(self) -> None:
+        """A stage whose FP8 recipe has no GEMMs on the recipe's GPU type is refused before any job starts."""
+        capability = GPU_CAPABILITY.get(self.hardware)
+        if capability is None:
+            return
+        for stage in STAGES:
+            model = getattr(getattr(self, stage), "model", None)
+            if getattr(model, "fp8_format", None) is None:
+                continue
+            refusal = fp8_recipe_refusal(model.fp8_recipe, capability, f"its hardware {self.hardware.upper()}")
+            if refusal:
+                raise ValueError(f"recipe {self.name} ({stage}.model.fp8_recipe): {refusal}")
 
     @property
     def run_name(self) -> str:

@@ -22,7 +22,12 @@ from megatron_osprey.training.flops import device_peak_tflops
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
 from megatron_osprey.training.optimizer import sharding_metadata
-from megatron_osprey.training.setup import build_model_chunks, build_optimizer_and_scheduler, make_train_run
+from megatron_osprey.training.setup import (
+    build_model_chunks,
+    build_optimizer_and_scheduler,
+    make_train_run,
+    overlap_settings,
+)
 
 
 @dataclasses.dataclass
@@ -79,12 +84,15 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
     resume = checkpointing.resume_iteration(cfg.checkpoint)
     if cfg.checkpoint.load and resume is None:
         notes.append(f"--load {cfg.checkpoint.load}: no checkpoint there yet; starting from the initial weights")
+    overlap_grad_reduce, overlap_param_gather = overlap_settings(cfg.optimizer, parallel.device.type == "cuda")
     model = build_model_chunks(
         spec.model_provider,
         cfg.parallel,
         bf16=spec.bf16,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         initialize=None if resume is not None else spec.initialize,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
     )
     optimizer, scheduler = build_optimizer_and_scheduler(model, cfg.optimizer, bf16=spec.bf16, train_iters=train_iters)
     metadata = sharding_metadata(cfg.optimizer) | {"use_distributed_optimizer": cfg.optimizer.use_distributed_optimizer}

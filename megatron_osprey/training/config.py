@@ -59,6 +59,10 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = False
+    # Overlap the gradient reduce-scatter with the backward and the parameter all-gather with the next forward
+    # (Megatron-LM's flags). Both use CUDA streams, so a run without CUDA (gloo) keeps them off.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     # On resume, take --lr/--min-lr/--train-iters... from the flags, not the checkpoint (Megatron's flag).
     override_opt_param_scheduler: bool = False
     # Megatron-LM's default is the DP-reshardable distributed-optimizer format.
@@ -155,6 +159,11 @@ def validate_optimizer(optimizer: OptimizerConfig, training: TrainingConfig) -> 
             raise ValueError(f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}.")
     if optimizer.min_lr > optimizer.lr:
         raise ValueError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}.")
+    if optimizer.overlap_param_gather and not (optimizer.use_distributed_optimizer and optimizer.overlap_grad_reduce):
+        raise ValueError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (the parameter "
+            "all-gather exists only under the distributed optimizer, and Megatron-Core starts it from the grad sync)."
+        )
     decay = optimizer.lr_decay_iters or training.num_train_iters()
     warmup = optimizer.warmup_iters(training.num_train_iters())
     if warmup >= decay:  # Megatron's scheduler asserts warmup < decay
@@ -194,6 +203,8 @@ OPTIMIZER_FLAGS = [
     Flag("--adam-beta2", "adam_beta2", {"type": float}),
     Flag("--adam-eps", "adam_eps", {"type": float}),
     Flag("--use-distributed-optimizer", "use_distributed_optimizer", STORE_TRUE),
+    Flag("--overlap-grad-reduce", "overlap_grad_reduce", STORE_TRUE),
+    Flag("--overlap-param-gather", "overlap_param_gather", STORE_TRUE),
     Flag("--dist-ckpt-optim-fully-reshardable", "dist_ckpt_optim_fully_reshardable", STORE_TRUE),
     Flag(
         "--override-opt-param-scheduler",

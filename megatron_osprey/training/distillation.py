@@ -60,10 +60,10 @@ def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
     )
 
 
-def assistant_token_counts(source, vocab_size: int) -> torch.Tensor:
-    """How often each target token is an assistant (trained) token in the training data."""
+def assistant_token_counts(source, vocab_size: int, rank: int = 0, ranks: int = 1) -> torch.Tensor:
+    """How often each target token is an assistant (trained) token in samples rank, rank + ranks, ..."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    for input_ids, loss_mask in source.iter_tokens():  # tokens only: a store's hidden states stay on disk
+    for input_ids, loss_mask in source.iter_tokens(rank, ranks):  # tokens only: a store's hidden states stay on disk
         counts += torch.bincount(input_ids[loss_mask.bool()], minlength=vocab_size)[:vocab_size].double()
     return counts
 
@@ -169,14 +169,14 @@ def check_drafter_matches_target(cfg, arch: DrafterArch, target: ModelArch) -> N
 def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
 
-    Rank 0 counts (a pass over the data) and broadcasts, so every rank refuses together.
+    Each rank counts its share (tokenizing 1/world of the conversations) and the counts are summed, so every rank
+    refuses together and none waits in the collective while another tokenizes the whole data set.
     """
     from megatron_osprey.data.distill_data import loss_token_survivors
 
-    counts = torch.zeros(2, dtype=torch.long, device=parallel.device)
-    if parallel.rank == 0:
-        counts[:] = torch.tensor(loss_token_survivors(source, cfg.training.seq_length))
-    torch.distributed.broadcast(counts, src=0)
+    share = loss_token_survivors(source, cfg.training.seq_length, parallel.rank, parallel.world_size)
+    counts = torch.tensor(share, dtype=torch.long, device=parallel.device)
+    torch.distributed.all_reduce(counts)
     samples, tokens = counts.tolist()
     data = (
         f"--hidden-states {cfg.data.hidden_states}"
@@ -211,7 +211,10 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
     draft_ids = None
     if cfg.drafter.baseline:
-        draft_ids = top_k_ids(assistant_token_counts(source, arch.vocab_size), arch.draft_vocab_size)
+        counts = assistant_token_counts(source, arch.vocab_size, parallel.rank, parallel.world_size)
+        counts = counts.to(parallel.device)
+        torch.distributed.all_reduce(counts)  # each rank counted its share; every rank picks the same ids
+        draft_ids = top_k_ids(counts.cpu(), arch.draft_vocab_size)
     run_config = {
         "stage": "distill",
         "config": cfg,

@@ -85,6 +85,19 @@ def extra_means(losses_reduced: list[dict], device: torch.device) -> dict[str, f
     return {k: (total[i, 0] / total[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
 
+def gather_params(model: list) -> None:
+    """Finish the parameter all-gather that --overlap-param-gather leaves to the next forward.
+
+    After an optimizer step each rank holds only its shard of the updated weights until the next forward's
+    pre-hooks gather the rest; an evaluation, a checkpoint save or the end of training needs them whole now.
+    The pre-hooks then find the gather done and start the next one after the following step.
+    """
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def _global_batch(forward_step: Callable, data_iterator, run: TrainRun, forward_only: bool) -> list[dict]:
     """One global batch through megatron-core's schedule (pipelined when PP > 1); the per-microbatch reports."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -154,6 +167,7 @@ def train(
                     f"--max-nonfinite-loss-steps (now {run.training.max_nonfinite_loss_steps})."
                 )
             if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
+                gather_params(run.model)
                 run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
                 run.metrics.reset_window()
             # One all-reduce per step: every rank sees the same decision at the same iteration.
@@ -161,12 +175,15 @@ def train(
             stop = stop or state.iteration == run.training.exit_interval
             interval = run.checkpoint.save_interval
             if run.save and ((interval and state.iteration % interval == 0) or stop):
+                gather_params(run.model)
                 run.save(state)
                 saved_at = state.iteration
                 run.metrics.reset_window()
             if stop:
                 run.metrics.note(f"stopping at iteration {state.iteration} (signal, time limit or --exit-interval)")
+                gather_params(run.model)
                 return state
+    gather_params(run.model)  # what runs after the loop (an export, a caller) reads whole weights
     if run.save and saved_at != state.iteration:
         run.save(state)
     return state

@@ -7,7 +7,7 @@ import torch
 from megatron_osprey.training.config import OptimizerConfig
 
 
-def optimizer_config(section: OptimizerConfig, bf16: bool):
+def optimizer_config(section: OptimizerConfig, bf16: bool, overlap_param_gather: bool = False):
     """megatron.core OptimizerConfig for AdamW with clipping, fp32 master weights."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -23,6 +23,7 @@ def optimizer_config(section: OptimizerConfig, bf16: bool):
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=section.use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,  # Megatron-Core asks for the DDP config's value
     )
 
 
@@ -30,7 +31,8 @@ def build_optimizer(model_chunks: list, section: OptimizerConfig, bf16: bool):
     """get_megatron_optimizer over DDP-wrapped model chunks."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    return get_megatron_optimizer(optimizer_config(section, bf16), model_chunks)
+    overlap_param_gather = model_chunks[0].ddp_config.overlap_param_gather
+    return get_megatron_optimizer(optimizer_config(section, bf16, overlap_param_gather), model_chunks)
 
 
 def uses_torch_adam_fallback() -> bool:

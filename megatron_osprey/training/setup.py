@@ -33,6 +33,17 @@ def place_on_device(chunks: list, device: torch.device) -> list:
     return chunks
 
 
+def overlap_settings(section: OptimizerConfig, on_gpu: bool) -> tuple[bool, bool]:
+    """(overlap_grad_reduce, overlap_param_gather) as this run uses them: as configured with CUDA, off without.
+
+    Megatron-Core overlaps on a CUDA communication stream; a CPU run (gloo, the compatibility layer) keeps its
+    synchronous reduce-scatter and all-gather, so the same recipe runs on both.
+    """
+    if not on_gpu:
+        return False, False
+    return section.overlap_grad_reduce, section.overlap_param_gather and section.use_distributed_optimizer
+
+
 def build_model_chunks(
     model_provider: Callable,
     parallel: ParallelConfig,
@@ -40,6 +51,8 @@ def build_model_chunks(
     bf16: bool,
     use_distributed_optimizer: bool,
     initialize: Callable[[list], None] | None = None,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> list:
     """model_provider(pre_process, post_process, vp_stage) per virtual stage, loaded by `initialize`, DDP-wrapped."""
     from megatron.core import parallel_state as mpu
@@ -67,7 +80,8 @@ def build_model_chunks(
         chunks = [Float16Module(get_model_config(c), c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=use_distributed_optimizer,
     )
     return [
@@ -90,6 +104,13 @@ def build_optimizer_and_scheduler(model: list, section: OptimizerConfig, *, bf16
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
+    if model[0].ddp_config.overlap_grad_reduce:
+        # As Megatron-LM: the schedules hold the grad sync back until the last micro-batch (no_sync), and under
+        # pipeline parallelism start each chunk's sync as soon as its last backward is done.
+        # One chunk: the plain callables the non-interleaved schedules call; several: one per chunk.
+        no_sync, grad_sync = [c.no_sync for c in model], [c.start_grad_sync for c in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
     return optimizer, scheduler
 
 

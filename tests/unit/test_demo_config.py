@@ -1,6 +1,7 @@
 """The demo's sizes: what `make demo`, `--smoke` and `--cross-tokenizer` select."""
 
 from megatron_osprey.demo.pipeline import DemoConfig, SmallLM
+from megatron_osprey.losses.config import TTTLossConfig
 
 
 def test_cross_tokenizer_arm_is_added_to_any_size_and_scaled_to_it():
@@ -14,7 +15,8 @@ def test_cross_tokenizer_arm_is_added_to_any_size_and_scaled_to_it():
 
 def test_quick_keeps_the_paper_protocol_and_holds_out_every_eval_domain():
     quick = DemoConfig.quick()
-    assert quick.ttt_steps == 5 and quick.draft_vocab_fraction == 0.25
+    # No TTT override: every arm trains with the TTT loss's own default, the paper's K=5.
+    assert quick.ttt_steps is None and TTTLossConfig().ttt_steps == 5 and quick.draft_vocab_fraction == 0.25
     assert set(quick.train_domains) < set(quick.eval_domains)  # the rest are out of domain
     assert len(quick.eval_domains) == 5
 

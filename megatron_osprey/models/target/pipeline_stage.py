@@ -99,6 +99,8 @@ def load_target(
     model = model.to(device).eval()
     for param in model.parameters():
         param.requires_grad_(False)
+    # Each rank reads (and, for FP8 block-scaled checkpoints, dequantizes) its own slice only: the collective
+    # after the load waits for the slowest rank's share, not a whole load, under the process group's timeout.
     load_hf_weights(model, target_dir, arch, mpu.get_tensor_model_parallel_rank(), parallel.tensor_model_parallel_size)
     return TargetStage(arch, model, parallel, device, params_dtype)
 
