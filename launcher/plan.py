@@ -338,21 +338,11 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
         )
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
-    fp8 = getattr(config, "model", None)
-    if getattr(fp8, "fp8_format", None) and recipe.hardware in GPU_CAPABILITY:
-        capability, gpu = GPU_CAPABILITY[recipe.hardware], recipe.hardware.upper()
-        refusal = fp8_recipe_refusal(fp8.fp8_recipe, capability, f"its hardware {gpu}")
-        if refusal:
-            raise LayoutError(f"recipe {recipe.run_name} ({stage}.model.fp8_recipe): {refusal}")
-        checks.append(f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]})")
+    fp8_check = _fp8_check(recipe, stage, config)
+    if fp8_check:
+        checks.append(fp8_check)
     if stage in TARGET_STAGES:
-        bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
-        online = stage == "extract" or config.data.mode == "online"
-        if online:
-            memory += _target_memory(target, parallel, getattr(config, "training", None) or _ExtractBatch(config), bf16)
-        if stage == "distill":
-            draft = config.drafter.draft_vocab_size if config.drafter.baseline else None
-            memory.append(("target LM head", _target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))
+        memory += _target_stage_memory(recipe, stage, config, target, parallel)
     if memory:
         memory.append(("runtime reserve", RUNTIME_RESERVE_BYTES))
     return Plan(
@@ -374,6 +364,31 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
         budget=budget,
         target=_target_summary(recipe, target, config) if target is not None else None,
     )
+
+
+def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
+    """The check an FP8 model passes on the recipe's GPU (None without FP8 or a known GPU); LayoutError otherwise."""
+    fp8 = getattr(config, "model", None)
+    if not (getattr(fp8, "fp8_format", None) and recipe.hardware in GPU_CAPABILITY):
+        return None
+    capability, gpu = GPU_CAPABILITY[recipe.hardware], recipe.hardware.upper()
+    refusal = fp8_recipe_refusal(fp8.fp8_recipe, capability, f"its hardware {gpu}")
+    if refusal:
+        raise LayoutError(f"recipe {recipe.run_name} ({stage}.model.fp8_recipe): {refusal}")
+    return f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]})"
+
+
+def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, parallel) -> list[tuple[str, int]]:
+    """A target stage's terms: the target itself when it runs online, and distillation's LM head rows."""
+    memory = []
+    bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
+    online = stage == "extract" or config.data.mode == "online"
+    if online:
+        memory += _target_memory(target, parallel, getattr(config, "training", None) or _ExtractBatch(config), bf16)
+    if stage == "distill":
+        draft = config.drafter.draft_vocab_size if config.drafter.baseline else None
+        memory.append(("target LM head", _target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))
+    return memory
 
 
 @dataclasses.dataclass(frozen=True)
