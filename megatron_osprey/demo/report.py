@@ -356,7 +356,8 @@ def _ci(interval, pct=False):
     return f" [{_fmt(lo, pct)}, {_fmt(hi, pct)}]"
 
 
-def render_markdown(report: dict, cfg) -> str:
+def _results_lines(report: dict, cfg) -> list[str]:
+    """The title, the setting, the AL table with gains over EAGLE-3, the goals and the caveat."""
     ev = report["eval"]
     seeds = len(cfg.seeds)
     lines = [
@@ -394,6 +395,12 @@ def render_markdown(report: dict, cfg) -> str:
         "self-drafting than the paper's setup. The cross-tokenizer arm (`--cross-tokenizer`; always in "
         "`make demo-full`) is the target-agnostic case.",
     ]
+    return lines
+
+
+def _matrix_lines(report: dict) -> list[str]:
+    """One train domain x eval domain AL table per method (in-domain cells in bold)."""
+    lines = []
     for name, m in report["matrix"].items():
         lines += [
             "",
@@ -410,24 +417,34 @@ def render_markdown(report: dict, cfg) -> str:
                 )
                 + " |"
             )
+    return lines
+
+
+def _coverage_lines(report: dict, cfg) -> list[str]:
+    """The EAGLE-3 draft vocabulary's coverage of the target's eval output tokens (none without EAGLE-3 arms)."""
     cov = report["draft_vocab_coverage"]
-    if cov:
-        splits = list(next(iter(cov.values()))["coverage"])
-        lines += [
-            "",
-            "## EAGLE-3 draft vocabulary: share of the target's eval output tokens it can propose",
-            "",
-            f"Top {next(iter(cov.values()))['draft_vocab_size']:,} target tokens of each training domain "
-            f"({100 * cfg.draft_vocab_fraction:.0f}% of 49,152, EAGLE-3's 32k/128k ratio); Osprey keeps the "
-            "full vocabulary.",
-            "",
-            "| drafter | " + " | ".join(splits) + " |",
-            "|" + " --- |" * (len(splits) + 1),
-        ]
-        for name, c in cov.items():
-            lines.append(f"| {name} | " + " | ".join(_fmt(c["coverage"][s]) for s in splits) + " |")
-    check = report.get("live_check")
-    lines += _speed_lines(check["speed"] if check else report["speed"])
+    if not cov:
+        return []
+    splits = list(next(iter(cov.values()))["coverage"])
+    lines = [
+        "",
+        "## EAGLE-3 draft vocabulary: share of the target's eval output tokens it can propose",
+        "",
+        f"Top {next(iter(cov.values()))['draft_vocab_size']:,} target tokens of each training domain "
+        f"({100 * cfg.draft_vocab_fraction:.0f}% of 49,152, EAGLE-3's 32k/128k ratio); Osprey keeps the "
+        "full vocabulary.",
+        "",
+        "| drafter | " + " | ".join(splits) + " |",
+        "|" + " --- |" * (len(splits) + 1),
+    ]
+    for name, c in cov.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(c["coverage"][s]) for s in splits) + " |")
+    return lines
+
+
+def _checks_lines(report: dict, check: dict | None, cfg) -> list[str]:
+    """The live check against the replayed AL, Stage 3's vocabulary alignment, and the lossless check."""
+    lines = []
     if check:
         lines += [
             "",
@@ -452,7 +469,15 @@ def render_markdown(report: dict, cfg) -> str:
             f"({'checked' if report['lossless']['checked'] else 'not checked'} against target-only greedy "
             f"decoding)."
         )
-    lines += ["", lossless, "", "## The target's own replies (greedy), first prompts of each eval domain", ""]
+    return lines + ["", lossless]
+
+
+def render_markdown(report: dict, cfg) -> str:
+    """report.md: the results table, the per-method matrices, speed, the checks, examples and timing."""
+    check = report.get("live_check")
+    lines = _results_lines(report, cfg) + _matrix_lines(report) + _coverage_lines(report, cfg)
+    lines += _speed_lines(check["speed"] if check else report["speed"]) + _checks_lines(report, check, cfg)
+    lines += ["", "## The target's own replies (greedy), first prompts of each eval domain", ""]
     for split, items in report["examples"].items():
         for item in items:
             reply = item["reply"].strip().replace("\n", " ")

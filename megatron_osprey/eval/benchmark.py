@@ -19,13 +19,13 @@ from megatron_osprey.speculative import (
 )
 from megatron_osprey.speculative.batched import (
     BatchedHFTarget,
-    BatchedReferenceDraftSession,
     batched_speculative_generate,
     batched_target_generate,
     cache_capacity,
     replay_speculative_generate,
     target_features,
 )
+from megatron_osprey.speculative.batched_draft import BatchedReferenceDraftSession
 from megatron_osprey.speculative.ngram import NgramDrafter, NgramDraftSession
 
 

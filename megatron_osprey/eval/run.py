@@ -149,6 +149,34 @@ _NOT_RECORDED = ("drafters", "names", "train_domain", "method", "data", "extra")
 
 def run_eval(config) -> dict:
     """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
+    settings, splits = _check_request(config)
+    model, tokenizer, device = _load_target(config)
+    target_config, generation_config = _target_facts(config, model)
+    eos = _eos_ids(config.target, generation_config, tokenizer)
+    specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
+    prompts, truncated = _load_split_prompts(config, splits, tokenizer, target_config, specs)
+    drafters, warnings = _load_drafters(config, tokenizer, target_config)
+    cells, cell_records, mismatches = _run_sweep(config, model, device, target_config, drafters, specs, splits, prompts)
+    sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
+    results = {
+        "format": RESULTS_TAG,
+        "config": _recorded_config(config, eos, specs[0]),
+        "drafters": _drafter_records(drafters, warnings),
+        "splits": [
+            {"name": s, "path": str(p), "requests": len(prompts[s]), "truncated_prompts": truncated[s]}
+            for s, p in zip(splits, config.data)
+        ],
+        "cells": cell_records,
+        "matrices": sweep[0]["matrices"],  # the first combination (the only one without a sweep)
+        "sweep": sweep,
+        "lossless": {"checked": config.verify_lossless, "mismatches": mismatches},
+    }
+    write_results(results, Path(config.output))
+    return results
+
+
+def _check_request(config) -> tuple[list[dict], list[str]]:
+    """Every flag checked before any loading; returns the sweep's SpecConfig keyword sets and the split names."""
     settings = sweep_settings(config)
     if config.verify_lossless and any(kw["temperature"] != 0 for kw in settings):
         raise ValueError("--verify-lossless compares greedy outputs token by token; it needs --temperature 0.")
@@ -166,10 +194,11 @@ def run_eval(config) -> dict:
             f"--output {config.output}: {results_path} already exists; pass --overwrite to "
             f"replace it, or choose another --output."
         )
-    model, tokenizer, device = _load_target(config)
-    target_config, generation_config = _target_facts(config, model)
-    eos = _eos_ids(config.target, generation_config, tokenizer)
-    specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
+    return settings, splits
+
+
+def _load_split_prompts(config, splits, tokenizer, target_config, specs) -> tuple[dict, dict]:
+    """Each split's prompts, fitted to the target's context: ({split: prompts}, {split: truncated count})."""
     prompts, truncated = {}, {}
     for name, path in zip(splits, config.data):
         loaded_prompts = load_prompts(path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
@@ -180,6 +209,11 @@ def run_eval(config) -> dict:
             getattr(target_config, "max_position_embeddings", None),
             max(spec.draft_tokens for spec in specs),
         )
+    return prompts, truncated
+
+
+def _load_drafters(config, tokenizer, target_config) -> tuple[list[tuple], dict]:
+    """Each --drafter loaded and checked against the target: ([(item, loaded, domain, method)], {name: warning})."""
     drafters, warnings = [], {}
     for item in config.drafters:
         loaded = load_drafter(item.path)
@@ -193,7 +227,11 @@ def run_eval(config) -> dict:
             warnings[item.name] = warning
         domain = item.train_domain or _domain_from_run_config(loaded.run_config)
         drafters.append((item, loaded, domain, item.method or _variant(loaded.drafter)))
+    return drafters, warnings
 
+
+def _run_sweep(config, model, device, target_config, drafters, specs, splits, prompts) -> tuple[list, list, list]:
+    """Every drafter on every setting and split: (cells per setting, cell records, lossless mismatches)."""
     from tqdm import tqdm
 
     total = len(specs) * len(drafters) * sum(len(p) for p in prompts.values())
@@ -217,32 +255,18 @@ def run_eval(config) -> dict:
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
-                    if config.replay:
-                        results = benchmark.run_requests_replayed(
-                            model,
-                            drafter,
-                            prompts[split],
-                            spec,
-                            config.batch_size,
-                            progress,
-                            references[split],
-                            features[split],
-                        )
-                    elif config.batch_size > 1:
-                        results = benchmark.run_requests_batched(
-                            model,
-                            drafter,
-                            prompts[split],
-                            spec,
-                            config.batch_size,
-                            config.verify_lossless,
-                            progress,
-                            references[split],
-                        )
-                    else:
-                        results = benchmark.run_requests(
-                            target, session, prompts[split], spec, config.verify_lossless, progress, references[split]
-                        )
+                    results = _decode_split(
+                        config,
+                        model,
+                        drafter,
+                        target,
+                        session,
+                        prompts[split],
+                        spec,
+                        progress,
+                        references[split],
+                        features[split],
+                    )
                     requests = [r.to_dict() for r in results]
                     summary = summarize(requests)
                     # One line per finished cell, also when the bar is off (a log shows progress).
@@ -255,17 +279,8 @@ def run_eval(config) -> dict:
                         f"({progress_done}/{total} requests done)"
                     )
                     cells[index].append(Cell(item.name, method, domain, split, summary))
-                    cell_records.append(
-                        {
-                            "drafter": item.name,
-                            "method": method,
-                            "train_domain": domain,
-                            "split": split,
-                            **_setting(spec),
-                            "summary": summary,
-                            "requests": requests,
-                        }
-                    )
+                    record = {"drafter": item.name, "method": method, "train_domain": domain, "split": split}
+                    cell_records.append({**record, **_setting(spec), "summary": summary, "requests": requests})
                     mismatches += [
                         {"drafter": item.name, "split": split, "id": r.id, "index": r.mismatch_at, **_setting(spec)}
                         for r in results
@@ -273,44 +288,51 @@ def run_eval(config) -> dict:
                     ]
             if not isinstance(loaded.drafter, NgramDrafter):
                 loaded.drafter.to("cpu")
-    sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
-    first = specs[0]
-    results = {
-        "format": RESULTS_TAG,
-        "config": {
-            **{k: v for k, v in asdict(config).items() if k not in _NOT_RECORDED},
-            "target": str(config.target),
-            "output": str(config.output),
-            "eos_token_ids": list(eos),
-            **_setting(first),
-            "sweep_temperature": _as_list(config.temperature),
-            "sweep_draft_tokens": _as_list(config.draft_tokens),
-            **config.extra,
-        },
-        "drafters": [
-            {
-                "name": item.name,
-                "path": str(item.path),
-                "method": method,
-                "train_domain": domain,
-                "variant": _variant(loaded.drafter),
-                "source": loaded.source,
-                "trained_target": loaded.run_config.get("target"),
-                "target_warning": warnings.get(item.name),
-            }
-            for item, loaded, domain, method in drafters
-        ],
-        "splits": [
-            {"name": s, "path": str(p), "requests": len(prompts[s]), "truncated_prompts": truncated[s]}
-            for s, p in zip(splits, config.data)
-        ],
-        "cells": cell_records,
-        "matrices": sweep[0]["matrices"],  # the first combination (the only one without a sweep)
-        "sweep": sweep,
-        "lossless": {"checked": config.verify_lossless, "mismatches": mismatches},
+    return cells, cell_records, mismatches
+
+
+def _decode_split(config, model, drafter, target, session, prompts, spec, progress, references, features) -> list:
+    """One drafter on one split at one setting, with the engine the config names (replay, batched, or batch 1)."""
+    if config.replay:
+        return benchmark.run_requests_replayed(
+            model, drafter, prompts, spec, config.batch_size, progress, references, features
+        )
+    if config.batch_size > 1:
+        return benchmark.run_requests_batched(
+            model, drafter, prompts, spec, config.batch_size, config.verify_lossless, progress, references
+        )
+    return benchmark.run_requests(target, session, prompts, spec, config.verify_lossless, progress, references)
+
+
+def _recorded_config(config, eos: tuple[int, ...], first: SpecConfig) -> dict:
+    """results.json's config: the evaluate stage's fields, the EOS ids, the first setting and the sweep's values."""
+    return {
+        **{k: v for k, v in asdict(config).items() if k not in _NOT_RECORDED},
+        "target": str(config.target),
+        "output": str(config.output),
+        "eos_token_ids": list(eos),
+        **_setting(first),
+        "sweep_temperature": _as_list(config.temperature),
+        "sweep_draft_tokens": _as_list(config.draft_tokens),
+        **config.extra,
     }
-    write_results(results, Path(config.output))
-    return results
+
+
+def _drafter_records(drafters: list[tuple], warnings: dict) -> list[dict]:
+    """results.json's drafters: each one's name, path, method, training domain, kind and source."""
+    return [
+        {
+            "name": item.name,
+            "path": str(item.path),
+            "method": method,
+            "train_domain": domain,
+            "variant": _variant(loaded.drafter),
+            "source": loaded.source,
+            "trained_target": loaded.run_config.get("target"),
+            "target_warning": warnings.get(item.name),
+        }
+        for item, loaded, domain, method in drafters
+    ]
 
 
 def _variant(drafter) -> str:

@@ -12,14 +12,13 @@ from megatron_osprey.speculative import (
 )
 from megatron_osprey.speculative.batched import (
     BatchedHFTarget,
-    BatchedReferenceDraftSession,
-    RowwiseDraftSession,
     batched_speculative_generate,
     batched_target_generate,
     cache_capacity,
     replay_speculative_generate,
     target_features,
 )
+from megatron_osprey.speculative.batched_draft import BatchedReferenceDraftSession, RowwiseDraftSession
 from megatron_osprey.speculative.tree import build_chain
 from tests.draft_sessions import ScriptedSession
 from tests.unit.test_speculative import AUX, tiny_drafter, tiny_target

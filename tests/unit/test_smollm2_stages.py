@@ -241,12 +241,11 @@ def test_batched_speculative_decoding_with_the_real_target_is_lossless(adapted, 
     from megatron_osprey.speculative import SpecConfig
     from megatron_osprey.speculative.batched import (
         BatchedHFTarget,
-        BatchedReferenceDraftSession,
-        RowwiseDraftSession,
         batched_speculative_generate,
         batched_target_generate,
         cache_capacity,
     )
+    from megatron_osprey.speculative.batched_draft import BatchedReferenceDraftSession, RowwiseDraftSession
 
     drafter, _ = adapted
     cfg = SpecConfig(max_new_tokens=MAX_NEW, eos_token_ids=(EOS,), steps=4, topk=1)
