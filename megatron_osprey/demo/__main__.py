@@ -27,7 +27,8 @@ def main(argv=None) -> int:
         "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
     )
     args = parser.parse_args(argv)
-    from megatron_osprey.demo.pipeline import DemoConfig, run_demo
+    from megatron_osprey.demo.pipeline import run_demo
+    from megatron_osprey.demo.sizes import DemoConfig
 
     cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
     if args.cross_tokenizer:

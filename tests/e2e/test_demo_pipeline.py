@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_osprey.demo.pipeline import MARKER, ROOT, DemoConfig, run_demo
+from megatron_osprey.demo.pipeline import MARKER, run_demo
+from megatron_osprey.demo.sizes import DemoConfig
+from megatron_osprey.demo.step_runner import ROOT
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The demo's sizes: what `make demo`, `--smoke` and `--cross-tokenizer` select."""
 
-from megatron_osprey.demo.pipeline import DemoConfig, SmallLM
+from megatron_osprey.demo.sizes import DemoConfig, SmallLM
 from megatron_osprey.losses.config import TTTLossConfig
 
 
@@ -76,8 +76,8 @@ def test_live_check_compares_live_requests_with_the_replayed_ones(tmp_path):
 
 
 def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
-    from megatron_osprey.demo.pipeline import StepRunner
     from megatron_osprey.demo.report import _time_line
+    from megatron_osprey.demo.step_runner import StepRunner
 
     first = StepRunner(tmp_path, total_steps=1)
     first.run("noop", ["-c", "pass"])

@@ -1,0 +1,167 @@
+"""The command lines of the demo's training and evaluation steps (Stage 2 pretraining, Stage 4 distillation,
+the acceptance-length evaluation)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from megatron_osprey.demo.sizes import DemoConfig
+
+
+def pretrain_argv(
+    cfg: DemoConfig, source_flag: str, source: Path, data_prefix: Path, save: Path, iters: int, lr: float
+) -> list:
+    argv = [
+        "-m",
+        "megatron_osprey.stages.pretrain",
+        source_flag,
+        source,
+        "--data-path",
+        data_prefix,
+        "--split",
+        "100,0,0",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        str(cfg.seq_length),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        str(lr),
+        "--min-lr",
+        str(lr / 10),
+        "--lr-warmup-iters",
+        str(max(1, iters // 20)),
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        "0.01",
+        "--clip-grad",
+        "1.0",
+        "--transformer-impl",
+        "local",
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--log-interval",
+        str(max(1, iters // 6)),
+        "--eval-iters",
+        "0",
+        "--no-progress-bar",
+        "--seed",
+        str(cfg.seed),
+    ]
+    return argv + (["--bf16"] if cfg.bf16 else [])
+
+
+def _count_rows(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def distill_argv(
+    cfg: DemoConfig,
+    method: str,
+    init: Path | None,
+    target: Path,
+    domain: str,
+    data: Path,
+    store: Path,
+    save: Path,
+    seed: int,
+    draft_vocab: int,
+) -> list:
+    samples = _count_rows(data)
+    iters = max(1, math.ceil(cfg.distill_epochs * samples / cfg.distill_batch))
+    flags = (
+        ["--drafter-init", init]
+        if method != "eagle3"
+        else ["--baseline", "eagle3", "--draft-vocab-size", str(draft_vocab)]
+    )
+    argv = [
+        "-m",
+        "megatron_osprey.stages.distill",
+        *flags,
+        "--target",
+        target,
+        "--mode",
+        "offline",
+        "--hidden-states",
+        store,
+        "--data-path",
+        data,
+        "--domain",
+        domain,
+        "--train-iters",
+        str(iters),
+        "--micro-batch-size",
+        str(cfg.distill_batch),
+        "--global-batch-size",
+        str(cfg.distill_batch),
+        "--seq-length",
+        str(cfg.seq_length),
+        "--lr",
+        str(cfg.distill_lr),
+        "--min-lr",
+        str(cfg.distill_lr / 10),
+        *(["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []),
+        "--transformer-impl",
+        "local",
+        "--save",
+        save,
+        "--save-interval",
+        str(iters),
+        "--log-interval",
+        str(max(1, iters // 4)),
+        "--no-progress-bar",
+        "--seed",
+        str(seed),
+    ]
+    return argv + (["--bf16"] if cfg.bf16 else [])
+
+
+def eval_argv(
+    cfg: DemoConfig,
+    target: Path,
+    eval_dir: Path,
+    drafters: list[dict],
+    data: dict,
+    replay: bool = False,
+    limit: int | None = None,
+) -> list:
+    """An eval step's command: every drafter on every eval domain, greedy chains, decoded live and
+    lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
+    argv = [
+        "-m",
+        "megatron_osprey.stages.evaluate",
+        "--target",
+        target,
+        "--output",
+        eval_dir,
+        "--steps",
+        "5",
+        "--topk",
+        "1",
+        "--draft-tokens",
+        "6",
+        "--max-new-tokens",
+        str(cfg.eval_tokens),
+        "--replay" if replay else "--verify-lossless",
+        "--no-progress",
+        "--batch-size",
+        str(cfg.eval_batch),
+        "--overwrite",
+    ]  # reruns only when its command changed
+    if limit is not None:
+        argv += ["--limit", str(limit)]
+    for d in drafters:
+        argv += ["--drafter", f"{d['name']}={d['path']}"]
+    argv += ["--train-domain", *[d["domain"] for d in drafters]]
+    argv += ["--method", *[f"{d['name']}={d['method']}" for d in drafters]]
+    for domain in cfg.eval_domains:
+        argv += ["--data", data["splits"][domain]["eval"]]
+    return argv
