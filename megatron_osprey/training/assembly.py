@@ -17,7 +17,7 @@ import yaml
 
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpointing
+from megatron_osprey.training import checkpointing, resume_check
 from megatron_osprey.training.flops import device_peak_tflops
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
@@ -57,6 +57,32 @@ class TrainResult:
     state: TrainState
     history: list[dict[str, float]]
     notes: list[str]
+
+
+def train_stage(
+    cfg,
+    spec: TrainSpec,
+    parallel: ParallelState,
+    settings: Callable[[], dict[str, dict]],
+    *,
+    warmup_fraction: bool = False,
+) -> TrainResult:
+    """run_training with what every stage derives from `cfg` alike: the schedule flags a resume names and the run
+    identity, the shared training settings and then the stage's own `settings`, built on rank 0.
+
+    With `warmup_fraction` the warmup is named as a share of the run (--lr-warmup-fraction), as distillation sets it.
+    """
+    length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
+    decay = "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None
+    warmup = f"--lr-warmup-fraction x {length}" if warmup_fraction else "--lr-warmup-iters"
+    spec = dataclasses.replace(
+        spec,
+        scheduler_flags=checkpointing.scheduler_flags(decay, length, warmup_flag=warmup),
+        run_identity=resume_check.built_on_rank0(
+            lambda: resume_check.training_settings(cfg, parallel.dp_size) | settings()
+        ),
+    )
+    return run_training(cfg, spec, parallel)
 
 
 def run_training(cfg, spec: TrainSpec, parallel: ParallelState) -> TrainResult:

@@ -24,8 +24,8 @@ from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpointing, resume_check
-from megatron_osprey.training.assembly import TrainSpec, run_training
+from megatron_osprey.training import checkpoint_files, checkpointing, resume_check
+from megatron_osprey.training.assembly import TrainSpec, train_stage
 from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
 from megatron_osprey.training.loop import TrainState
 
@@ -201,20 +201,14 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
 
     cfg.validate(parallel.world_size)
     if cfg.checkpoint.save:
-        checkpointing.check_writable(cfg.checkpoint.save, "--save")
+        checkpoint_files.check_writable(cfg.checkpoint.save, "--save")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
     target = ModelArch.from_hf_config(cfg.target.path)  # the one parse of its config.json, passed down
     arch = drafter_arch(cfg, target)
     check_drafter_matches_target(cfg, arch, target)
     source = build_sources(cfg, arch, target, tokenizer)
-    length = "--train-iters" if cfg.training.train_iters is not None else "--train-samples"
     loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
-    draft_ids = None
-    if cfg.drafter.baseline:
-        counts = assistant_token_counts(source, arch.vocab_size, parallel.rank, parallel.world_size)
-        counts = counts.to(parallel.device)
-        torch.distributed.all_reduce(counts)  # each rank counted its share; every rank picks the same ids
-        draft_ids = top_k_ids(counts.cpu(), arch.draft_vocab_size)
+    draft_ids = draft_vocabulary(source, arch, parallel) if cfg.drafter.baseline else None
     run_config = {
         "stage": "distill",
         "config": cfg,
@@ -227,15 +221,6 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     provider = functools.partial(
         build_drafter_model, arch, cfg.parallel, transformer_impl=cfg.drafter.transformer_impl, params_dtype=dtype
     )
-
-    def initialize(chunks: list) -> None:
-        if cfg.drafter.drafter_init:
-            # Stage 3 writes no aux_norms: under --aux-hidden-norm they start at their init (ones, the identity).
-            fresh = ("aux_norms.",) if arch.aux_hidden_norm else ()
-            checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh)
-        else:
-            init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
-
     frozen = _FrozenTarget(cfg, arch, target, dtype, parallel)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     # Pad each micro-batch to its own longest sample (a multiple that sequence parallelism can split).
@@ -256,40 +241,61 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
             device=parallel.device,
         ), None
 
-    def identity() -> dict[str, dict]:
-        data = (
-            resume_check.store_setting(cfg.data.hidden_states)
-            if cfg.data.mode == "offline"
-            else resume_check.files_setting(list(cfg.data.data_path))
-        )
-        return resume_check.training_settings(cfg, parallel.dp_size) | {
-            "--mode": resume_check.setting(cfg.data.mode),
-            "--hidden-states" if cfg.data.mode == "offline" else "--data-path": data,
-            "--target": resume_check.setting(model_fingerprint(cfg.target.path)["files_sha256"], str(cfg.target.path)),
-            "drafter": resume_check.setting(arch.to_dict(), cfg.drafter.drafter_init or f"{cfg.drafter.baseline}"),
-            "--ttt-steps": resume_check.setting(cfg.ttt.ttt_steps),
-            "--ttt-decay": resume_check.setting(cfg.ttt.decay),
-            "--no-shuffle": resume_check.setting(not cfg.data.shuffle),
-        }
-
     spec = TrainSpec(
         run_config=run_config,
         model_provider=lambda pre_process=True, post_process=True, vp_stage=None: provider(),
-        initialize=initialize,
+        initialize=initial_drafter_weights(cfg, arch, draft_ids, parallel),
         forward_step=frozen.forward_step,
         data_iterators=data_iterators,
         flops_per_iteration=frozen.flops_per_iteration,
         bf16=cfg.drafter.bf16,
         progress_label="distill",
-        scheduler_flags=checkpointing.scheduler_flags(
-            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
-            length,
-            warmup_flag=f"--lr-warmup-fraction x {length}",
-        ),
-        run_identity=resume_check.built_on_rank0(identity),
     )
-    result = run_training(cfg, spec, parallel)
+    settings = functools.partial(distill_settings, cfg, arch)
+    result = train_stage(cfg, spec, parallel, settings, warmup_fraction=True)
     return DistillResult(result.state, result.history, result.notes, arch)
+
+
+def draft_vocabulary(source, arch: DrafterArch, parallel: ParallelState) -> torch.Tensor:
+    """Collective: EAGLE-3's draft vocabulary, the most frequent assistant tokens over every rank's share."""
+    counts = assistant_token_counts(source, arch.vocab_size, parallel.rank, parallel.world_size)
+    counts = counts.to(parallel.device)
+    torch.distributed.all_reduce(counts)  # each rank counted its share; every rank picks the same ids
+    return top_k_ids(counts.cpu(), arch.draft_vocab_size)
+
+
+def initial_drafter_weights(
+    cfg, arch: DrafterArch, draft_ids: torch.Tensor | None, parallel: ParallelState
+) -> Callable[[list], None]:
+    """Loads Stage 3's drafter (--drafter-init) or initializes EAGLE-3 from the target into fresh chunks."""
+
+    def initialize(chunks: list) -> None:
+        if cfg.drafter.drafter_init:
+            # Stage 3 writes no aux_norms: under --aux-hidden-norm they start at their init (ones, the identity).
+            fresh = ("aux_norms.",) if arch.aux_hidden_norm else ()
+            checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh)
+        else:
+            init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
+
+    return initialize
+
+
+def distill_settings(cfg, arch: DrafterArch) -> dict[str, dict]:
+    """Distillation's own part of the run identity a resume compares (training/resume_check.py)."""
+    data = (
+        resume_check.store_setting(cfg.data.hidden_states)
+        if cfg.data.mode == "offline"
+        else resume_check.files_setting(list(cfg.data.data_path))
+    )
+    return {
+        "--mode": resume_check.setting(cfg.data.mode),
+        "--hidden-states" if cfg.data.mode == "offline" else "--data-path": data,
+        "--target": resume_check.setting(model_fingerprint(cfg.target.path)["files_sha256"], str(cfg.target.path)),
+        "drafter": resume_check.setting(arch.to_dict(), cfg.drafter.drafter_init or f"{cfg.drafter.baseline}"),
+        "--ttt-steps": resume_check.setting(cfg.ttt.ttt_steps),
+        "--ttt-decay": resume_check.setting(cfg.ttt.decay),
+        "--no-shuffle": resume_check.setting(not cfg.data.shuffle),
+    }
 
 
 class _FrozenTarget:

@@ -18,8 +18,8 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpointing, data, resume_check
-from megatron_osprey.training.assembly import TrainSpec, run_training
+from megatron_osprey.training import checkpoint_files, checkpointing, data, resume_check
+from megatron_osprey.training.assembly import TrainSpec, train_stage
 from megatron_osprey.training.flops import training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.loop import TrainState
@@ -91,12 +91,11 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
     validate_against_model(cfg, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
     if cfg.checkpoint.save:
-        checkpointing.check_writable(cfg.checkpoint.save, "--save")
+        checkpoint_files.check_writable(cfg.checkpoint.save, "--save")
     prefixes = data.parse_blend(cfg.data.data_path)[0]
     for prefix in prefixes:
         data.check_has_documents(prefix)
     vocab_notes = data.check_vocabulary(prefixes, arch.vocab_size)  # out-of-vocabulary ids refused before step 1
-    source = " ".join(cfg.data.data_path)
     train_iters = cfg.training.num_train_iters()
     sizes = data.split_sizes(
         train_iters, cfg.training.global_batch_size, cfg.logging.eval_iters, cfg.logging.eval_interval
@@ -104,74 +103,82 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
     data.plan_splits(cfg.data, prefixes, sizes)  # an empty split that is read is refused before the model is built
     run_config = {"stage": "pretrain", "config": cfg, "world_size": parallel.world_size, "hf_config": arch.hf_config}
 
-    def data_iterators(model: list, state: TrainState, notes: list[str]):
-        tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
-        train_ds, valid_ds, _ = data.build_gpt_datasets(
-            cfg.data, tokenizer, cfg.training.seq_length, cfg.parallel.seed, sizes
-        )
-
-        notes += vocab_notes
-
-        def collate(samples: list[dict]) -> dict:
-            batch = data.stack_samples(samples)
-            data.check_token_ids(batch, arch.vocab_size, source)  # also datasets too large for the scan
-            return batch
-
-        def iterators(dataset, consumed: int):
-            # Interleaved pipelines take one iterator per virtual stage, each at the same position.
-            its = [
-                micro_batches(
-                    dataset,
-                    consumed,
-                    cfg.training.micro_batch_size,
-                    parallel.dp_rank,
-                    parallel.dp_size,
-                    collate,
-                    device=parallel.device,
-                )
-                for _ in model
-            ]
-            return its if len(its) > 1 else its[0]
-
-        if valid_ds is None and cfg.logging.eval_iters:
-            notes.append(f"--split {cfg.data.split} leaves no validation data: loss/valid is not computed")
-        valid = (lambda: iterators(valid_ds, 0)) if valid_ds is not None else None
-        return iterators(train_ds, state.consumed_train_samples), valid
-
     def finish(model: list, state: TrainState) -> None:
         if cfg.checkpoint.save and state.iteration >= train_iters:
             export_backbone(cfg, arch, model, run_config | {"iteration": state.iteration}, parallel)
 
     padded_vocab = arch.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
-
-    def identity() -> dict[str, dict]:
-        return resume_check.training_settings(cfg, parallel.dp_size) | {
-            "--mode": resume_check.setting("pretrain"),
-            "--data-path": resume_check.indexed_data_setting(cfg.data.data_path, prefixes),
-            "--split": resume_check.setting(cfg.data.split),
-            "--backbone": resume_check.setting(arch.hf_config, str(cfg.model.backbone or cfg.model.hf_model)),
-        }
-
     spec = TrainSpec(
         run_config=run_config,
         model_provider=model_provider(arch, cfg),
         initialize=initial_weights(arch, cfg, parallel),
         forward_step=lambda model: forward_step,
-        data_iterators=data_iterators,
+        data_iterators=functools.partial(gpt_data_iterators, cfg, arch, parallel, sizes, vocab_notes),
         flops_per_iteration=lambda model: (
             cfg.training.global_batch_size * training_flops_per_sequence(arch, cfg.training.seq_length, padded_vocab)
         ),
         bf16=cfg.model.bf16,
         fp8=bool(cfg.model.fp8_format),
         finish=finish,
-        scheduler_flags=checkpointing.scheduler_flags(
-            "--lr-decay-iters" if cfg.optimizer.lr_decay_iters else None,
-            "--train-iters" if cfg.training.train_iters is not None else "--train-samples",
-        ),
-        run_identity=resume_check.built_on_rank0(identity),
     )
-    result = run_training(cfg, spec, parallel)
+    result = train_stage(cfg, spec, parallel, functools.partial(pretrain_settings, cfg, arch, prefixes))
     return PretrainResult(result.state, result.history, result.notes)
+
+
+def gpt_data_iterators(
+    cfg,
+    arch: ModelArch,
+    parallel: ParallelState,
+    sizes: list[int],
+    vocab_notes: list[str],
+    model: list,
+    state: TrainState,
+    notes: list[str],
+):
+    """TrainSpec.data_iterators of pretraining: GPT datasets of the blend, each batch's token ids checked."""
+    source = " ".join(cfg.data.data_path)
+    tokenizer = data.DatasetTokenizer(arch.vocab_size, data.eod_token_id(arch.hf_config, cfg.data.eod_token_id))
+    train_ds, valid_ds, _ = data.build_gpt_datasets(
+        cfg.data, tokenizer, cfg.training.seq_length, cfg.parallel.seed, sizes
+    )
+
+    notes += vocab_notes
+
+    def collate(samples: list[dict]) -> dict:
+        batch = data.stack_samples(samples)
+        data.check_token_ids(batch, arch.vocab_size, source)  # also datasets too large for the scan
+        return batch
+
+    def iterators(dataset, consumed: int):
+        # Interleaved pipelines take one iterator per virtual stage, each at the same position.
+        its = [
+            micro_batches(
+                dataset,
+                consumed,
+                cfg.training.micro_batch_size,
+                parallel.dp_rank,
+                parallel.dp_size,
+                collate,
+                device=parallel.device,
+            )
+            for _ in model
+        ]
+        return its if len(its) > 1 else its[0]
+
+    if valid_ds is None and cfg.logging.eval_iters:
+        notes.append(f"--split {cfg.data.split} leaves no validation data: loss/valid is not computed")
+    valid = (lambda: iterators(valid_ds, 0)) if valid_ds is not None else None
+    return iterators(train_ds, state.consumed_train_samples), valid
+
+
+def pretrain_settings(cfg, arch: ModelArch, prefixes: list[str]) -> dict[str, dict]:
+    """Pretraining's own part of the run identity a resume compares (training/resume_check.py)."""
+    return {
+        "--mode": resume_check.setting("pretrain"),
+        "--data-path": resume_check.indexed_data_setting(cfg.data.data_path, prefixes),
+        "--split": resume_check.setting(cfg.data.split),
+        "--backbone": resume_check.setting(arch.hf_config, str(cfg.model.backbone or cfg.model.hf_model)),
+    }
 
 
 def export_backbone(cfg, arch: ModelArch, model: list, run_config: dict, parallel: ParallelState) -> None:
