@@ -91,19 +91,11 @@ def check_output(
     return True
 
 
-def prepare_output(
-    output: str | Path,
-    inputs: dict[str, str | Path | None],
-    marker: str,
-    overwrite: bool,
-    *,
-    stage: str | None = None,
-    flag: str = "--output",
-) -> Path:
-    """check_output, then empty OUTPUT if it holds this stage's earlier output; returns it, created. All checks
-    run before anything is deleted."""
+def prepare_output(output: str | Path, *checked, **keywords) -> Path:
+    """check_output(output, *checked, **keywords), then empty OUTPUT if it holds this stage's earlier output;
+    returns it, created. All checks run before anything is deleted."""
     output = Path(output).expanduser()
-    if check_output(output, inputs, marker, overwrite, stage=stage, flag=flag):
+    if check_output(output, *checked, **keywords):
         shutil.rmtree(output)
     output.mkdir(parents=True, exist_ok=True)
     return output

@@ -9,6 +9,12 @@ from pathlib import Path
 from megatron_osprey.demo.sizes import DemoConfig
 
 
+def _local_and_saved(save: Path, iters: int, log_every: int) -> list:
+    """The flags every demo training shares: the local (non-TE) spec, one save at the end, its log interval."""
+    saving = ["--save", save, "--save-interval", str(iters), "--log-interval", str(log_every)]
+    return ["--transformer-impl", "local", *saving]
+
+
 def pretrain_argv(
     cfg: DemoConfig, source_flag: str, source: Path, data_prefix: Path, save: Path, iters: int, lr: float
 ) -> list:
@@ -41,14 +47,7 @@ def pretrain_argv(
         "0.01",
         "--clip-grad",
         "1.0",
-        "--transformer-impl",
-        "local",
-        "--save",
-        save,
-        "--save-interval",
-        str(iters),
-        "--log-interval",
-        str(max(1, iters // 6)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 6)),
         "--eval-iters",
         "0",
         "--no-progress-bar",
@@ -109,14 +108,7 @@ def distill_argv(
         "--min-lr",
         str(cfg.distill_lr / 10),
         *(["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []),
-        "--transformer-impl",
-        "local",
-        "--save",
-        save,
-        "--save-interval",
-        str(iters),
-        "--log-interval",
-        str(max(1, iters // 4)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 4)),
         "--no-progress-bar",
         "--seed",
         str(seed),

@@ -102,17 +102,7 @@ def run_requests(
         out = speculative_generate(target, session, prompt.input_ids, spec)
         _sync()
         seconds = time.perf_counter() - start
-        result = RequestResult(
-            prompt.id,
-            int(prompt.input_ids.numel()),
-            out.completion_tokens,
-            out.verify_count,
-            seconds,
-            list(out.accept_lengths),
-            output_ids=[int(t) for t in out.tokens],
-            draft_seconds=out.draft_seconds,
-            drafted_tokens=out.drafted_tokens,
-        )
+        result = _request_result(prompt, out, seconds, progress, timed_drafting=True)
         if verify_lossless:
             if prompt.id not in references:
                 _sync()
@@ -125,9 +115,6 @@ def run_requests(
             expected, result.target_seconds = references[prompt.id]
             result.mismatch_at = first_mismatch(out.tokens, expected)
         results.append(result)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(al=f"{result.acceptance_length:.2f}")
     return results
 
 
@@ -149,7 +136,9 @@ def _decode_in_groups(prompts: list[EvalPrompt], batch_size: int, decode) -> lis
     return [out[i] for i in range(len(prompts))]
 
 
-def _request_result(prompt: EvalPrompt, out, seconds: float, progress) -> RequestResult:
+def _request_result(prompt: EvalPrompt, out, seconds: float, progress, timed_drafting: bool = False) -> RequestResult:
+    """One request's record; `timed_drafting`: the decoder timed its drafting alone (batch 1), so it is kept."""
+    drafting = {"draft_seconds": out.draft_seconds, "drafted_tokens": out.drafted_tokens} if timed_drafting else {}
     result = RequestResult(
         prompt.id,
         int(prompt.input_ids.numel()),
@@ -158,6 +147,7 @@ def _request_result(prompt: EvalPrompt, out, seconds: float, progress) -> Reques
         seconds,
         list(out.accept_lengths),
         output_ids=[int(t) for t in out.tokens],
+        **drafting,
     )
     if progress is not None:
         progress.update(1)
