@@ -46,7 +46,7 @@ def check_writable(output: str | Path, flag: str = "--output") -> Path:
     output = Path(output).expanduser()
     try:
         output.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=output, prefix=".write-probe-"):
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".write_probe."):  # provenance hashes skip it
             pass
     except OSError as error:
         raise ValueError(
