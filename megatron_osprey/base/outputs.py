@@ -40,7 +40,7 @@ def check_disjoint(output: str | Path, inputs: dict[str, str | Path | None], fla
             )
 
 
-def check_writable(output: str | Path, flag: str = "--output") -> Path:
+def check_output_writable(output: str | Path, flag: str = "--output") -> Path:
     """Refuse, before any long work, an output directory this process cannot create or write into: creates it and
     a temporary file in it (removed after); returns it."""
     output = Path(output).expanduser()

@@ -115,10 +115,10 @@ def test_a_corrupt_store_shard_is_an_input_error():
 
 
 def test_an_output_that_cannot_be_created_or_written_is_named(tmp_path):
-    from megatron_osprey.base.outputs import check_writable
+    from megatron_osprey.base.outputs import check_output_writable
 
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ValueError, match=r"^--out .*file\.txt/o cannot be written"):
-        check_writable(tmp_path / "file.txt" / "o", flag="--out")
-    assert check_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+        check_output_writable(tmp_path / "file.txt" / "o", flag="--out")
+    assert check_output_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
     assert list((tmp_path / "a" / "b").iterdir()) == []
