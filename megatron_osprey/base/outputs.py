@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 from megatron_osprey.base.provenance import PROVENANCE_FILE
@@ -37,6 +38,21 @@ def check_disjoint(output: str | Path, inputs: dict[str, str | Path | None], fla
             raise ValueError(
                 f"{flag} {output} {why}; writing there would destroy what this run reads. Choose another {flag}."
             )
+
+
+def check_output_writable(output: str | Path, flag: str = "--output") -> Path:
+    """Refuse, before any long work, an output directory this process cannot create or write into: creates it and
+    a temporary file in it (removed after); returns it."""
+    output = Path(output).expanduser()
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output, prefix=".write_probe."):  # provenance hashes skip it
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{flag} {output} cannot be written ({error.strerror or error}); choose a {flag} this user can create."
+        ) from None
+    return output
 
 
 def _recorded_stage(directory: Path) -> str | None:

@@ -1,8 +1,8 @@
 """Named model presets for planning before a model is downloaded, and the rule that prefers the real config.
 
 A preset is the architecture part of a model's published config.json (the keys ModelArch reads), copied
-from the Hugging Face Hub pages named below; tests/unit/test_targets.py holds those published configs as
-data and checks every preset against them. Wherever a recipe's paths.target (or paths.source) holds a
+from the Hugging Face Hub pages named below; tests/unit/test_target_configs.py holds those published configs
+as data and checks every preset against them. Wherever a recipe's paths.target (or paths.source) holds a
 config.json, planning reads that file instead: any supported HF config is a target (`--set
 paths.target=DIR`), and a preset is only the shape to plan with until it exists.
 

@@ -181,11 +181,13 @@ FLAGS = {
 
 def run(config: EvaluateConfig, invocation: Invocation = Invocation("evaluate")) -> dict:
     """Decode every prompt of every split with every drafter; write and return results.json's content."""
+    from megatron_osprey.base.outputs import check_output_writable
     from megatron_osprey.eval.run import run_eval
 
     config = config.resolved()
     inputs = check_inputs({f"drafter:{d.name}": d.path for d in config.drafters})
     inputs |= check_inputs({f"split:{Path(p).name.split('.')[0]}": p for p in config.data})
+    check_output_writable(config.output)  # before the run, which may take hours, not at its end
     results = run_eval(config)
     output = Path(config.output)
     invocation.record(output, config, inputs, {"results": output / "results.json"})

@@ -14,10 +14,11 @@ counting is speculative/ngram.py.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
+from megatron_osprey.base.outputs import check_output, prepare_output
+from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
@@ -49,14 +50,11 @@ class NgramConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}.")
         if not Path(self.tokenizer).is_dir():
             raise FileNotFoundError(f"--tokenizer {self.tokenizer}: no such directory (the target's HF directory).")
-        output = Path(self.output)
-        if output.exists() and (not output.is_dir() or any(output.iterdir())):
-            from megatron_osprey.speculative.ngram import is_ngram_dir
+        check_output(self.output, self.paths_read(), PROVENANCE_FILE, self.overwrite, stage="ngram")
 
-            if not is_ngram_dir(output):
-                raise FileExistsError(f"--output {output} exists and holds something other than an n-gram drafter.")
-            if not self.overwrite:
-                raise FileExistsError(f"--output {output} already holds an n-gram drafter; pass --overwrite.")
+    def paths_read(self) -> dict[str, str | None]:
+        """Every path the stage reads, by the flag that names it (the output may not overlap any)."""
+        return {f"--input {path}": path for path in self.inputs} | {"--tokenizer": self.tokenizer}
 
 
 FLAGS = {
@@ -71,7 +69,7 @@ FLAGS = {
         Flag("--enable-thinking", "enable_thinking", {"type": boolean, "metavar": "true|false"}),
         Flag("--limit", "limit", {"type": int, "help": "only the first N rows of each input"}),
         Flag("--no-progress", "progress", {"action": "store_false"}),
-        Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an n-gram drafter in --output"}),
+        Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace this stage's earlier output in --output"}),
     ]
 }
 
@@ -92,9 +90,7 @@ def run(config: NgramConfig, invocation: Invocation = Invocation("ngram")):
         drafter = build_ngram_drafter(
             config.inputs, tokenizer, config.order, options, config.min_count, str(config.tokenizer), progress
         )
-    output = Path(config.output)
-    if output.exists() and config.overwrite:
-        shutil.rmtree(output)  # validate() checked that it holds an n-gram drafter
+    output = prepare_output(config.output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="ngram")
     drafter.save(output)
     invocation.record(output, config, inputs, {"tables": output / TABLES_NAME, "config": output / CONFIG_NAME})
     return drafter

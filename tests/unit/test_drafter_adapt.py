@@ -242,3 +242,39 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_first(
             tensor_parallel_size=3,
         )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "cannot be read"),
+        ("7", "holds a JSON int"),
+        ('"counts"', "holds a JSON str"),
+        (json.dumps([1] * 11), "holds 11 counts, more than the target's vocabulary of 10"),
+        (json.dumps([3, -1, 2]), "the count of id 1 is -1, not an integer >= 0"),
+        (json.dumps([3, 1.5]), "the count of id 1 is 1.5, not an integer >= 0"),
+        (json.dumps([3, "many"]), "the count of id 1 is 'many', not an integer >= 0"),
+        (json.dumps([3, None]), "the count of id 1 is None, not an integer >= 0"),
+        (json.dumps([True, 2]), "the count of id 0 is True, not an integer >= 0"),
+        (json.dumps({"2": 5, "the": 3}), "its keys must be token ids"),
+        (json.dumps({"2": 5, "10": 3}), r"id 10 is outside the target vocabulary \(0\.\.9\)"),
+        (json.dumps([0, 0, 0]), "every count is 0"),
+    ],
+)
+def test_bad_token_counts_name_the_file(tmp_path, content, why):
+    from megatron_osprey.models.drafter.adapt import load_token_counts
+
+    path = tmp_path / "token_counts.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"^--token-counts {path}: {why}"):
+        load_token_counts(path, 10)
+
+
+def test_token_counts_as_a_list_up_to_the_vocabulary_or_an_object(tmp_path):
+    from megatron_osprey.models.drafter.adapt import load_token_counts
+
+    # A list as long as the tokenizer: a padded vocabulary's extra ids count 0.
+    (tmp_path / "list.json").write_text(json.dumps([4, 0, 7]))
+    assert load_token_counts(tmp_path / "list.json", 5).tolist() == [4, 0, 7, 0, 0]
+    (tmp_path / "object.json").write_text(json.dumps({"4": 2, "1": 9}))
+    assert load_token_counts(tmp_path / "object.json", 5).tolist() == [0, 9, 0, 0, 2]

@@ -475,3 +475,21 @@ def test_help_says_a_megatron_checkpoint_must_be_trusted(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "evaluate only checkpoints you trust" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tiny_setup, tmp_path, monkeypatch, capsys):
+    import megatron_osprey.eval.run as eval_run
+
+    def run_eval(config):
+        raise ValueError("the run started")
+
+    monkeypatch.setattr(eval_run, "run_eval", run_eval)
+    (tmp_path / "file.txt").write_text("not a directory")
+    # Below a regular file no directory can be created, whoever runs the test (root ignores permission bits).
+    assert _cli(tiny_setup, tmp_path / "file.txt" / "out") == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path / 'file.txt' / 'out'} cannot be written" in err and len(err.splitlines()) == 1
+    assert "the run started" not in err
+    # A writable --output reaches the run, and the probe leaves nothing behind.
+    assert _cli(tiny_setup, tmp_path / "fresh") == 2 and "the run started" in capsys.readouterr().err
+    assert list((tmp_path / "fresh").iterdir()) == []

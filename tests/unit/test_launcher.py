@@ -3,6 +3,7 @@ resolves is the one `osprey plan` prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -225,12 +226,19 @@ def test_eval_on_gpus_sweeps_batch_sizes_with_a_target_only_pass(tmp_path):
     assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in regen
 
 
-def test_values_that_would_break_the_script_are_refused(tmp_path):
+@pytest.mark.parametrize("key, value", [("cpus_per_task", -4), ("nodes", 0), ("array_tasks", 0), ("gpus_per_node", 0)])
+def test_values_that_would_break_the_script_are_refused(tmp_path, key, value):
     name = "smollm2_cpu_smoke"
     with pytest.raises(ValueError, match="quote"):
         render(get_recipe(name), name, "prune", str(tmp_path / "it's"))
-    with pytest.raises(ValueError, match="resources.extract.cpus_per_task must be at least 1"):
-        render(resolve_recipe(name, ["resources.extract.cpus_per_task=-4"]), name, "extract", str(tmp_path))
+    with pytest.raises(ValueError, match=rf"^recipe {name}: resources\.extract\.{key} must be at least 1\.$"):
+        render(resolve_recipe(name, [f"resources.extract.{key}={value}"]), name, "extract", str(tmp_path))
+    # A recipe built in code, never validated, is refused when its script is rendered.
+    recipe = get_recipe(name)
+    bad = dataclasses.replace(recipe.stage_resources("extract"), **{key: value})
+    unchecked = dataclasses.replace(recipe, resources={**recipe.resources, "extract": bad})
+    with pytest.raises(ValueError, match=rf"^resources\.extract\.{key} must be at least 1, got {value}\.$"):
+        render(unchecked, name, "extract", str(tmp_path))
 
 
 def test_each_default_is_written_once():

@@ -178,19 +178,28 @@ def _fetch_commands():
 
 
 @pytest.mark.parametrize("command", ["osprey fetch-model", "tools/fetch_model.py"])
-def test_fetch_model_refuses_a_non_empty_output(command, smollm2_dir, tmp_path, capsys):
+def test_fetch_model_never_deletes_a_directory_it_did_not_write(command, smollm2_dir, tmp_path, capsys):
     out = tmp_path / "model"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert _fetch_commands()[command]([SMOLLM2, "--output", str(out)]) == 2
-    assert f"--output {out} is not empty; pass --overwrite to replace it." in capsys.readouterr().err
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    # --overwrite replaces an earlier fetch only: this directory has no osprey_model.json.
+    assert _fetch_commands()[command]([SMOLLM2, "--output", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {out} is not empty and has no {models.MODEL_INFO_FILE}" in err and len(err.splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    # Nor the cache it copies from, nor a directory holding it.
+    for cache in (smollm2_dir, smollm2_dir.parent):
+        assert _fetch_commands()[command]([SMOLLM2, "--output", str(cache), "--overwrite"]) == 2
+        assert "writing there would destroy what this run reads" in capsys.readouterr().err
+    assert (smollm2_dir / models.MODEL_INFO_FILE).is_file()
 
 
-def test_fetch_model_with_overwrite_writes_the_checkpoint(smollm2_dir, tmp_path):
+def test_fetch_model_with_overwrite_replaces_its_own_earlier_fetch(smollm2_dir, tmp_path):
     out = tmp_path / "model"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
+    assert _fetch_commands()["osprey fetch-model"]([SMOLLM2, "--output", str(out)]) == 0
+    (out / "stale.txt").write_text("left by an earlier fetch")
     assert _fetch_commands()["osprey fetch-model"]([SMOLLM2, "--output", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in smollm2_dir.iterdir())
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

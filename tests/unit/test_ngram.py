@@ -199,3 +199,40 @@ def test_ngram_drafters_refuse_trees_and_other_tokenizers(tiny_target, tmp_path,
     count_ngrams([[1, 2, 3]], 3, 9).save(tmp_path / "small")
     assert _evaluate(tiny_target, tmp_path / "b", tmp_path / "small") == 2
     assert "rebuild it with --tokenizer" in capsys.readouterr().err
+
+
+def test_ngram_output_never_deletes_an_input_or_a_directory_it_did_not_write(tiny_target, tmp_path, capsys):
+    from megatron_osprey.stages.ngram import main as ngram_main
+
+    corpus = tmp_path / "corpora" / "text.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text(json.dumps({"text": "the cat sat on a mat"}) + "\n")
+
+    def build(output, *extra, corpus=corpus):
+        argv = ["--input", str(corpus), "--tokenizer", str(tiny_target / "target"), "--output", str(output)]
+        return ngram_main([*argv, "--order", "2", "--no-progress", *extra])
+
+    # An output holding (or equal to) an input is refused, even with --overwrite, and nothing is deleted.
+    for output in (corpus.parent, tmp_path):
+        assert build(output, "--overwrite") == 2
+        err = capsys.readouterr().err
+        assert f"contains the input --input {corpus}" in err and len(err.splitlines()) == 1
+    assert corpus.is_file()
+    assert build(tiny_target / "target", "--overwrite") == 2
+    assert f"is the input --tokenizer ({tiny_target / 'target'})" in capsys.readouterr().err
+    # A directory another program wrote, even one holding an n-gram table the stage did not record.
+    count_ngrams([[1, 2, 3]], 2, 400).save(tmp_path / "theirs")
+    assert build(tmp_path / "theirs", "--overwrite") == 2
+    assert f"--output {tmp_path / 'theirs'} is not empty and has no provenance.json" in capsys.readouterr().err
+    assert is_ngram_dir(tmp_path / "theirs")
+    # Its own earlier output is replaced with --overwrite, files it no longer writes included.
+    assert build(tmp_path / "mine") == 0
+    (tmp_path / "mine" / "stale.txt").write_text("from an earlier run")
+    assert build(tmp_path / "mine") == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert build(tmp_path / "mine", "--overwrite") == 0
+    assert is_ngram_dir(tmp_path / "mine") and not (tmp_path / "mine" / "stale.txt").exists()
+    # But not when an input lies inside it.
+    inside = tmp_path / "mine" / "more.jsonl"
+    inside.write_text(corpus.read_text())
+    assert build(tmp_path / "mine", "--overwrite", corpus=inside) == 2
+    assert f"contains the input --input {inside}" in capsys.readouterr().err and inside.is_file()

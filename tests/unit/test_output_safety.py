@@ -112,3 +112,13 @@ def test_a_corrupt_store_shard_is_an_input_error():
     from megatron_osprey.data.hidden_state_store import CorruptShardError
 
     assert issubclass(CorruptShardError, ValueError)  # stages print it as one `error:` line, exit 2
+
+
+def test_an_output_that_cannot_be_created_or_written_is_named(tmp_path):
+    from megatron_osprey.base.outputs import check_output_writable
+
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^--out .*file\.txt/o cannot be written"):
+        check_output_writable(tmp_path / "file.txt" / "o", flag="--out")
+    assert check_output_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert list((tmp_path / "a" / "b").iterdir()) == []

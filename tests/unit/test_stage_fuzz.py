@@ -64,10 +64,13 @@ def _base(stage: str, tmp_path) -> list[str]:
         "distill": ["--drafter-init", missing, "--target", missing, "--data-path", missing, "--train-iters", "2"],
         "export": ["--checkpoint", missing, "--output", str(tmp_path / "out")],
         "evaluate": ["--target", missing, "--drafter", f"d={missing}", "--data", missing, "--output", missing],
+        "data": ["--input", f"code={missing}", "--target", missing, "--output", str(tmp_path / "out")],
+        "ngram": ["--input", missing, "--tokenizer", missing, "--output", str(tmp_path / "out")],
     }[stage]
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# The chain's stages, and the stages no recipe chain runs (osprey data, the n-gram drafter).
+@pytest.mark.parametrize("stage", [*STAGES, "data", "ngram"])
 def test_hostile_flags_exit_2_with_one_error_line(stage, tmp_path, capsys):
     module = importlib.import_module(f"megatron_osprey.stages.{stage}")
     rng = random.Random(f"fuzz:{stage}")

@@ -1,8 +1,10 @@
-"""A target is whatever config.json the user has: the published configs of four targets, read from disk.
+"""A target is whatever config.json the user has: the published configs of the targets, read from disk, and the
+named presets (megatron_osprey/recipes/targets.py) checked against them.
 
 The dicts below are the config.json files as published on the Hugging Face Hub (Qwen/Qwen3-32B,
-meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-30B-A3B, MiniMaxAI/MiniMax-M2.5 without its quantization block),
-written here as data so the test needs no network.
+meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-30B-A3B, MiniMaxAI/MiniMax-M2.5 without its quantization block,
+Qwen/Qwen3-8B, Qwen/Qwen3-4B, meta-llama/Llama-3.3-70B-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct without
+its transformers.js block), written here as data so the test needs no network.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 
 import pytest
 
-from megatron_osprey.base.arch import load_target_config
+from megatron_osprey.base.arch import ModelArch, load_target_config
+from megatron_osprey.recipes.targets import PRESETS
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -147,6 +150,137 @@ MINIMAX_M25 = {
 }
 
 
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+LLAMA33_70B_INSTRUCT = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 8192,
+    "initializer_range": 0.02,
+    "intermediate_size": 28672,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.47.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+SMOLLM2_135M_INSTRUCT = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536,
+    "is_llama_config": True,
+    "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "pad_token_id": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_interleaved": False,
+    "rope_scaling": None,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3",
+    "use_cache": True,
+    "vocab_size": 49152,
+}
+
+# The published config each named preset copies; the tiny_* presets are toy models with no published config.
+PUBLISHED_FOR_PRESET = {
+    "qwen3_4b": QWEN3_4B,
+    "qwen3_8b": QWEN3_8B,
+    "llama33_70b": LLAMA33_70B_INSTRUCT,
+    "minimax_m25": MINIMAX_M25,
+    "smollm2_135m_instruct": SMOLLM2_135M_INSTRUCT,
+}
+
+
 def _dense(layers, hidden, heads, kv, ffn, vocab, theta, scaling=None, rotary=128, qk_norm="head"):
     return {
         "num_layers": layers,
@@ -271,3 +405,15 @@ def test_a_hub_id_is_refused_with_the_download_step(tmp_path, monkeypatch):
 def test_a_directory_without_config_json_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no config\.json there"):
         load_target_config(tmp_path)
+
+
+def test_every_named_preset_has_a_published_config():
+    assert sorted(PUBLISHED_FOR_PRESET) == sorted(p for p in PRESETS if not p.startswith("tiny_"))
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_FOR_PRESET))
+def test_a_preset_is_what_its_published_config_says(tmp_path, preset):
+    published = PUBLISHED_FOR_PRESET[preset]
+    # Every key the preset writes has the published value, and the model it describes is the published one.
+    assert {k: published.get(k, "<not published>") for k in PRESETS[preset]} == dict(PRESETS[preset])
+    assert ModelArch.from_hf_config(dict(PRESETS[preset])) == load_target_config(_write(tmp_path, published))

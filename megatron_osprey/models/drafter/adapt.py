@@ -68,19 +68,36 @@ def backbone_hf_dir(backbone_dir: Path) -> Path:
 
 
 def load_token_counts(path: Path, vocab_size: int) -> torch.Tensor:
-    """Counts per target id from JSON: a list indexed by id, or an {id: count} object."""
+    """Counts per target id from JSON: a list indexed by id (no longer than the target's vocabulary; the ids past
+    its end count 0, as a padded vocabulary's do), or an {id: count} object; counts are integers >= 0."""
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"--token-counts {path}: {why}; write a JSON list or {{id: count}} object of counts.")
+
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--token-counts {path}: cannot read a JSON list or object of counts ({error}).") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise refuse(f"cannot be read ({error})") from None
+    if isinstance(data, list):
+        if len(data) > vocab_size:
+            raise refuse(f"holds {len(data)} counts, more than the target's vocabulary of {vocab_size}")
+        items = list(enumerate(data))
+    elif isinstance(data, dict):
+        try:
+            items = [(int(key), count) for key, count in data.items()]
+        except ValueError:
+            raise refuse(f"its keys must be token ids, got {list(data)[:3]}") from None
+    else:
+        raise refuse(f"holds a JSON {type(data).__name__}")
     counts = torch.zeros(vocab_size, dtype=torch.float64)
-    items = enumerate(data) if isinstance(data, list) else ((int(k), v) for k, v in data.items())
     for token_id, count in items:
         if not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"--token-counts {path}: id {token_id} is outside the target vocabulary (0..{vocab_size - 1})."
-            )
+            raise refuse(f"id {token_id} is outside the target vocabulary (0..{vocab_size - 1})")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise refuse(f"the count of id {token_id} is {count!r}, not an integer >= 0")
         counts[token_id] = float(count)
+    if not counts.any():
+        raise refuse("every count is 0, so no token is more frequent than another")
     return counts
 
 
