@@ -50,23 +50,6 @@ def resume_iteration(checkpoint) -> int | None:
     return read_latest_iteration(checkpoint.load)
 
 
-def check_writable(directory: str | Path, flag: str) -> None:
-    """Create `directory` and write a probe file in it, so a read-only --save fails now, not at the first save."""
-    import os
-    import tempfile
-
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".write_probe.{os.getpid()}."):
-            pass
-    except OSError as exc:
-        raise OSError(
-            exc.errno,
-            f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a directory this job can write.",
-        ) from None
-
-
 # What torch distributed checkpointing's .metadata pickles (measured on this repo's checkpoints):
 # its own metadata/planner dataclasses, torch.Size, dtypes and the layout helper. Anything else
 # in that file can run code on load, so it is refused before torch unpickles it.

@@ -16,6 +16,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_osprey.base.arch import ModelArch, resolve_aux_layer_ids
+from megatron_osprey.base.outputs import check_output_writable
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.distill_data import pad_samples
 from megatron_osprey.data.fingerprint import model_fingerprint
@@ -24,7 +25,7 @@ from megatron_osprey.losses.ttt import drafter_inputs, step_masks, ttt_objective
 from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model, eagle3_body
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpoint_files, checkpointing, resume_check
+from megatron_osprey.training import checkpointing, resume_check
 from megatron_osprey.training.assembly import TrainSpec, train_stage
 from megatron_osprey.training.flops import forward_flops_per_sequence, training_flops_per_sequence
 from megatron_osprey.training.loop import TrainState
@@ -201,7 +202,7 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
 
     cfg.validate(parallel.world_size)
     if cfg.checkpoint.save:
-        checkpoint_files.check_writable(cfg.checkpoint.save, "--save")
+        check_output_writable(cfg.checkpoint.save, "--save")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
     target = ModelArch.from_hf_config(cfg.target.path)  # the one parse of its config.json, passed down
     arch = drafter_arch(cfg, target)

@@ -15,10 +15,11 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.outputs import check_output_writable
 from megatron_osprey.base.run_config import load_run_config
 from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.parallel import ParallelState
-from megatron_osprey.training import checkpoint_files, checkpointing, data, resume_check
+from megatron_osprey.training import checkpointing, data, resume_check
 from megatron_osprey.training.assembly import TrainSpec, train_stage
 from megatron_osprey.training.flops import training_flops_per_sequence
 from megatron_osprey.training.gpt_step import gpt_forward_step
@@ -91,7 +92,7 @@ def run_pretrain(cfg, parallel: ParallelState, forward_step: Callable = gpt_forw
     validate_against_model(cfg, arch)
     data.check_prefixes(data.parse_blend(cfg.data.data_path)[0])
     if cfg.checkpoint.save:
-        checkpoint_files.check_writable(cfg.checkpoint.save, "--save")
+        check_output_writable(cfg.checkpoint.save, "--save")
     prefixes = data.parse_blend(cfg.data.data_path)[0]
     for prefix in prefixes:
         data.check_has_documents(prefix)

@@ -148,7 +148,7 @@ def test_resume_refuses_a_changed_schedule_or_honours_it_when_asked(work):
 def test_an_unwritable_save_is_refused_before_training(work, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError, match=r"--save .*a_file/ckpt is not writable"):
+    with pytest.raises(ValueError, match=r"--save .*a_file/ckpt cannot be written"):
         tiny(work, checkpoint__save=str(blocker / "ckpt"))
 
 
