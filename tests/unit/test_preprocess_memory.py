@@ -35,9 +35,9 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 
 REPO = Path(__file__).resolve().parents[2]
-# Peak RSS (KiB) of a child that reads and encodes one JSONL file; `encode` False stops before tokenizing.
+# Peak RSS (KiB, VmHWM) of a child that reads and encodes one JSONL file; `encode` False stops before tokenizing.
 CHILD = """
-import resource, sys
+import sys
 from megatron_osprey.data.fast_tokenizer import load_tokenizer_spec
 from megatron_osprey.data.text_sources import RecordBatch
 from megatron_osprey.data.token_encoding import BatchEncoder
@@ -49,7 +49,8 @@ lines = open(sys.argv[2], "rb").read().splitlines()
 if sys.argv[3] == "encode":
     out = encoder.encode(RecordBatch(0, "jsonl", lines))
     assert out.doc_lengths.size == 1 and out.tokens.size > 1
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+# VmHWM is this program's own peak; ru_maxrss would keep the parent's RSS from before exec (a large pytest).
+print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 
