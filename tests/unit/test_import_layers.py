@@ -210,3 +210,22 @@ def test_the_checker_sees_an_upward_import_and_a_cycle():
     assert f"{PACKAGE}.base.atomic_io" in graph[f"{PACKAGE}.data.hidden_state_store.writer"]  # it reads imports
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "tests" in _top_level_imports(REPO / "tests" / "unit" / "test_smollm2_stages.py")
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def test_library_files_and_functions_stay_small():
+    """No library file (the package, the launcher) over 500 lines; no function over 80, `def` to last line."""
+    too_long = []
+    for path in sorted([*ROOT.rglob("*.py"), *(REPO / "launcher").rglob("*.py")]):
+        text = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(REPO))
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []
