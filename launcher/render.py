@@ -23,8 +23,10 @@ import sys
 from pathlib import Path
 
 from launcher.commands import job_args, work_dir
+from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes.layout import logs_dir, stage_dir
 from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, Recipe
+from megatron_osprey.recipes.registry import split_overrides
 
 # The templates: the top-level slurm/ of a checkout, or the copy an installed wheel carries (package data).
 TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "slurm", Path(__file__).resolve().parent / "slurm")
@@ -129,7 +131,10 @@ def template_context(
 ) -> dict:
     """Every variable a template may use (see the module docstring)."""
     options = options or SubmitOptions()
+    # The config the job will run: the recipe's, then the stage-level `--set` keys the job applies itself
+    # (`training.train_iters=...` must reach the template's TRAIN_ITERS, or a stopped run would not requeue).
     config = recipe.config(stage, run_dir)
+    config = apply_overrides(config, split_overrides(overrides or [], config)[1])
     res, pool = recipe.stage_resources(stage), recipe.servers
     for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
         if int(getattr(res, key)) < 1:

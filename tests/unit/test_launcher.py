@@ -201,7 +201,7 @@ CHAINS = (
 def test_every_stage_of_a_chain_renders_a_script_that_bash_and_shellcheck_accept(name, tmp_path):
     recipe = get_recipe(name)
     for stage in recipe.chain:
-        script = render(recipe, name, stage, str(tmp_path / "run"), ["training.lr=1e-4"] if stage == "distill" else [])
+        script = render(recipe, name, stage, str(tmp_path / "run"), ["optimizer.lr=1e-4"] if stage == "distill" else [])
         path = tmp_path / f"{stage}.sbatch"
         path.write_text(script)
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, stage
@@ -223,6 +223,15 @@ def test_eval_on_gpus_sweeps_batch_sizes_with_a_target_only_pass(tmp_path):
     assert '"$SGLANG_PYTHON" -m sglang.launch_server' in regen and "--reasoning-parser" in regen
     assert "--api-key-env OSPREY_SERVER_API_KEY" in regen and 'echo "$OSPREY_SERVER_API_KEY' not in regen
     assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in regen
+
+
+def test_a_stage_level_train_iters_reaches_the_templates_requeue_check(tmp_path):
+    # The job applies `training.train_iters=...` itself; the template must compare against the same number.
+    name = "tiny_cpu_backbone_pretrain_2proc_fp32"
+    recipe = get_recipe(name)
+    iters = 3 * recipe.pretrain.training.train_iters
+    script = render(recipe, name, "pretrain", str(tmp_path), [f"training.train_iters={iters}"])
+    assert f"\nTRAIN_ITERS={iters}\n" in script and f"--set training.train_iters={iters}" in script
 
 
 def test_values_that_would_break_the_script_are_refused(tmp_path):
