@@ -5,8 +5,9 @@ Every template gets the same variables, so a new template needs no code:
   lines: partition, account, GPUs, memory, array), repo (where jobs run and relative paths resolve), run_dir,
   log_dir, stage_dir, python (the interpreter `osprey` runs on), container_image, container_mounts, entry (the job's
   argv after the interpreter, shell-quoted: the stage module, --recipe, --run-dir, --set ...), train_iters,
-  servers_per_node, server_tp, server_port, server_timeout, server_mem, reasoning_parser, context_length,
-  batch_sizes, hardware, path_target, eval_data, method, train_domain, export_dir.
+  servers_per_node, server_tp, server_port, server_timeout, server_mem (each regeneration server's share of
+  resources.regenerate.mem), reasoning_parser, context_length, batch_sizes, hardware, path_target, eval_data,
+  method, train_domain, export_dir.
 An unknown placeholder is an error naming the template; values are plain words, so a template may put them inside
 double quotes.
 """
@@ -22,8 +23,10 @@ import sys
 from pathlib import Path
 
 from launcher.commands import job_args, work_dir
+from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes.layout import logs_dir, stage_dir
 from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, Recipe
+from megatron_osprey.recipes.registry import split_overrides
 
 # The templates: the top-level slurm/ of a checkout, or the copy an installed wheel carries (package data).
 TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "slurm", Path(__file__).resolve().parent / "slurm")
@@ -40,6 +43,9 @@ _UNSAFE = re.compile(r"[\"'$`\\\n\r]")
 # Values on #SBATCH lines: sbatch reads the whole line as options; these take plain names, times and paths only.
 _SBATCH_SAFE = re.compile(r"[A-Za-z0-9_.,:@+/%=-]+")
 _SBATCH_VALUES = ("job_name", "time", "log_dir", "partition", "account", "mem")
+# Slurm's memory sizes: a whole number with an optional unit (K, M, G, T; none means M).
+_SLURM_MEM = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
+_MIB_PER_UNIT = {"k": 1 / 1024, "": 1, "m": 1, "g": 1024, "t": 1024**2}
 
 
 def template_dir() -> Path:
@@ -99,6 +105,21 @@ def _sbatch_lines(recipe: Recipe, stage: str, options: SubmitOptions, tasks: int
     return lines
 
 
+def server_mem_share(mem: str | None, servers_per_node: int) -> str:
+    """Each server step's share of the job's memory per node (`mem`, Slurm units), in M or G; "" when unset."""
+    if not mem:
+        return ""
+    match = _SLURM_MEM.fullmatch(str(mem).strip())
+    if match is None:
+        raise ValueError(
+            f"resources.regenerate.mem = {mem!r} is not a Slurm memory size (a number, optionally K, M, G or T)."
+        )
+    mib = int(int(match.group(1)) * _MIB_PER_UNIT[match.group(2).lower()]) // servers_per_node
+    if mib < 1:
+        raise ValueError(f"resources.regenerate.mem = {mem!r} leaves under 1M for each of {servers_per_node} servers.")
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
 def template_context(
     recipe: Recipe,
     spec: str,
@@ -110,7 +131,10 @@ def template_context(
 ) -> dict:
     """Every variable a template may use (see the module docstring)."""
     options = options or SubmitOptions()
+    # The config the job will run: the recipe's, then the stage-level `--set` keys the job applies itself
+    # (`training.train_iters=...` must reach the template's TRAIN_ITERS, or a stopped run would not requeue).
     config = recipe.config(stage, run_dir)
+    config = apply_overrides(config, split_overrides(overrides or [], config)[1])
     res, pool = recipe.stage_resources(stage), recipe.servers
     for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
         if int(getattr(res, key)) < 1:
@@ -146,7 +170,8 @@ def template_context(
         "server_tp": pool.tensor_parallel_size,
         "server_port": pool.port,
         "server_timeout": pool.startup_timeout,
-        "server_mem": res.mem or "",
+        # Without its own --mem an srun step takes all of the job's memory, and the next server step waits for it.
+        "server_mem": server_mem_share(res.mem, servers_per_node) if stage == "regenerate" else "",
         "reasoning_parser": pool.reasoning_parser or "",
         "context_length": pool.context_length or "",
         "batch_sizes": " ".join(str(b) for b in pool.batch_sizes),

@@ -3,14 +3,15 @@
 
     python tools/sglang_bench.py --url http://127.0.0.1:30000 --tokenizer TARGET_DIR \
         --data SPLIT.jsonl [--data ...] --output DIR --drafter-name NAME [--train-domain DOMAIN] \
-        [--method osprey] [--max-new-tokens 4096] [--temperature 0 [1]] [--batch-size 1 [16]] [--limit N] [--wait 1800]
+        [--method osprey] [--target-only] [--max-new-tokens 4096] [--temperature 0 [1]] [--batch-size 1 [16]] \
+        [--limit N] [--wait 1800]
 
 Prompts are rendered exactly as `python -m megatron_osprey.stages.evaluate` renders them (target chat template,
 the first user message by default, all prompts in file order). AL per request = completion_tokens /
-spec_verify_ct from SGLang's meta_info; throughput = completion tokens / wall time with `--batch-size`
-requests in flight. `--temperature` and `--batch-size` take lists: every combination is one sweep row
-(sampling at T > 0 is the server's lossless rejection sampling). Writes DIR/results.json, matrix.md,
-matrix.png (the first combination's matrix; the sweep table in matrix.md).
+spec_verify_ct from SGLang's meta_info (1 with --target-only, whose server drafts nothing); throughput =
+completion tokens / wall time with `--batch-size` requests in flight. `--temperature` and `--batch-size` take
+lists: every combination is one sweep row (sampling at T > 0 is the server's lossless rejection sampling). Writes
+DIR/results.json, matrix.md, matrix.png (the first combination's matrix; the sweep table in matrix.md).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--drafter-name", required=True)
     parser.add_argument("--train-domain", default=None)
     parser.add_argument("--method", default="osprey")
+    parser.add_argument(
+        "--target-only",
+        action="store_true",
+        help="the server runs the target alone (no --speculative-algorithm): AL 1, tokens/s is the speedup's baseline",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=4096, help="the paper's benchmark: 4096")
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more (a sweep)")
     parser.add_argument(
@@ -78,7 +84,9 @@ def main(argv=None) -> int:
                 cells = []
                 for split in splits:
                     start = time.perf_counter()
-                    requests = bench_prompts(server, prompts[split], progress, batch_size=batch_size)
+                    requests = bench_prompts(
+                        server, prompts[split], progress, batch_size=batch_size, speculative=not args.target_only
+                    )
                     wall = time.perf_counter() - start
                     summary = {
                         **summarize(requests),

@@ -27,11 +27,18 @@ class ServerConfig:
     timeout_s: float = 600.0
 
 
-def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: float) -> dict:
-    """One request's figures from SGLang's meta_info (raises when speculative decoding was off)."""
-    if "spec_verify_ct" not in meta:
+def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: float, speculative: bool = True) -> dict:
+    """One request's figures from SGLang's meta_info (raises when speculative decoding was off but expected).
+
+    A target-only server (`speculative=False`) reports no spec_verify_ct: one forward per token, AL 1.
+    """
+    completion = int(meta["completion_tokens"])
+    if not speculative:
+        verifies = completion
+    elif "spec_verify_ct" not in meta:
         raise ValueError("the server's meta_info has no spec_verify_ct: was it started with --speculative-algorithm?")
-    completion, verifies = int(meta["completion_tokens"]), int(meta["spec_verify_ct"])
+    else:
+        verifies = int(meta["spec_verify_ct"])
     return {
         "id": prompt_id,
         "prompt_tokens": prompt_tokens,
@@ -62,7 +69,12 @@ def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
 
 
 def bench_prompts(
-    config: ServerConfig, prompts: list[EvalPrompt], progress=None, send=generate, batch_size: int = 1
+    config: ServerConfig,
+    prompts: list[EvalPrompt],
+    progress=None,
+    send=generate,
+    batch_size: int = 1,
+    speculative: bool = True,
 ) -> list[dict]:
     """Send every prompt, `batch_size` in flight at once, and record each request (in prompt order)."""
     if batch_size < 1:
@@ -70,7 +82,7 @@ def bench_prompts(
 
     def one(prompt: EvalPrompt) -> dict:
         meta, seconds = send(config, prompt.input_ids.tolist())
-        record = request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds)
+        record = request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds, speculative)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(al=f"{record['acceptance_length']:.2f}")

@@ -29,8 +29,21 @@ STAGES = ("prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "
 HARDWARE = ("h100", "b200", "cpu")
 # Usable memory per device in GiB as the driver reports it (H100 SXM 80 GB, B200 192 GB).
 GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
+# Host memory of one 8-GPU node in GiB: NVIDIA's DGX H100 and DGX B200 datasheets both give 2 TB (the B200 may be
+# configured with 4 TB; this assumes the base figure).
+NODE_MEMORY_GIB = {"h100": 2048, "b200": 2048}
 # Stages that run one process per GPU (or per CPU task) with torch.distributed.
 DISTRIBUTED_STAGES = ("prune", "pretrain", "adapt", "extract", "distill")
+
+
+def whole_node_mem(hardware: str) -> str:
+    """The memory a job that holds a whole GPU node asks for: 3/4 of NODE_MEMORY_GIB.
+
+    A node's schedulable memory (Slurm's RealMemory) sits below the physical figure, and other vendors' and the
+    clouds' 8-GPU nodes carry 1.8-1.9 TB, so a job asking for all 2 TB would be refused. Change it with
+    `--set resources.STAGE.mem=...` (Slurm units: 1536G, 1T).
+    """
+    return f"{NODE_MEMORY_GIB[hardware] * 3 // 4}G"
 
 
 @dataclasses.dataclass
@@ -42,7 +55,7 @@ class Resources:
     array_tasks: int = 1  # > 1: a Slurm array (preprocess files, extract shards)
     cpus_per_task: int = 16
     time: str = "04:00:00"
-    mem: str | None = None  # e.g. 64G; None: the partition's default
+    mem: str | None = None  # per node (#SBATCH --mem), e.g. 64G; None: the partition's default
 
     @property
     def world_size(self) -> int:

@@ -202,7 +202,7 @@ CHAINS = (
 def test_every_stage_of_a_chain_renders_a_script_that_bash_and_shellcheck_accept(name, tmp_path):
     recipe = get_recipe(name)
     for stage in recipe.chain:
-        script = render(recipe, name, stage, str(tmp_path / "run"), ["training.lr=1e-4"] if stage == "distill" else [])
+        script = render(recipe, name, stage, str(tmp_path / "run"), ["optimizer.lr=1e-4"] if stage == "distill" else [])
         path = tmp_path / f"{stage}.sbatch"
         path.write_text(script)
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, stage
@@ -224,6 +224,15 @@ def test_eval_on_gpus_sweeps_batch_sizes_with_a_target_only_pass(tmp_path):
     assert '"$SGLANG_PYTHON" -m sglang.launch_server' in regen and "--reasoning-parser" in regen
     assert "--api-key-env OSPREY_SERVER_API_KEY" in regen and 'echo "$OSPREY_SERVER_API_KEY' not in regen
     assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in regen
+
+
+def test_a_stage_level_train_iters_reaches_the_templates_requeue_check(tmp_path):
+    # The job applies `training.train_iters=...` itself; the template must compare against the same number.
+    name = "tiny_cpu_backbone_pretrain_2proc_fp32"
+    recipe = get_recipe(name)
+    iters = 3 * recipe.pretrain.training.train_iters
+    script = render(recipe, name, "pretrain", str(tmp_path), [f"training.train_iters={iters}"])
+    assert f"\nTRAIN_ITERS={iters}\n" in script and f"--set training.train_iters={iters}" in script
 
 
 @pytest.mark.parametrize("key, value", [("cpus_per_task", -4), ("nodes", 0), ("array_tasks", 0), ("gpus_per_node", 0)])
@@ -289,3 +298,77 @@ def test_osprey_ngram_runs_the_ngram_stage_with_its_own_flags(tmp_path):
         timeout=300,
     )
     assert refused.returncode == 2 and refused.stderr.strip() == "error: --input is required."
+
+
+_STUB_SRUN = """#!/bin/bash
+printf '%s\\n' "$*" >> "$SRUN_LOG"
+"""
+# A server is healthy once its srun step has started (the stub logs its --port).
+_STUB_CURL = """#!/bin/bash
+port="${!#%/health}"; grep -q -- "--port ${port##*:} " "$SRUN_LOG"
+"""
+_STUB_SCONTROL = """#!/bin/bash
+[[ "$1 $2" == "show hostnames" ]] && tr ',' '\\n' <<<"$3"
+"""
+
+
+def _run_regenerate(script: str, tmp_path: Path) -> list[str]:
+    """The rendered regenerate job run under stub srun / scontrol / curl; the srun command lines it issued."""
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", script, re.M).group(1))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", _STUB_SRUN), ("scontrol", _STUB_SCONTROL), ("curl", _STUB_CURL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    path, log = tmp_path / "regenerate.sbatch", tmp_path / "srun.log"
+    path.write_text(script)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": ",".join(f"node{i}" for i in range(nodes)),
+        "SRUN_LOG": str(log),
+        "OSPREY_REPO": str(tmp_path),
+    }
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return log.read_text().splitlines()
+
+
+def _mib(size: str) -> int:
+    return int(size[:-1]) * {"M": 1, "G": 1024, "T": 1024**2}[size[-1]]
+
+
+REGENERATING = ("qwen3_8b_osprey_distill_2gpu_h100_bf16", "llama33_70b_eagle3_distill_8gpu_b200_bf16")
+
+
+@pytest.mark.parametrize("name", REGENERATING)
+def test_each_regeneration_server_step_asks_for_its_share_of_the_node_memory(name, tmp_path):
+    recipe = get_recipe(name)
+    script = render(recipe, name, "regenerate", str(tmp_path / "run"))
+    node_mem = re.search(r"^#SBATCH --mem=(\S+)$", script, re.M).group(1)
+    per_node = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", script, re.M).group(1))
+    lines = _run_regenerate(script, tmp_path)
+    servers = [line for line in lines if "sglang.launch_server" in line]
+    assert len(servers) == recipe.servers.servers and per_node == 8 // recipe.servers.tensor_parallel_size
+    shares = {re.search(r"--mem=(\S+)", line).group(1) for line in servers if "--exact" in line and "--mem=" in line}
+    assert len(shares) == 1 and len([line for line in servers if "--mem=" in line]) == len(servers)
+    # The servers of one node together ask for the job's memory per node, so they all start at once.
+    assert 0 <= _mib(node_mem) - per_node * _mib(shares.pop()) < per_node
+    client = [line for line in lines if "megatron_osprey.stages.regenerate" in line]
+    assert len(client) == 1 and "--overlap" in client[0] and "--mem=" not in client[0]
+
+
+def test_the_regeneration_memory_is_a_recipe_setting(tmp_path):
+    gpu = [n for n in RECIPES if "regenerate" in get_recipe(n).chain and get_recipe(n).hardware != "cpu"]
+    share = re.compile(r'^SERVER_MEM="\d+[MG]"$', re.M)
+    assert gpu and all(share.search(render(get_recipe(n), n, "regenerate", "r")) for n in gpu)
+    name = "qwen3_8b_osprey_distill_2gpu_h100_bf16"
+    script = render(resolve_recipe(name, ["resources.regenerate.mem=800G"]), name, "regenerate", str(tmp_path))
+    assert "#SBATCH --mem=800G" in script and 'SERVER_MEM="100G"' in script  # 8 servers at TP 1
+    with pytest.raises(ValueError, match="resources.regenerate.mem = '800GiB' is not a Slurm memory size"):
+        render(resolve_recipe(name, ["resources.regenerate.mem=800GiB"]), name, "regenerate", str(tmp_path))
+    # The CPU smoke chain has one local server: it asks for the whole job's memory, as before.
+    cpu = get_recipe("smollm2_cpu_smoke")
+    lines = _run_regenerate(render(cpu, "smollm2_cpu_smoke", "regenerate", str(tmp_path / "run")), tmp_path)
+    servers = [line for line in lines if "tools/serve_local.py" in line]
+    assert len(servers) == 1 and f"--mem={cpu.stage_resources('regenerate').mem} " in servers[0]
