@@ -40,7 +40,7 @@ class Sizes:
     decode_prompts: int = 4
     decode_tokens: int = 32
     spec_prompts: int = 4
-    spec_tokens: int = 32
+    spec_tokens: int = 16  # an untrained drafter: every round commits one token, so 5 drafter passes per token
 
     @classmethod
     def quick(cls) -> "Sizes":

@@ -85,6 +85,7 @@ class SpecForgeAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # HF's apply_rotary_pos_emb: in the activations' dtype
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         repeat = self.heads // self.groups
         cache.append((k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)))
