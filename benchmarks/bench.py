@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """`make bench`: every stage timed against its nearest peer and its physical limit, side by side in one run.
 
-    python benchmarks/bench.py [--quick] [--runs 3] [--output bench_out] [--only preprocessing extraction decoding]
+    python benchmarks/bench.py [--quick] [--runs 3] [--output bench_out] [--only PAIR ...]
+
+PAIR: preprocessing, extraction, distillation, decoding, speculative (all by default).
 
 Pairs run alternately in this process tree (benchmarks/bench_harness.py); one table is printed and
 OUTPUT/bench.json written (rows: stage, ours_s, peer_s, ratio = peer_s / ours_s, limit_s, share_of_limit).
@@ -23,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_harness import format_table, run_pair, write_json  # noqa: E402
 
-PAIRS = ("preprocessing", "extraction", "decoding")
+PAIRS = ("preprocessing", "extraction", "distillation", "decoding", "speculative")
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,26 @@ class Sizes:
     corpus_mb: float = 8.0
     extract_samples: int = 16
     extract_batch: int = 4
+    distill_batch: int = 4  # one global batch of this many conversations per update
+    distill_seq: int = 256
     decode_prompts: int = 4
     decode_tokens: int = 32
+    spec_prompts: int = 4
+    spec_tokens: int = 16  # an untrained drafter: every round commits one token, so 5 drafter passes per token
 
     @classmethod
     def quick(cls) -> "Sizes":
-        return cls(corpus_mb=0.05, extract_samples=2, extract_batch=2, decode_prompts=2, decode_tokens=4)
+        return cls(
+            corpus_mb=0.05,
+            extract_samples=2,
+            extract_batch=2,
+            distill_batch=2,
+            distill_seq=128,
+            decode_prompts=2,
+            decode_tokens=4,
+            spec_prompts=2,
+            spec_tokens=4,
+        )
 
 
 def build_pair(name: str, sizes: Sizes, workdir: Path):
@@ -53,6 +69,19 @@ def build_pair(name: str, sizes: Sizes, workdir: Path):
 
         (workdir / name).mkdir(parents=True, exist_ok=True)
         return extraction_pair(workdir / name, sizes.extract_samples, sizes.extract_batch)
+    if name in ("distillation", "speculative"):
+        from benchmarks.bench_models import adapted_drafter
+        from megatron_osprey.assets import get_model_dir
+
+        target = get_model_dir("smollm2-135m-instruct")
+        drafter = adapted_drafter(workdir / "drafter", target)  # the two pairs share it
+        if name == "distillation":
+            from benchmarks.bench_distill import distill_pair
+
+            return distill_pair(workdir / name, target, drafter, sizes.distill_batch, sizes.distill_seq)
+        from benchmarks.bench_models import speculative_pair
+
+        return speculative_pair(target, drafter, sizes.spec_prompts, sizes.spec_tokens)
     if name == "decoding":
         from benchmarks.bench_models import greedy_pair
 

@@ -33,6 +33,8 @@ class Pair:
     check: Optional[Callable[[object, object], None]] = None
     # A limit computed rather than timed (e.g. FLOPs at a measured matmul rate): seconds, called once at the end.
     limit_seconds: Optional[Callable[[], float]] = None
+    # Called once when the pair is done (or has failed): releases what its construction holds (process groups).
+    close: Optional[Callable[[], None]] = None
 
 
 @dataclass
@@ -97,8 +99,16 @@ def _timed(fn: Callable[[], object]) -> tuple:
 
 def run_pair(pair: Pair, runs: int = 3, warmup: int = 1, say=print) -> Row:
     """Time one pair: `warmup` untimed rounds, then `runs` alternating rounds; check outputs; return the row."""
-    if runs < 1:
-        raise ValueError(f"--runs must be at least 1, got {runs}.")
+    try:
+        if runs < 1:
+            raise ValueError(f"--runs must be at least 1, got {runs}.")
+        return _run_pair(pair, runs, warmup, say)
+    finally:
+        if pair.close is not None:
+            pair.close()
+
+
+def _run_pair(pair: Pair, runs: int, warmup: int, say) -> Row:
     ours, peer, limit = Timings(), Timings(), Timings()
     last_ours = last_peer = None
     for round_index in range(warmup + runs):

@@ -1,4 +1,4 @@
-"""The model pairs of `make bench` on the real SmolLM2-135M-Instruct: hidden-state extraction and greedy decoding.
+"""The model pairs of `make bench` on the real SmolLM2-135M-Instruct: extraction, greedy and speculative decoding.
 
 Extraction: ours is the extract stage (`stages.extract.run`, aux layers + final, bf16 store), loading the target
 each run; the peer is a plain Hugging Face loop (`output_hidden_states=True`, the same chat-templated conversations,
@@ -7,6 +7,12 @@ loading the model each run; the limit is a bare forward of the loaded target's d
 
 Greedy decoding: ours is the eval engine target-only (`BatchedHFTarget` + `batched_target_generate`); the peer is
 Hugging Face `generate(do_sample=False)` on the same left-padded batch; both decode exactly max_new_tokens tokens.
+
+Speculative evaluation: ours is the eval's batched engine (`eval.benchmark.run_requests_batched`: every prompt in one
+batch, greedy chains of 5); the peer is the eval's batch-1 reference chain decoder (`run_requests`, i.e.
+`speculative_generate`) on the same float32 target, drafter and prompts. The drafter is the target pruned to its
+first 2 layers and adapted (untrained: acceptance does not matter to the timing, and both sides must emit the same
+tokens and verify counts, which the pair checks). No limit.
 """
 
 from __future__ import annotations
@@ -22,11 +28,11 @@ from benchmarks.bench_harness import Pair
 TARGET = "smollm2-135m-instruct"
 
 
-def write_conversations(path: Path, count: int, seed: int = 0) -> Path:
-    """The demo's chat conversations (its training domain) as conversations JSONL."""
+def write_conversations(path: Path, count: int, seed: int = 0, domain: str = "chat") -> Path:
+    """The demo's conversations of one domain (chat: its training domain) as conversations JSONL."""
     from megatron_osprey.demo.corpora import domain_conversations, write_jsonl
 
-    return write_jsonl(path, domain_conversations("chat", count, seed=seed))
+    return write_jsonl(path, domain_conversations(domain, count, seed=seed))
 
 
 def _default_aux_ids(layers: int) -> list[int]:
@@ -170,5 +176,71 @@ def greedy_pair(prompts: int, new_tokens: int) -> Pair:
         ours=ours,
         peer=peer,
         peer_name="Hugging Face generate(do_sample=False), the same left-padded batch",
+        check=check,
+    )
+
+
+def adapted_drafter(directory: Path, target: Path) -> Path:
+    """An Osprey drafter of the target's own family: the target pruned to its first 2 layers (the prune stage),
+    adapted to it (the adapt stage), untrained. Built once per bench run: the distillation and speculative pairs
+    share it."""
+    from megatron_osprey.stages import adapt, prune
+    from megatron_osprey.stages.adapt import AdaptConfig
+    from megatron_osprey.stages.prune import PruneConfig
+
+    drafter = directory / "drafter"
+    if (drafter / "run_config.yaml").is_file():
+        return drafter
+    directory.mkdir(parents=True, exist_ok=True)
+    backbone = directory / "backbone"
+    prune.run(PruneConfig(source=str(target), output=str(backbone), num_layers=2, overwrite=True))
+    adapt.run(AdaptConfig(backbone=str(backbone), target=str(target), output=str(drafter), overwrite=True))
+    shutil.rmtree(backbone, ignore_errors=True)
+    return drafter
+
+
+def speculative_pair(target: Path, drafter: Path, prompts: int, new_tokens: int, steps: int = 5) -> Pair:
+    """Greedy chain speculative decoding of `prompts` chat prompts, `new_tokens` each: the eval's batched engine
+    (all prompts in one batch) against its batch-1 reference engine, the same float32 target and drafter."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_osprey.demo.corpora import domain_conversations
+    from megatron_osprey.eval import benchmark
+    from megatron_osprey.eval.loading import load_drafter
+    from megatron_osprey.eval.prompts import EvalPrompt
+    from megatron_osprey.speculative import HFTargetModel, SpecConfig
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), torch_dtype=torch.float32).eval()
+    reference = load_drafter(drafter).drafter.to(torch.float32)
+    rows = domain_conversations("chat", prompts, seed=1)
+    requests = [
+        EvalPrompt(f"chat-{i}", torch.tensor(_chat_ids(tok, r["conversations"][:1], add_generation_prompt=True)))
+        for i, r in enumerate(rows)
+    ]
+    spec = SpecConfig(steps=steps, topk=1, max_new_tokens=new_tokens)  # no EOS: every request decodes new_tokens
+    aux = list(reference.config.aux_layer_ids)
+
+    def ours():
+        return benchmark.run_requests_batched(model, reference, requests, spec, batch_size=len(requests))
+
+    def peer():
+        session = benchmark.make_session(reference, model.config.vocab_size)
+        return benchmark.run_requests(HFTargetModel(model, aux), session, requests, spec)
+
+    def check(ours_out, peer_out):
+        for a, b in zip(ours_out, peer_out):
+            at = benchmark.first_mismatch(a.output_ids, b.output_ids)
+            if at is not None or a.verify_count != b.verify_count:
+                raise AssertionError(
+                    f"speculative decoding: request {a.id} differs between the batched engine and the batch-1 "
+                    f"reference engine (first token mismatch at {at}; {a.verify_count} vs {b.verify_count} verifies)."
+                )
+
+    return Pair(
+        stage=f"speculative evaluation ({prompts} prompts batched, {new_tokens} tokens, chain of {steps})",
+        ours=ours,
+        peer=peer,
+        peer_name="the reference chain decoder at batch 1 (speculative_generate), the same drafter and prompts",
         check=check,
     )

@@ -1,5 +1,6 @@
-"""The `make bench` harness on tiny inputs: alternation, the row arithmetic, the table, bench.json, and the
-preprocessing pair's byte-identical check. Not the timings."""
+"""The `make bench` harness on tiny inputs: alternation, the row arithmetic, the table, bench.json, the
+preprocessing pair's byte-identical check, the SpecForge-style peer's loss, and the distillation and speculative
+pairs built by `--quick` and run once on a tiny target. Not the timings."""
 
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def test_run_pair_alternates_skips_warmup_and_checks_outputs():
         run_pair(Pair("s", lambda: 1, lambda: 2, check=differ), runs=1, warmup=0, say=lambda _: None)
     with pytest.raises(ValueError, match="--runs"):
         run_pair(Pair("s", lambda: 1, lambda: 2), runs=0)
+
+
+def test_run_pair_closes_the_pair_also_when_it_fails():
+    closed, quiet = [], lambda _: None
+
+    def fail():
+        raise RuntimeError("peer broke")
+
+    run_pair(Pair("s", lambda: 1, lambda: 2, close=lambda: closed.append("ok")), runs=1, warmup=0, say=quiet)
+    with pytest.raises(RuntimeError, match="peer broke"):
+        run_pair(Pair("s", lambda: 1, fail, close=lambda: closed.append("failed")), runs=1, warmup=0, say=quiet)
+    assert closed == ["ok", "failed"]
 
 
 def test_computed_limit_used_when_no_timed_limit():
@@ -146,3 +159,67 @@ def test_megatron_style_peer_writes_the_same_bytes_as_ours(tmp_path, tokenizer_d
     Path(peer + ".bin").write_bytes(bytes(data))
     with pytest.raises(AssertionError, match="same bytes"):
         check_identical(ours, peer)
+
+
+def test_specforge_peer_loss_equals_ours_under_the_reference_conventions():
+    """The peer's loss (SpecForge's shifts and per-sample normalisation) is ttt_loss with mask_alignment and
+    normalization "reference", on the same logits."""
+    import torch
+
+    from benchmarks.bench_distill import specforge_targets, specforge_ttt_loss
+    from megatron_osprey.losses.config import TTTLossConfig
+    from megatron_osprey.losses.ttt import ttt_loss
+
+    generator = torch.Generator().manual_seed(0)
+    b, s, vocab, steps = 3, 12, 20, 5
+    t2d = torch.rand(vocab, generator=generator) < 0.6
+    t2d[:2] = True
+    draft = int(t2d.sum())
+    target = 3 * torch.randn(b, s, vocab, generator=generator)
+    lengths = torch.tensor([12, 9, 5])
+    loss_mask = (torch.rand(b, s, generator=generator) < 0.7) & (torch.arange(s)[None] < lengths[:, None])
+    logits = [torch.randn(b, s, draft, generator=generator) for _ in range(steps)]
+
+    config = TTTLossConfig(ttt_steps=steps, mask_alignment="reference", normalization="reference")
+    in_draft = t2d[target.argmax(-1)]
+    ours, _ = ttt_loss(logits, target[..., t2d], loss_mask, in_draft, draft, config, lengths=lengths)
+    target_p, position_mask = specforge_targets(target, loss_mask, lengths, t2d)
+    peer = specforge_ttt_loss(logits, target_p, position_mask, lengths.float(), config.decay)
+    assert float(peer) == pytest.approx(float(ours), rel=1e-5)
+    # The predicted-token alignment counts other rows: the comparison above can tell them apart.
+    predicted, _ = ttt_loss(
+        logits, target[..., t2d], loss_mask, in_draft, draft, TTTLossConfig(normalization="reference"), lengths=lengths
+    )
+    assert float(predicted) != pytest.approx(float(ours), rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A random 8-layer chat model with a small tokenizer, standing in for SmolLM2 (no download)."""
+    from megatron_osprey.testing.distill_setup import write_chat_model
+
+    return write_chat_model(tmp_path_factory.mktemp("target"), "qwen3", layers=8, hidden=64, seed=1)
+
+
+@pytest.fixture(scope="module")
+def quick_workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")  # shared: the two model pairs share the adapted drafter
+
+
+@pytest.mark.parametrize("name", ["distillation", "speculative"])
+def test_quick_model_pairs_build_and_run_once(name, tiny_target, quick_workdir, monkeypatch):
+    import megatron_osprey.assets
+
+    monkeypatch.setattr(megatron_osprey.assets, "get_model_dir", lambda _name: tiny_target)
+    pair = bench.build_pair(name, bench.Sizes.quick(), quick_workdir)
+    row = run_pair(pair, runs=1, warmup=0, say=lambda _: None)  # runs the pair's check: same batch / same tokens
+    assert row.runs == 1 and row.peer_name
+    if name == "distillation":
+        assert row.limit_s is not None and row.limit_s > 0 and "GFLOP" in row.limit_name
+        import torch
+
+        assert not torch.distributed.is_initialized()  # the pair's close released the stage's process groups
+    else:
+        assert row.limit_s is None
+        outputs = pair.ours()
+        assert [len(r.output_ids) for r in outputs] == [bench.Sizes.quick().spec_tokens] * len(outputs)
