@@ -64,3 +64,17 @@ def backbone_pretrain(steps: int, hardware: str, precision: str) -> Recipe:
         },
         slurm=Slurm(),
     )
+
+
+def backbone_monolingual_pretrain(hardware: str, precision: str, language: str | None = None) -> Recipe:
+    """Stage 2 at the 10k-step budget on a user's monolingual corpus (`--set paths.pretrain_text=FILE`), as the
+    monolingual fine-tuning strategy for multilingual drafting; the recipe's domain names the language."""
+    recipe = backbone_pretrain(PAPER_STEPS_BUDGET, hardware, precision)
+    recipe.domain = language
+    recipe.paths.pretrain_text = "{root}/data/monolingual/{domain}.jsonl"
+    recipe.resources["preprocess"].array_tasks = 1  # one corpus file, not FineWeb's shard list
+    recipe.budget = (
+        f"{PAPER_STEPS_BUDGET:,} steps (the paper's 10k-step budget) at its {GLOBAL_BATCH:,} x 4,096 tokens per step;"
+        f" a smaller corpus is repeated: size it with --set pretrain.training.train_iters=N"
+    )
+    return recipe

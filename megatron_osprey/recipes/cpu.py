@@ -1,4 +1,5 @@
-"""CPU recipes: the toy models (tests, benchmarks, laptops) and the SmolLM2 smoke chain (the local Slurm cluster).
+"""CPU recipes: the toy models (tests, benchmarks, laptops), the SmolLM2 smoke chain (the local Slurm cluster) and
+SmolLM2's Stage 2 on a monolingual corpus.
 
 All run on gloo with the local (non-TE) spec in float32. Their numbers are sized for 2 cores, not taken from the
 paper; the shapes of their chains are the GPU recipes'.
@@ -177,4 +178,46 @@ def smollm2_smoke() -> Recipe:
         distill=distill,
         export=ExportConfig(format="sglang"),
         evaluate=evaluate,
+    )
+
+
+# --- Stage 2 on one language's text: the monolingual fine-tuning strategy for multilingual drafting ---
+
+# Languages of the pinned chatterbot corpus wheel other than English (the demo's multilingual domain); their text
+# is written by `python -m megatron_osprey.demo.monolingual --language L --output PATHS.PRETRAIN_TEXT`.
+MONOLINGUAL_LANGUAGES = ("spanish", "french", "german", "italian", "portuguese")
+
+
+def smollm2_monolingual_pretrain(language: str) -> Recipe:
+    """prune -> preprocess -> pretrain of SmolLM2's first 2 layers on one language's text, at CPU size."""
+    if language not in MONOLINGUAL_LANGUAGES:
+        raise ValueError(
+            f"language {language!r} has no corpus here; expected one of {', '.join(MONOLINGUAL_LANGUAGES)}."
+        )
+    multi = Resources(gpus_per_node=CPU_TASKS, cpus_per_task=1, time="00:20:00", mem="6G")
+    single = Resources(cpus_per_task=1, time="00:20:00", mem="6G")
+    pretrain = PretrainConfig(
+        model=BackboneConfig(transformer_impl="local"),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=2, seq_length=128, train_iters=20),
+        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, lr_warmup_iters=2, weight_decay=0.01),
+        data=IndexedDataConfig(split="90,10,0"),
+        checkpoint=CheckpointConfig(save_interval=10),
+        logging=_cpu_logging(eval_interval=10, eval_iters=1),
+    )
+    return Recipe(
+        name="",
+        hardware="cpu",
+        precision="fp32",
+        chain=("prune", "preprocess", "pretrain"),
+        source="smollm2_135m_instruct",
+        budget=f"CPU: 20 steps of 2 x 128 tokens on the {language} chatterbot text (about one pass over it)",
+        paths=Paths(
+            root="smollm2_runs",
+            source="{root}/models/smollm2",
+            pretrain_text=f"{{root}}/data/monolingual/{language}.jsonl",
+        ),
+        resources={"prune": single, "preprocess": single, "pretrain": multi},
+        prune=PruneConfig(num_layers=2, transformer_impl="local"),
+        preprocess=PreprocessConfig(workers=1),
+        pretrain=pretrain,
     )

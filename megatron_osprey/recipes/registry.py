@@ -46,6 +46,14 @@ def _pretrain_recipes() -> dict[str, Callable[..., Recipe]]:
                 out[name] = _registered(
                     name, functools.partial(backbone.backbone_pretrain, steps, hardware, precision), doc
                 )
+    for hardware in ("h100", "b200"):
+
+        def monolingual(domain: str | None = None, _h=hardware) -> Recipe:
+            return backbone.backbone_monolingual_pretrain(_h, "bf16", domain)
+
+        name = f"qwen3_4b_backbone_monolingual_pretrain_10k_64gpu_{hardware}_bf16"
+        doc = f"Backbone Stage 2 on a monolingual corpus (NAME:LANGUAGE, paths.pretrain_text), 64 x {hardware.upper()}."
+        out[name] = _registered(name, monolingual, doc)
     return out
 
 
@@ -93,6 +101,11 @@ def _cpu_recipes() -> dict[str, Callable[..., Recipe]]:
         ),
         "smollm2_cpu_smoke": (cpu.smollm2_smoke, "Every stage on SmolLM2-135M-Instruct at smoke size (CPU, gloo)."),
     }
+    for language in cpu.MONOLINGUAL_LANGUAGES:
+        table[f"smollm2_cpu_monolingual_{language}_pretrain"] = (
+            functools.partial(cpu.smollm2_monolingual_pretrain, language),
+            f"Stage 2 of SmolLM2's first 2 layers on the {language} chatterbot text (CPU, gloo).",
+        )
     return {name: _registered(name, build, doc) for name, (build, doc) in table.items()}
 
 
