@@ -210,7 +210,7 @@ def smollm2_monolingual_pretrain(language: str) -> Recipe:
         precision="fp32",
         chain=("prune", "preprocess", "pretrain"),
         source="smollm2_135m_instruct",
-        budget=f"CPU: 20 steps of 2 x 128 tokens on the {language} chatterbot text (about one pass over it)",
+        budget=f"CPU: 20 steps of 2 x 128 tokens on the {language} chatterbot text, sized for 2 cores",
         paths=Paths(
             root="smollm2_runs",
             source="{root}/models/smollm2",
