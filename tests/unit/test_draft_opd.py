@@ -172,3 +172,41 @@ def test_the_ttt_unroll_redrafts_each_recorded_round(opd):
         proposed = torch.stack([logits_k.argmax(-1) + model.d2t[logits_k.argmax(-1)] for logits_k in logits], dim=1)
     assert roots.sum() > 8
     assert torch.equal(proposed, batch["rollout_drafts"])
+
+
+def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_path):
+    """An EAGLE-3 drafter with a reduced draft vocabulary (the top-k ids are mapped into it): SFT, rollout, OPD."""
+    sft = distill_config(
+        opd,
+        drafter__drafter_init=None,
+        drafter__baseline="eagle3",
+        drafter__draft_vocab_size=64,
+        training__train_iters=6,
+        checkpoint__save=str(tmp_path / "sft"),
+    )
+    with parallel_context(sft.parallel) as state:
+        run_distill(sft, state)
+    rollout = RolloutConfig(
+        target=str(opd["target"]),
+        drafter=str(tmp_path / "sft"),
+        data_path=str(opd["data"]),
+        output=str(tmp_path / "rollout"),
+        steps=STEPS,
+        top_k=TOP_K,
+        max_new_tokens=12,
+        limit=4,
+    )
+    run_rollout(rollout)
+    cfg = distill_config(
+        opd,
+        data__mode="on-policy",
+        data__hidden_states=str(tmp_path / "rollout"),
+        drafter__drafter_init=str(tmp_path / "sft"),
+        ttt__ttt_steps=STEPS,
+        training__train_iters=3,
+    )
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    assert result.arch.variant == "eagle3" and result.arch.draft_vocab_size == 64
+    assert all(torch.isfinite(torch.tensor(entry["loss/train"])) for entry in result.history)
+    assert all(entry["ploss/0"] > 0 for entry in result.history)
