@@ -8,7 +8,7 @@ import dataclasses
 
 from megatron_osprey.config.flags import Flag
 
-DISTILL_MODES = ("online", "offline")
+DISTILL_MODES = ("online", "offline", "on-policy")
 
 
 @dataclasses.dataclass
@@ -43,7 +43,11 @@ INDEXED_DATA_FLAGS = [
 DISTILL_DATA_FLAGS = [
     Flag("--mode", "mode", {"choices": list(DISTILL_MODES)}),
     Flag("--data-path", "data_path", {"nargs": "+", "help": "conversations JSONL file(s)"}),
-    Flag("--hidden-states", "hidden_states", {"help": "offline: the store the extract stage wrote"}),
+    Flag(
+        "--hidden-states",
+        "hidden_states",
+        {"help": "offline: the store the extract stage wrote; on-policy: the rollout stage's store"},
+    ),
     Flag("--domain", "domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
     Flag("--enable-thinking", "enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
     Flag("--no-shuffle", "shuffle", {"action": "store_false"}),

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=N -m megatron_osprey.stages.distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
         --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
+        | --mode on-policy --hidden-states ROLLOUT_STORE (--drafter-init: the distill stage's --save) \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
 Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
@@ -56,11 +57,29 @@ class DistillConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
+    def _validate_on_policy(self) -> None:
+        """On-policy starts from an SFT-distilled drafter (the distill stage's --save) and reads a rollout store."""
+        init = self.drafter.drafter_init
+        if self.drafter.baseline or not init:
+            raise ValueError(
+                "--mode on-policy starts from an SFT-distilled drafter: pass --drafter-init DISTILL_SAVE_DIR (the "
+                "distill stage's --save), not --baseline."
+            )
+        if not (Path(init) / "latest_checkpointed_iteration.txt").is_file():
+            raise FileNotFoundError(
+                f"--drafter-init {init}: no latest_checkpointed_iteration.txt there; --mode on-policy starts from "
+                f"the distill stage's --save directory."
+            )
+        if not self.data.hidden_states:
+            raise ValueError("--mode on-policy needs --hidden-states ROLLOUT_STORE (the rollout stage's output).")
+
     def validate(self, world_size: int) -> None:
         """Checks that need no model or data."""
         drafter, target, data = self.drafter, self.target, self.data
+        if data.mode == "on-policy":
+            self._validate_on_policy()
         drafter.validate()
-        if drafter.drafter_init and not (Path(drafter.drafter_init) / "megatron").is_dir():
+        if data.mode != "on-policy" and drafter.drafter_init and not (Path(drafter.drafter_init) / "megatron").is_dir():
             raise FileNotFoundError(
                 f"--drafter-init {drafter.drafter_init}: no megatron/ there (expected the output of the adapt stage)."
             )
@@ -98,6 +117,8 @@ FLAGS = {
 def _inputs(config: DistillConfig) -> dict:
     """What distillation reads: the adapted drafter, the conversations and (offline) the hidden-state store."""
     inputs = {f"data{i}": path for i, path in enumerate(config.data.data_path)}
+    if config.data.mode == "on-policy":  # the SFT-distilled checkpoint and the rollout store
+        return inputs | {"drafter_init": config.drafter.drafter_init, "hidden_states": config.data.hidden_states}
     if config.drafter.drafter_init:
         init = Path(config.drafter.drafter_init)
         inputs |= {"drafter_init": init / "megatron", "drafter_config": init / "run_config.yaml"}

@@ -42,7 +42,10 @@ class DistillResult:
 
 
 def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
-    """Osprey: Stage 3's saved arch. EAGLE-3: Llama-style layers of the target's width, K-token draft vocab."""
+    """Osprey: Stage 3's saved arch. EAGLE-3: Llama-style layers of the target's width, K-token draft vocab.
+    On-policy: the SFT-distilled checkpoint's own arch (either variant)."""
+    if cfg.data.mode == "on-policy":
+        return distilled_arch(cfg.drafter.drafter_init)
     if cfg.drafter.drafter_init:
         saved = load_run_config(cfg.drafter.drafter_init)
         if "drafter" not in saved:
@@ -59,6 +62,19 @@ def drafter_arch(cfg, target: ModelArch) -> DrafterArch:
         hidden_post_norm=cfg.drafter.hidden_post_norm,
         aux_hidden_norm=cfg.drafter.aux_hidden_norm,
     )
+
+
+def distilled_arch(root: str) -> DrafterArch:
+    """The drafter arch of a distill checkpoint root (--drafter-init under --mode on-policy); refuses any other."""
+    from megatron_osprey.training.checkpointing import iteration_dir, read_latest_iteration
+
+    saved = load_run_config(iteration_dir(Path(root), read_latest_iteration(Path(root))))
+    if not isinstance(saved, dict) or saved.get("stage") != "distill" or "drafter" not in saved:
+        raise ValueError(
+            f"--drafter-init {root}: --mode on-policy starts from an SFT-distilled drafter, and this checkpoint "
+            f"was not written by the distill stage (its run_config.yaml names stage {saved.get('stage')!r})."
+        )
+    return DrafterArch.from_dict(saved["drafter"])
 
 
 def assistant_token_counts(source, vocab_size: int, rank: int = 0, ranks: int = 1) -> torch.Tensor:
@@ -97,6 +113,24 @@ def init_eagle3(model, cfg, arch: DrafterArch, draft_ids: torch.Tensor, parallel
     model.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
     model.t2d.zero_()
     model.t2d[draft_ids] = True
+
+
+def on_policy_forward_step(cfg, vocab_size: int, draft_vocab: int, tp_group):
+    """forward_step over one micro-batch of a rollout store: every recorded round re-drafted (training/on_policy.py)."""
+    from megatron_osprey.training.on_policy import draft_step_ids, on_policy_step_terms
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        drafter, steps = unwrap_model(model), cfg.ttt.ttt_steps
+        inputs, roots = drafter_inputs(batch["input_ids"]), batch["rollout_roots"]
+        step_ids = draft_step_ids(inputs, roots, batch["rollout_drafts"], steps)
+        aux = batch["aux_hidden"].to(drafter.fusion_fc.weight.dtype)
+        logits, _ = drafter.ttt_forward(inputs, aux, steps, [roots] * steps, step_ids=step_ids)
+        terms = on_policy_step_terms(logits, batch, drafter.d2t, vocab_size, draft_vocab, tp_group)
+        loss, denominator = ttt_objective(terms, cfg.ttt, batch["lengths"])
+        return loss, functools.partial(ttt_loss_func, terms, denominator)
+
+    return forward_step
 
 
 def distill_forward_step(target: Callable | None, head: TargetHead, cfg, draft_vocab: int, tp_group):
@@ -141,16 +175,33 @@ def build_sources(cfg, arch: DrafterArch, target: ModelArch, tokenizer):
     from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples
     from megatron_osprey.models.target.pipeline_stage import target_identity
 
-    if cfg.data.mode == "offline":
+    if cfg.data.mode in ("offline", "on-policy"):
         # The store must come from this very target: same taps and width, and the same config and weights.
         _, fingerprint = target_identity(target, cfg.target.path)
-        return StoreSamples(
+        source = StoreSamples(
             cfg.data.hidden_states,
             aux_layer_ids=list(arch.aux_layer_ids),
             hidden_size=arch.target_hidden_size,
             config_hash=fingerprint,
         )
+        if cfg.data.mode == "on-policy":
+            check_rollout_store(cfg, source.store.header)
+        return source
     return ConversationSamples(cfg.data.data_path, tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
+
+
+def check_rollout_store(cfg, header) -> None:
+    """On-policy reads the rollout stage's store, whose rounds drafted at least --ttt-steps tokens."""
+    if not header.rollout_steps:
+        raise ValueError(
+            f"--hidden-states {cfg.data.hidden_states} holds no rollout rounds (an extract store?); --mode on-policy "
+            f"reads the rollout stage's output (python -m megatron_osprey.stages.rollout)."
+        )
+    if cfg.ttt.ttt_steps > header.rollout_steps:
+        raise ValueError(
+            f"--ttt-steps {cfg.ttt.ttt_steps} exceeds the {header.rollout_steps} tokens drafted per round in "
+            f"--hidden-states {cfg.data.hidden_states}; lower --ttt-steps or roll out with --steps >= it."
+        )
 
 
 def check_drafter_matches_target(cfg, arch: DrafterArch, target: ModelArch) -> None:
@@ -181,7 +232,7 @@ def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     samples, tokens = counts.tolist()
     data = (
         f"--hidden-states {cfg.data.hidden_states}"
-        if cfg.data.mode == "offline"
+        if cfg.data.mode != "online"
         else f"--data-path {' '.join(cfg.data.data_path)}"
     )
     if tokens == 0:
@@ -227,6 +278,10 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     # Pad each micro-batch to its own longest sample (a multiple that sequence parallelism can split).
     multiple = math.lcm(PAD_MULTIPLE, cfg.parallel.tensor_model_parallel_size)
     collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id, multiple=multiple)
+    if cfg.data.mode == "on-policy":
+        from megatron_osprey.training.on_policy import pad_rollout_samples
+
+        collate = functools.partial(pad_rollout_samples, **collate.keywords, steps=cfg.ttt.ttt_steps)
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         notes.append(loss_tokens_note)
@@ -271,7 +326,9 @@ def initial_drafter_weights(
     """Loads Stage 3's drafter (--drafter-init) or initializes EAGLE-3 from the target into fresh chunks."""
 
     def initialize(chunks: list) -> None:
-        if cfg.drafter.drafter_init:
+        if cfg.data.mode == "on-policy":  # the SFT-distilled checkpoint, every weight
+            checkpointing.load_backbone_weights(cfg.drafter.drafter_init, chunks)
+        elif cfg.drafter.drafter_init:
             # Stage 3 writes no aux_norms: under --aux-hidden-norm they start at their init (ones, the identity).
             fresh = ("aux_norms.",) if arch.aux_hidden_norm else ()
             checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh)
@@ -285,12 +342,12 @@ def distill_settings(cfg, arch: DrafterArch) -> dict[str, dict]:
     """Distillation's own part of the run identity a resume compares (training/resume_check.py)."""
     data = (
         resume_check.store_setting(cfg.data.hidden_states)
-        if cfg.data.mode == "offline"
+        if cfg.data.mode != "online"
         else resume_check.files_setting(list(cfg.data.data_path))
     )
     return {
         "--mode": resume_check.setting(cfg.data.mode),
-        "--hidden-states" if cfg.data.mode == "offline" else "--data-path": data,
+        "--hidden-states" if cfg.data.mode != "online" else "--data-path": data,
         "--target": resume_check.setting(model_fingerprint(cfg.target.path)["files_sha256"], str(cfg.target.path)),
         "drafter": resume_check.setting(arch.to_dict(), cfg.drafter.drafter_init or f"{cfg.drafter.baseline}"),
         "--ttt-steps": resume_check.setting(cfg.ttt.ttt_steps),
@@ -313,6 +370,8 @@ class _FrozenTarget:
         cfg, parallel = self.cfg, self.parallel
         drafter = unwrap_model(model[0])
         tp_group = mpu.get_tensor_model_parallel_group()
+        if cfg.data.mode == "on-policy":  # the rollout store holds the target's distributions
+            return on_policy_forward_step(cfg, self.target_arch.vocab_size, self.arch.draft_vocab_size, tp_group)
         head = TargetHead.from_hf(
             cfg.target.path,
             drafter.t2d.cpu(),

@@ -29,6 +29,7 @@ STAGES = (
     "evaluate",
     "export",
     "ngram",
+    "rollout",
 )
 TOOLS = {
     "prune": "prune_backbone",

@@ -2,7 +2,8 @@
 
 format: names, header and shard files (the directory layout and the concurrency rules
 are stated there); writer: one writer's shards and manifest part, resumable; manifest:
-the parts merged into manifest.json; reader: random access and prefetching iteration.
+the parts merged into manifest.json; reader: random access and prefetching iteration; rollout: the
+optional verify rounds of a rollout store (Draft-OPD).
 """
 
 from importlib import import_module
@@ -29,6 +30,7 @@ _LAZY = {
     ),
     "manifest": ("finalize_store",),
     "reader": ("HiddenStateStore", "open_store"),
+    "rollout": ("RolloutRounds",),
     "writer": ("HiddenStateWriter", "open_writer"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}

@@ -78,11 +78,17 @@ class StoreHeader:
     hidden_size: int
     encoding: str = "bf16"
     outliers_per_token: int = 8  # int8 only: channels per token and layer kept in bf16
+    # The rollout feature (rollout.py): > 0 in a store the rollout stage wrote, whose samples also hold their
+    # verify rounds (drafted tokens per round, the target's top-k probabilities at each); 0 in any other store.
+    rollout_steps: int = 0
+    rollout_top_k: int = 0
 
     def to_json(self) -> dict:
-        """Return a JSON-ready dict."""
+        """Return a JSON-ready dict; the rollout fields only in a rollout store (other stores' bytes stay the same)."""
         out = asdict(self)
         out["aux_layer_ids"] = list(self.aux_layer_ids)
+        if not self.rollout_steps:
+            del out["rollout_steps"], out["rollout_top_k"]
         return out
 
     @classmethod

@@ -30,6 +30,7 @@ from megatron_osprey.data.hidden_state_store.format import (
     checked_shard_file,
 )
 from megatron_osprey.data.hidden_state_store.manifest import read_json
+from megatron_osprey.data.hidden_state_store.rollout import read_rounds
 
 
 class _OpenShard:
@@ -41,6 +42,8 @@ class _OpenShard:
         if header.encoding == "int8":
             for name in HIDDEN_NAMES:
                 self.frame_offsets[name] = self.handle.get_tensor(f"{name}.zstd_offsets").tolist()
+        if header.rollout_steps:
+            self.round_offsets = self.handle.get_tensor("rollout.round_offsets").tolist()
 
 
 class HiddenStateStore:
@@ -169,7 +172,8 @@ class HiddenStateStore:
         return shard
 
     def __getitem__(self, i: int) -> dict:
-        """Return sample ``i``: sample_id, input_ids (int64), loss_mask (bool), aux_hidden, final_hidden.
+        """Return sample ``i``: sample_id, input_ids (int64), loss_mask (bool), aux_hidden, final_hidden, and in a
+        rollout store its verify rounds under "rollout" (a RolloutRounds).
 
         With ``dequantize=False`` an int8 store gives aux_hidden / final_hidden as
         Int8Encoded, for the trainer to move to the GPU and dequantize there.
@@ -192,6 +196,8 @@ class HiddenStateStore:
                 "input_ids": f.get_slice("input_ids")[a:b].to(torch.int64),
                 "loss_mask": f.get_slice("loss_mask")[a:b].clone(),
             }
+            if h.rollout_steps:
+                out["rollout"] = read_rounds(f, shard.round_offsets, j)
             raw = {}
             for name in HIDDEN_NAMES:
                 if h.encoding == "bf16":

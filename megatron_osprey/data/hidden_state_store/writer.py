@@ -34,6 +34,7 @@ from megatron_osprey.data.hidden_state_store.format import (
     writer_tag,
 )
 from megatron_osprey.data.hidden_state_store.manifest import check_header, read_json
+from megatron_osprey.data.hidden_state_store.rollout import RolloutRounds, rollout_entries
 
 
 def _to_cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +47,7 @@ class _EncodedSample:
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # bool [T]
     hidden: dict  # name -> bf16 tensor, or name -> (Int8Encoded without q, zstd frame or its Future)
+    rollout: RolloutRounds | None = None  # a rollout store's verify rounds (rollout.py)
 
 
 class HiddenStateWriter:
@@ -67,8 +69,14 @@ class HiddenStateWriter:
         outliers_per_token: int = 8,
         zstd_level: int = 1,
         threads: int = 0,
+        rollout_steps: int = 0,
+        rollout_top_k: int = 0,
     ) -> None:
         check_encoding(encoding)
+        if (rollout_steps > 0) != (rollout_top_k > 0) or min(rollout_steps, rollout_top_k) < 0:
+            raise ValueError(
+                f"rollout_steps and rollout_top_k are both > 0 or both 0, got {rollout_steps}, {rollout_top_k}."
+            )
         if threads < 0:
             raise ValueError(f"threads must be >= 0, got {threads}.")
         if samples_per_shard < 1:
@@ -84,6 +92,8 @@ class HiddenStateWriter:
             hidden_size=int(hidden_size),
             encoding=encoding,
             outliers_per_token=int(outliers_per_token) if encoding == "int8" else 0,
+            rollout_steps=int(rollout_steps),
+            rollout_top_k=int(rollout_top_k),
         )
         if encoding == "int8" and not 0 <= outliers_per_token < hidden_size:
             raise ValueError(f"outliers_per_token must be in [0, hidden_size), got {outliers_per_token}.")
@@ -141,14 +151,24 @@ class HiddenStateWriter:
         loss_mask: torch.Tensor,
         aux_hidden: torch.Tensor,
         final_hidden: torch.Tensor,
+        rollout: RolloutRounds | None = None,
     ) -> None:
-        """Queue one sample; a full shard is written to disk and recorded."""
+        """Queue one sample (with its verify rounds in a rollout store); a full shard is written and recorded."""
         if self._closed:
             raise RuntimeError(f"writer {self.tag} is closed.")
         sample_id = str(sample_id)
         if sample_id in self._seen_ids:
             raise ValueError(f"sample id {sample_id!r} was already written by writer {self.tag}.")
-        self._pending.append(self._encode(sample_id, input_ids, loss_mask, aux_hidden, final_hidden))
+        h = self.header
+        if (rollout is None) != (h.rollout_steps == 0):
+            raise ValueError(
+                f"sample {sample_id!r}: a rollout store's samples carry their rounds and no other store's do "
+                f"(this store has rollout_steps={h.rollout_steps})."
+            )
+        encoded = self._encode(sample_id, input_ids, loss_mask, aux_hidden, final_hidden)
+        if rollout is not None:
+            encoded.rollout = rollout.checked(sample_id, input_ids.shape[0], h.rollout_steps, h.rollout_top_k)
+        self._pending.append(encoded)
         self._seen_ids.add(sample_id)
         if len(self._pending) == self.samples_per_shard:
             self._flush(complete=False)
@@ -359,6 +379,8 @@ class HiddenStateWriter:
                 (f"{name}.outlier_index", torch.int16, (ntok, groups, k), [e.outlier_index for e in encs]),
                 (f"{name}.outlier_value", torch.bfloat16, (ntok, groups, k), [e.outlier_value for e in encs]),
             ]
+        if h.rollout_steps:
+            entries += rollout_entries([s.rollout for s in samples], h.rollout_steps, h.rollout_top_k)
         return entries
 
     def _flush(self, complete: bool) -> None:

@@ -345,17 +345,26 @@ class OspreyDrafterModel(MegatronModule):
         # Under sequence parallelism the head's input is sequence-sharded: select after the gather.
         return (logits if rows is None else logits[rows]), hidden
 
-    def ttt_forward(self, input_ids: Tensor, aux_hidden: Tensor, steps: int, rows: list[Tensor] | None = None):
+    def ttt_forward(
+        self,
+        input_ids: Tensor,
+        aux_hidden: Tensor,
+        steps: int,
+        rows: list[Tensor] | None = None,
+        step_ids: list[Tensor] | None = None,
+    ):
         """Per-step logits (and pre-norm hiddens) of a K-step training-time-test unroll.
 
         Step k reads input_ids shifted left by k (zero-padded), positions + k and
         g = step k-1's pre-norm output (final-normed under hidden_post_norm); rows t >= s-k are padding for the loss.
         rows[k] [b, s] bool, when given: step k's logits for those rows only ([n_k, Vd/TP]).
+        step_ids[k] [b, s], when given, are step k's input ids instead (on-policy: a row reads its own drafts).
         """
         logits_per_step, hidden_per_step, past = [], [], ()
         g = None
         for k in range(steps):
             ids_k = torch.nn.functional.pad(input_ids[:, k:], (0, min(k, input_ids.shape[1])))
+            ids_k = ids_k if step_ids is None else step_ids[k]
             new: dict = {}
             rows_k = None if rows is None else rows[k]
             if k == 0:

@@ -1,0 +1,212 @@
+"""Draft-OPD: the rollout store's recorded rounds, on-policy distillation from it, and its input errors."""
+
+import pytest
+import torch
+
+from megatron_osprey.data.hidden_state_store import HiddenStateStore
+from megatron_osprey.parallel import parallel_context
+from megatron_osprey.recipes import get_recipe
+from megatron_osprey.stages.rollout import RolloutConfig
+from megatron_osprey.stages.rollout import run as run_rollout
+from megatron_osprey.testing.distill_setup import build_distill_setup
+from megatron_osprey.training.distillation import run_distill
+
+STEPS, TOP_K = 3, 16
+
+
+def distill_config(setup, **changes):
+    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
+    cfg.target.path = str(setup["target"])
+    cfg.drafter.drafter_init = str(setup["drafter"])
+    cfg.data.data_path = [str(setup["data"])]
+    cfg.training.seq_length = 64
+    cfg.logging.log_interval = 1
+    cfg.logging.progress_bar = False
+    for key, value in changes.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def opd(tmp_path_factory):
+    """An SFT-distilled drafter (online distillation, saved) and its rollout store over 8 training prompts."""
+    setup = build_distill_setup(tmp_path_factory.mktemp("opd"))
+    root = setup["root"]
+    cfg = distill_config(setup, training__train_iters=20, checkpoint__save=str(root / "sft"))
+    with parallel_context(cfg.parallel) as state:
+        run_distill(cfg, state)
+    rollout = RolloutConfig(
+        target=str(setup["target"]),
+        drafter=str(root / "sft"),
+        data_path=str(setup["data"]),
+        output=str(root / "rollout"),
+        steps=STEPS,
+        top_k=TOP_K,
+        max_new_tokens=24,
+        limit=8,
+    )
+    results = run_rollout(rollout)
+    return {**setup, "sft": root / "sft", "store": root / "rollout", "results": results}
+
+
+def test_recorded_target_distributions_equal_a_fresh_target_forward(opd):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_osprey.speculative.rollout import fresh_target_distributions
+
+    model = AutoModelForCausalLM.from_pretrained(str(opd["target"]), dtype=torch.float32).eval()
+    store = HiddenStateStore(opd["store"])
+    assert len(store) == 8 and store.header.rollout_steps == STEPS and store.header.rollout_top_k == TOP_K
+    rounds_seen = rejected = 0
+    worst = 0.0
+    for i in range(len(store)):
+        sample = store[i]
+        rounds = sample["rollout"]
+        assert len(rounds) == opd["results"][i].verify_count
+        for r in range(len(rounds)):
+            fresh = fresh_target_distributions(model, sample["input_ids"], rounds, r)  # [K, V] float64
+            top = torch.topk(fresh, TOP_K, dim=-1)
+            assert torch.equal(top.indices, rounds.topk_ids[r])
+            worst = max(worst, float((top.values - rounds.topk_probs[r].double()).abs().max()))
+            # accepted = the leading drafts equal to the target's argmax over the same tokens
+            agree = (fresh.argmax(-1) == rounds.draft_tokens[r]).long()
+            assert int(rounds.accepted[r]) == int(agree.cumprod(0).sum())
+            rounds_seen += 1
+            rejected += int(rounds.accepted[r]) < STEPS
+    # float32 logits from an incremental KV cache against one fresh float32 forward
+    assert worst < 1e-5, worst
+    assert rounds_seen > 8 and rejected > 0  # the drafter is imperfect: there are rejections to learn from
+
+
+def test_rollout_sequence_is_the_target_greedy_output_with_its_states(opd):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_osprey.speculative.rollout import target_states
+
+    model = AutoModelForCausalLM.from_pretrained(str(opd["target"]), dtype=torch.float32).eval()
+    store = HiddenStateStore(opd["store"])
+    sample = store[0]
+    ids, mask = sample["input_ids"], sample["loss_mask"]
+    prompt = int((~mask).sum())
+    greedy = model.generate(ids[None, :prompt], max_new_tokens=int(mask.sum()), do_sample=False)[0]
+    assert torch.equal(greedy[: ids.numel()], ids)
+    aux, _ = target_states(model, ids, [1, 3, 4])
+    assert aux.shape[0] == sample["aux_hidden"].shape[0] and torch.isfinite(sample["aux_hidden"]).all()
+
+
+def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
+    cfg = distill_config(
+        opd,
+        data__mode="on-policy",
+        data__hidden_states=str(opd["store"]),
+        drafter__drafter_init=str(opd["sft"]),
+        ttt__ttt_steps=STEPS,
+        training__train_iters=12,
+    )
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    losses = [entry["loss/train"] for entry in result.history]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    assert result.arch.variant == "osprey"
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"data__hidden_states": None}, "--mode on-policy needs --hidden-states"),
+        ({"drafter__drafter_init": None, "drafter__baseline": "eagle3"}, "--drafter-init DISTILL_SAVE_DIR"),
+        ({"drafter__drafter_init": "ADAPTED"}, "--drafter-init .*no latest_checkpointed_iteration.txt"),
+    ],
+)
+def test_on_policy_bad_input_names_the_flag(opd, change, message):
+    cfg = distill_config(opd, data__mode="on-policy", data__hidden_states=str(opd["store"]))
+    cfg.drafter.drafter_init = str(opd["sft"])
+    for key, value in change.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, str(opd["drafter"]) if value == "ADAPTED" else value)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        cfg.validate(world_size=1)
+
+
+def test_on_policy_refuses_a_store_without_rollouts(opd, tmp_path):
+    from megatron_osprey.data.hidden_state_store import HiddenStateWriter, finalize_store
+
+    store = HiddenStateStore(opd["store"])
+    h = store.header
+    plain = tmp_path / "plain"
+    with HiddenStateWriter(
+        plain, target_id=h.target_id, config_hash=h.config_hash, aux_layer_ids=h.aux_layer_ids, hidden_size=64
+    ) as writer:
+        sample = store[0]
+        writer.add("s0", sample["input_ids"], sample["loss_mask"], sample["aux_hidden"], sample["final_hidden"])
+    finalize_store(plain)
+    cfg = distill_config(
+        opd, data__mode="on-policy", data__hidden_states=str(plain), drafter__drafter_init=str(opd["sft"])
+    )
+    with parallel_context(cfg.parallel) as state, pytest.raises(ValueError, match="--hidden-states .* no rollout"):
+        run_distill(cfg, state)
+
+
+def test_the_ttt_unroll_redrafts_each_recorded_round(opd):
+    """With the rollout's own weights, step k of a root row proposes exactly the recorded draft d_{k+1}: the
+    unroll re-drafts the rounds (TTT's attention sees the verified prefix and the row's own earlier steps)."""
+    from megatron_osprey.losses.ttt import drafter_inputs
+    from megatron_osprey.models.drafter.model import build_drafter_model
+    from megatron_osprey.training.checkpointing import load_backbone_weights
+    from megatron_osprey.training.distillation import distilled_arch
+    from megatron_osprey.training.on_policy import draft_step_ids, pad_rollout_samples
+
+    store = HiddenStateStore(opd["store"])
+    arch = distilled_arch(str(opd["sft"]))
+    cfg = distill_config(opd)
+    with parallel_context(cfg.parallel) as state, torch.no_grad():
+        model = build_drafter_model(arch, state.config, transformer_impl="local", params_dtype=torch.float32)
+        load_backbone_weights(str(opd["sft"]), [model])
+        batch = pad_rollout_samples([store[i] for i in range(4)], 64, 0, 16, STEPS)
+        inputs, roots = drafter_inputs(batch["input_ids"]), batch["rollout_roots"]
+        step_ids = draft_step_ids(inputs, roots, batch["rollout_drafts"], STEPS)
+        aux = batch["aux_hidden"].float()
+        logits, _ = model.ttt_forward(inputs, aux, STEPS, [roots] * STEPS, step_ids=step_ids)
+        proposed = torch.stack([logits_k.argmax(-1) + model.d2t[logits_k.argmax(-1)] for logits_k in logits], dim=1)
+    assert roots.sum() > 8
+    assert torch.equal(proposed, batch["rollout_drafts"])
+
+
+def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_path):
+    """An EAGLE-3 drafter with a reduced draft vocabulary (the top-k ids are mapped into it): SFT, rollout, OPD."""
+    sft = distill_config(
+        opd,
+        drafter__drafter_init=None,
+        drafter__baseline="eagle3",
+        drafter__draft_vocab_size=64,
+        training__train_iters=6,
+        checkpoint__save=str(tmp_path / "sft"),
+    )
+    with parallel_context(sft.parallel) as state:
+        run_distill(sft, state)
+    rollout = RolloutConfig(
+        target=str(opd["target"]),
+        drafter=str(tmp_path / "sft"),
+        data_path=str(opd["data"]),
+        output=str(tmp_path / "rollout"),
+        steps=STEPS,
+        top_k=TOP_K,
+        max_new_tokens=12,
+        limit=4,
+    )
+    run_rollout(rollout)
+    cfg = distill_config(
+        opd,
+        data__mode="on-policy",
+        data__hidden_states=str(tmp_path / "rollout"),
+        drafter__drafter_init=str(tmp_path / "sft"),
+        ttt__ttt_steps=STEPS,
+        training__train_iters=3,
+    )
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    assert result.arch.variant == "eagle3" and result.arch.draft_vocab_size == 64
+    assert all(torch.isfinite(torch.tensor(entry["loss/train"])) for entry in result.history)
+    assert all(entry["ploss/0"] > 0 for entry in result.history)
