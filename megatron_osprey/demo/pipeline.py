@@ -7,8 +7,8 @@ entry points as the cluster path.
 3. Stage 1 + 2: prune a pretrained small LM to its first 2 layers and continue its pretraining on the
    general mix (the same-family arm prunes the target itself, as Qwen3-4B -> Qwen3-8B does);
 4. Stage 3: adapt the backbone to the target;
-5. regenerate the training conversations with the target, and extract its hidden states once: both arms
-   distill offline from that one store;
+5. regenerate the training conversations with the target (temperature 1.0, seeded, as the release), and
+   extract its hidden states once: both arms distill offline from that one store;
 6. Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (and seed), matched budgets;
 7. evaluate the train x eval acceptance-length matrix with --verify-lossless;
 8. write report.md, report.json and the heatmap.
