@@ -106,7 +106,8 @@ def test_a_rerun_resumes_without_redoing_finished_steps(demo, capsys):
 
 
 def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
-    """The trained EAGLE-3 drafter accepts more than the same architecture at init (lr 0) on the same prompts."""
+    """The trained EAGLE-3 drafter accepts more than the same architecture at init (one step at lr 1e-12, as
+    --lr must be > 0) on the same prompts."""
     from megatron_osprey.eval.config import DrafterSpec
     from megatron_osprey.eval.run import run_eval
     from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -116,7 +117,7 @@ def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
     argv = list(log)
     for flag, value in (
         ("--train-iters", "1"),
-        ("--lr", "0"),
+        ("--lr", "1e-12"),
         ("--min-lr", "0"),
         ("--save-interval", "1"),
         ("--save", str(tmp_path / "untrained")),
