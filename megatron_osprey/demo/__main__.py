@@ -1,7 +1,8 @@
-"""python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--output demo_out] [--fresh]:
-the Osprey pipeline on a real target."""
+"""python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--regenerate-temperature T]
+[--output demo_out] [--fresh]: the Osprey pipeline on a real target."""
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,6 +25,14 @@ def main(argv=None) -> int:
         "target's vocabulary) to a quick or smoke run; --full always has it",
     )
     parser.add_argument(
+        "--regenerate-temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="the target's sampling temperature when it regenerates the training conversations (default 1.0, "
+        "the Osprey release's, seeded; 0: greedy)",
+    )
+    parser.add_argument(
         "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
     )
     args = parser.parse_args(argv)
@@ -33,6 +42,10 @@ def main(argv=None) -> int:
     cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
     if args.cross_tokenizer:
         cfg = cfg.with_cross_tokenizer()
+    if args.regenerate_temperature is not None:
+        if args.regenerate_temperature < 0:
+            parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
+        cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
     try:
         report = run_demo(cfg, args.output, fresh=args.fresh)
     except RuntimeError as error:

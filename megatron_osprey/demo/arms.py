@@ -132,7 +132,8 @@ def build_backbones(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict
 def regenerate_and_extract(
     steps: StepRunner, cfg: DemoConfig, output: Path, data: dict, target: Path
 ) -> tuple[dict[str, Path], dict[str, Path]]:
-    """Per training domain, the target's regenerated conversations and its hidden-state store on them."""
+    """Per training domain, the target's regenerated conversations (osprey data's training prompts, sampled at
+    cfg.regenerate_temperature with cfg.seed) and its hidden-state store on them."""
     regenerated, stores = {}, {}
     for domain in cfg.train_domains:
         path = output / "data" / f"{domain}_regenerated.jsonl"
@@ -149,7 +150,9 @@ def regenerate_and_extract(
                 "--model",
                 target,
                 "--temperature",
-                "0",
+                str(cfg.regenerate_temperature),
+                "--seed",
+                str(cfg.seed),
                 "--max-tokens",
                 str(cfg.regenerate_tokens),
                 "--concurrency",

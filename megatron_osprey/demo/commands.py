@@ -1,5 +1,5 @@
-"""The command lines of the demo's training and evaluation steps (Stage 2 pretraining, Stage 4 distillation,
-the acceptance-length evaluation)."""
+"""The command lines of the demo's data, training and evaluation steps (`osprey data`, Stage 2 pretraining,
+Stage 4 distillation, the acceptance-length evaluation)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,27 @@ import math
 from pathlib import Path
 
 from megatron_osprey.demo.sizes import DemoConfig
+
+
+def user_data_argv(cfg: DemoConfig, files: dict[str, Path], target: Path, output: Path) -> list:
+    """`osprey data` on the user's files: one held-out eval split of n_eval conversations per domain."""
+    inputs = [word for domain, path in files.items() for word in ("--input", f"{domain}={path}")]
+    return [
+        "-m",
+        "megatron_osprey.stages.data",
+        *inputs,
+        "--target",
+        target,
+        "--output",
+        output,
+        "--eval-size",
+        str(cfg.n_eval),
+        "--seed",
+        str(cfg.seed),
+        "--seq-length",
+        str(cfg.seq_length),
+        "--overwrite",
+    ]
 
 
 def _local_and_saved(save: Path, iters: int, log_every: int) -> list:

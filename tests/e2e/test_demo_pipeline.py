@@ -69,6 +69,7 @@ def test_every_stage_ran_through_its_entry_point(demo):
     output, cfg, _ = demo
     logs = sorted(p.name for p in (output / "logs").iterdir())
     for step in (
+        "data",
         "prune_target",
         "pretrain_backbone_target",
         "adapt_target",
@@ -85,6 +86,15 @@ def test_every_stage_ran_through_its_entry_point(demo):
     assert (output / MARKER).is_file()
     regenerated = (output / "data" / "chat_regenerated.jsonl").read_text().splitlines()
     assert len(regenerated) == cfg.n_train
+    # osprey data split the user's files; regeneration read its training prompts and sampled at T=1.0, seeded.
+    summary = json.loads((output / "data" / "user" / "data_summary.json").read_text())["domains"]
+    assert {d: (c["train"], c["eval"]) for d, c in summary.items()} == {
+        d: (cfg.n_train, cfg.n_eval) for d in cfg.domains()
+    }
+    regenerate = json.loads((output / ".steps" / "regenerate_chat.json").read_text())["command"]
+    flags = dict(zip(regenerate, regenerate[1:]))
+    assert flags["--input"] == str(output / "data" / "user" / "prompts" / "chat.jsonl")
+    assert (float(flags["--temperature"]), flags["--seed"]) == (1.0, str(cfg.seed))
 
 
 def test_a_rerun_resumes_without_redoing_finished_steps(demo, capsys):
@@ -96,8 +106,8 @@ def test_a_rerun_resumes_without_redoing_finished_steps(demo, capsys):
 
 
 def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
-    """The trained EAGLE-3 drafter accepts more than the same architecture at init on the same prompts (one step
-    at lr 1e-12, which moves no weight measurably: --lr must be > 0)."""
+    """The trained EAGLE-3 drafter accepts more than the same architecture at init (one step at lr 1e-12, as
+    --lr must be > 0) on the same prompts."""
     from megatron_osprey.eval.config import DrafterSpec
     from megatron_osprey.eval.run import run_eval
     from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -119,7 +129,7 @@ def test_distilled_drafter_beats_an_untrained_one(demo, tmp_path):
         EvaluateConfig(
             target=str(target),
             output=str(tmp_path / "eval"),
-            data=[str(output / "data" / "eval" / f"{d}.jsonl") for d in cfg.eval_domains],
+            data=[str(output / "data" / "user" / "eval" / f"{d}.jsonl") for d in cfg.eval_domains],
             drafters=[
                 DrafterSpec("trained", output / "drafters" / "eagle3_chat"),
                 DrafterSpec("untrained", tmp_path / "untrained"),

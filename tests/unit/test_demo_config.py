@@ -1,5 +1,9 @@
 """The demo's sizes: what `make demo`, `--smoke` and `--cross-tokenizer` select."""
 
+import dataclasses
+
+import pytest
+
 from megatron_osprey.demo.sizes import DemoConfig, SmallLM
 from megatron_osprey.losses.config import TTTLossConfig
 
@@ -107,3 +111,64 @@ def test_speed_names_the_batch_that_really_ran():
     assert out["target_only_tokens_per_s"] == 16.0
     results["cells"] = [cell("osprey", 40)]
     assert speed(results)["batch_size"] == 32
+
+
+class _Recorder:
+    """A StepRunner stand-in that records each step's command instead of running it."""
+
+    def __init__(self):
+        self.commands = {}
+
+    def run(self, name, argv, torchrun=0):
+        self.commands[name] = [str(a) for a in argv]
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_regeneration_samples_at_the_release_temperature_seeded_and_greedy_is_an_option(tmp_path):
+    from megatron_osprey.demo.arms import regenerate_and_extract
+
+    data = {"splits": {"chat": {"train": tmp_path / "chat.jsonl"}}}
+    default = DemoConfig.smoke()
+    assert default.regenerate_temperature == 1.0
+    for cfg, temperature in ((default, 1.0), (dataclasses.replace(default, regenerate_temperature=0.0, seed=7), 0.0)):
+        steps = _Recorder()
+        regenerate_and_extract(steps, cfg, tmp_path, data, tmp_path / "target")
+        argv = steps.commands["regenerate_chat"]
+        assert float(_flag(argv, "--temperature")) == temperature and _flag(argv, "--seed") == str(cfg.seed)
+        assert _flag(argv, "--input") == str(tmp_path / "chat.jsonl")
+
+
+def test_the_demo_flag_sets_the_regeneration_temperature(monkeypatch, tmp_path):
+    import megatron_osprey.demo.pipeline as pipeline
+    from megatron_osprey.demo.__main__ import main
+
+    seen = []
+
+    def fake_run_demo(cfg, output, fresh=False):
+        seen.append(cfg)
+        (output / "report.md").write_text("")
+        return {}
+
+    monkeypatch.setattr(pipeline, "run_demo", fake_run_demo)
+    assert main(["--smoke", "--output", str(tmp_path)]) == 0
+    assert main(["--smoke", "--output", str(tmp_path), "--regenerate-temperature", "0"]) == 0
+    assert [c.regenerate_temperature for c in seen] == [1.0, 0.0]
+    assert dataclasses.replace(seen[1], regenerate_temperature=1.0) == seen[0] == DemoConfig.smoke()
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--output", str(tmp_path), "--regenerate-temperature", "-1"])
+
+
+def test_the_data_step_is_osprey_data_on_the_user_files(tmp_path):
+    from megatron_osprey.demo.commands import user_data_argv
+
+    cfg = DemoConfig.smoke()
+    files = {d: tmp_path / "raw" / f"{d}.jsonl" for d in cfg.domains()}
+    argv = user_data_argv(cfg, files, tmp_path / "target", tmp_path / "user")
+    assert argv[:2] == ["-m", "megatron_osprey.stages.data"]
+    inputs = [argv[i + 1] for i, word in enumerate(argv) if word == "--input"]
+    assert inputs == [f"chat={files['chat']}", f"math={files['math']}"]
+    assert _flag(argv, "--eval-size") == str(cfg.n_eval) and _flag(argv, "--seed") == str(cfg.seed)
+    assert _flag(argv, "--output") == tmp_path / "user"

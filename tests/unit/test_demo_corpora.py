@@ -48,21 +48,6 @@ def test_domain_count_schema_and_determinism(domain, cache_dir):
     json.dumps(rows)
 
 
-@pytest.mark.parametrize("domain", corpora.DOMAINS)
-def test_split_is_disjoint_and_deterministic(domain, cache_dir):
-    train, evals = corpora.split_conversations(domain, 120, 20, seed=1, cache_dir=cache_dir)
-    assert len(train) == 120 and len(evals) == 20
-    assert not {r["id"] for r in train} & {r["id"] for r in evals}
-    eval_prompts = {" ".join(r["conversations"][0]["content"].split()).casefold() for r in evals}
-    for row in train:
-        for message in row["conversations"]:
-            if message["role"] == "user":
-                assert " ".join(message["content"].split()).casefold() not in eval_prompts
-    assert corpora.split_conversations(domain, 120, 20, seed=1, cache_dir=cache_dir) == (train, evals)
-    # The eval set does not depend on how much training data is asked for.
-    assert corpora.split_conversations(domain, 5, 20, seed=1, cache_dir=cache_dir)[1] == evals
-
-
 def test_available_and_too_many(cache_dir):
     sizes = {d: corpora.available_conversations(d, cache_dir) for d in corpora.DOMAINS}
     assert sizes["math"] is None
@@ -154,20 +139,16 @@ def _norm(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def test_no_eval_text_in_any_training_corpus(cache_dir):
-    """The demo's eval prompts and answers never appear in the pretraining mix or the training conversations.
+def test_no_eval_text_in_the_pretraining_mix(cache_dir):
+    """Held-out prompts and answers never appear in the pretraining mix that excludes them (the training
+    conversations' split is osprey data's, tested in test_user_data.py).
 
     Checked independently of corpora.leaked_texts: every eval message of 20+ normalised characters must not be a
-    substring of any normalised training text; shorter ones must not be a whole line of it.
+    substring of any normalised pretraining document; shorter ones must not be a whole line of it.
     """
-    evaluation, train = [], []
-    for domain in corpora.DOMAINS:
-        tr, ev = corpora.split_conversations(domain, 48, 16, seed=0, cache_dir=cache_dir)
-        evaluation += ev
-        train += tr
+    evaluation = [row for d in corpora.DOMAINS for row in corpora.domain_conversations(d, 16, 0, cache_dir)]
     held_out = corpora.eval_texts(evaluation)
-    mix = corpora.pretraining_text(corpora.DOMAINS, 60_000, seed=0, cache_dir=cache_dir, exclude=held_out)
-    corpus = mix + [m["content"] for row in train for m in row["conversations"]]
+    corpus = corpora.pretraining_text(corpora.DOMAINS, 60_000, seed=0, cache_dir=cache_dir, exclude=held_out)
     texts = {_norm(m["content"]) for row in evaluation for m in row["conversations"]}
     long_texts = [t for t in texts if len(t) >= 20]
     assert len(long_texts) > 100  # the check covers real prompts and answers of every domain
