@@ -43,7 +43,6 @@ REGENERATE_MAX_TOKENS = 4096
 # The paper's 5 train/eval domains, plus this project's extra eval domains.
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
-MINIMAX_AUX = [1, 30, 58]  # the paper's choice for MiniMax-M2.5
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
 EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
 
@@ -98,7 +97,6 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
     lay = LAYOUTS[(target, hardware)]
     domain = domain or lay.domain
     eagle3 = method == "eagle3"
-    aux = MINIMAX_AUX if target == "minimax_m25" else None
     parallel = ParallelConfig(
         tensor_model_parallel_size=lay.tp,
         expert_model_parallel_size=lay.ep,
@@ -110,7 +108,6 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
         drafter=DistillDrafterConfig(
             baseline="eagle3" if eagle3 else None,
             eagle3_num_layers=eagle3_layers,
-            aux_layer_ids=aux if eagle3 else None,
             transformer_impl="transformer_engine",
             bf16=True,
         ),
@@ -153,7 +150,9 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             "export": Resources(cpus_per_task=8, time="00:30:00"),
             "evaluate": Resources(gpus_per_node=max(lay.server_tp, 1), time="08:00:00"),
         },
-        adapt=None if eagle3 else AdaptConfig(aux_layer_ids=aux),
+        # No aux layer ids: they come from the target's config.json by EAGLE-3's rule (1, L/2-1, L-4), for
+        # MiniMax-M2.5's 62 layers the paper's [1, 30, 58]; a target swapped in with paths.target gets its own.
+        adapt=None if eagle3 else AdaptConfig(),
         regenerate=RegenerateConfig(backend="server", sampling=sampling, concurrency=64),
         distill=distill,
         export=ExportConfig(format="sglang"),

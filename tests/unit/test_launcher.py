@@ -21,27 +21,9 @@ from launcher.render import render
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.recipes import RECIPES, get_recipe, resolve_recipe
 from megatron_osprey.recipes.registry import stage_resolver
+from tests.unit.test_target_configs import LLAMA31_8B_INSTRUCT, MINIMAX_M25, QWEN3_30B_A3B, QWEN3_32B
 
 REPO = Path(__file__).resolve().parents[2]
-
-# The published config.json of Qwen3-32B (shape keys), to plan an own target from its file alone.
-QWEN3_32B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 5120,
-    "intermediate_size": 25600,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "num_hidden_layers": 64,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000,
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "vocab_size": 151936,
-    "torch_dtype": "bfloat16",
-}
 
 _NO_TORCH = """
 import sys, json, io, contextlib
@@ -111,6 +93,26 @@ def test_an_own_target_is_planned_from_its_config_json_alone(tmp_path):
     assert _plan(spec, "distill", [f"paths.target={target}"])["target"]["num_layers"] == 48
     with pytest.raises(ValueError, match="Hugging Face Hub id"):
         _plan(spec, "distill", ["paths.target=Qwen/Qwen3-32B"])
+
+
+@pytest.mark.parametrize(
+    "config, recipe, layout",
+    [
+        (QWEN3_32B, "qwen3_8b_osprey_distill_2gpu_h100_bf16", []),
+        (LLAMA31_8B_INSTRUCT, "llama33_70b_osprey_distill_8gpu_h100_bf16", []),
+        # 4 KV heads: TP 8 is refused naming the flag, so the 8-GPU MoE layout takes TP 4 here.
+        (QWEN3_30B_A3B, "minimax_m25_osprey_distill_8gpu_h100_bf16", ["distill.parallel.tensor_model_parallel_size=4"]),
+        (MINIMAX_M25, "minimax_m25_osprey_distill_8gpu_h100_bf16", []),
+    ],
+)
+def test_each_published_config_is_planned_from_its_config_json_alone(tmp_path, config, recipe, layout):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = _plan(recipe, "distill", [f"paths.target={tmp_path}", *layout])
+    target = plan["target"]
+    assert (target["hidden_size"], target["num_layers"]) == (config["hidden_size"], config["num_hidden_layers"])
+    layers = config["num_hidden_layers"]
+    assert target["aux_layer_ids"] == [1, layers // 2 - 1, layers - 4]  # EAGLE-3's low / mid / high
+    assert plan["memory_gib_per_gpu"] > 0 and isinstance(plan["fits"], bool)
 
 
 def test_a_layout_that_does_not_divide_is_refused_naming_the_flag():
