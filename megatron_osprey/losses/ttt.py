@@ -204,17 +204,23 @@ def ttt_step_terms(
                 mask.reshape(-1),
                 sample.reshape(-1),
             )
-        result = vocab_parallel_soft_cross_entropy(logits, target_k, draft_vocab_size, group)
-        masked = result.loss * mask
-        terms.append(
-            TTTStepTerms(
-                sample_loss=masked.new_zeros(loss_mask.shape[0]).index_add(0, sample, masked),
-                count=mask.sum().detach(),
-                agree_sum=(result.agree & mask).sum().detach(),
-                accept_sum=(result.accept * mask).sum().detach(),
-            )
-        )
+        terms.append(soft_ce_terms(logits, target_k, mask, sample, loss_mask.shape[0], draft_vocab_size, group))
     return terms
+
+
+def soft_ce_terms(
+    logits: Tensor, target: Tensor, mask: Tensor, sample: Tensor, samples: int, draft_vocab_size: int, group=None
+) -> TTTStepTerms:
+    """One TTT step's sums over the rows `mask` counts: the soft CE per sample (rows belong to `sample`), the
+    count, the argmax agreement and sum min(p, q). logits, target: [n, Vd/TP]; mask, sample: [n]."""
+    result = vocab_parallel_soft_cross_entropy(logits, target, draft_vocab_size, group)
+    masked = result.loss * mask
+    return TTTStepTerms(
+        sample_loss=masked.new_zeros(samples).index_add(0, sample, masked),
+        count=mask.sum().detach(),
+        agree_sum=(result.agree & mask).sum().detach(),
+        accept_sum=(result.accept * mask).sum().detach(),
+    )
 
 
 def ttt_objective(terms: list[TTTStepTerms], config: TTTLossConfig, lengths: Tensor) -> tuple[Tensor, Tensor]:

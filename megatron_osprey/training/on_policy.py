@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron_osprey.data.distill_data import pad_samples
-from megatron_osprey.losses.ttt import TTTStepTerms, shift_rows, vocab_parallel_soft_cross_entropy
+from megatron_osprey.losses.ttt import shift_rows, soft_ce_terms
 
 
 def pad_rollout_samples(
@@ -93,14 +93,5 @@ def on_policy_step_terms(logits: list[Tensor], batch: dict, d2t: Tensor, vocab_s
         target_k, valid = recorded_target_logits(
             batch["rollout_topk_ids"][:, k], batch["rollout_topk_probs"][:, k], to_draft, logits_k.shape[-1], group
         )
-        result = vocab_parallel_soft_cross_entropy(logits_k, target_k, draft_vocab, group)
-        masked = result.loss * valid
-        terms.append(
-            TTTStepTerms(
-                sample_loss=masked.new_zeros(roots.shape[0]).index_add(0, sample, masked),
-                count=valid.sum().detach(),
-                agree_sum=(result.agree & valid).sum().detach(),
-                accept_sum=(result.accept * valid).sum().detach(),
-            )
-        )
+        terms.append(soft_ce_terms(logits_k, target_k, valid, sample, roots.shape[0], draft_vocab, group))
     return terms
