@@ -68,24 +68,14 @@ def make_corpus(out: Path, megabytes: float, doc_chars: int = 3000) -> int:
 
 def train_tokenizer(corpus: Path, out: Path, vocab_size: int) -> None:
     """Train a byte-level BPE (GPT-2 style) on the corpus; save tokenizer.json + config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    from megatron_osprey.data.regenerate.tiny_target import train_byte_level_bpe
 
     def texts():
         with open(corpus, encoding="utf-8") as f:
             for line in f:
                 yield json.loads(line)["text"]
 
-    tok.train_from_iterator(texts(), trainer)
+    tok = train_byte_level_bpe(texts(), vocab_size, [EOS])
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -178,3 +179,14 @@ def causal_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | N
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return model(input_ids, position_ids, attention_mask=None)
+
+
+def write_byte_level_bpe(out: Path, texts, vocab_size: int, special_tokens, config: dict) -> Path:
+    """A byte-level BPE trained on `texts` saved as OUT/tokenizer.json, with `config` as tokenizer_config.json."""
+    from megatron_osprey.data.regenerate.tiny_target import train_byte_level_bpe
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_byte_level_bpe(texts, vocab_size, special_tokens).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_osprey.testing.tiny_models import write_byte_level_bpe
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -121,21 +123,8 @@ def test_write_json_is_a_list_of_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(DOCS, trainer)
-    out = tmp_path_factory.mktemp("tok")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"})
-    )
-    return out
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
+    return write_byte_level_bpe(tmp_path_factory.mktemp("tok"), DOCS, 300, ["<eos>"], config)
 
 
 def test_megatron_style_peer_writes_the_same_bytes_as_ours(tmp_path, tokenizer_dir):

@@ -17,6 +17,7 @@ from megatron_osprey.data.preprocess import partition_prefix, preprocess
 from megatron_osprey.data.text_sources import open_text_source
 from megatron_osprey.recipes import run_stage
 from megatron_osprey.stages.preprocess import PreprocessConfig
+from megatron_osprey.testing.tiny_models import write_byte_level_bpe
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = "<eos>"
@@ -34,22 +35,7 @@ DOCS = [
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE trained on DOCS, with an eos token named in tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(DOCS * 3, trainer)
-    out = tmp_path_factory.mktemp("tok")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
-    return out
+    return write_byte_level_bpe(tmp_path_factory.mktemp("tok"), DOCS * 3, 400, ["<pad>", EOS], {"eos_token": EOS})
 
 
 def _tok(tokenizer_dir: Path):

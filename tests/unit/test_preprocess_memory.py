@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_osprey.data.token_encoding import split_long_text
+from megatron_osprey.testing.tiny_models import write_byte_level_bpe
 
 EOS = "<eos>"
 
@@ -16,22 +17,8 @@ EOS = "<eos>"
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A small byte-level BPE with an eos token named in tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "héllo indexed tokens"] * 3, trainer)
-    out = tmp_path_factory.mktemp("tok")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
-    return out
+    texts = ["the quick brown fox jumps over the lazy dog", "héllo indexed tokens"] * 3
+    return write_byte_level_bpe(tmp_path_factory.mktemp("tok"), texts, 300, ["<pad>", EOS], {"eos_token": EOS})
 
 
 REPO = Path(__file__).resolve().parents[2]

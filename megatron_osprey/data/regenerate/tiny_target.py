@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 # Qwen3 (ChatML). Reasoning of turns up to the last user message is dropped; the final
 # assistant turn (and later turns that carry reasoning) are written with a think block.
@@ -131,27 +131,35 @@ _CORPUS = (
 )
 
 
-def build_tiny_tokenizer(family: str, vocab_size: int = 400, corpus: Sequence[str] | None = None) -> Any:
-    """Train a small byte-level BPE tokenizer carrying ``family``'s chat template and control tokens.
-
-    ``corpus`` defaults to a few built-in lines (tests); the demo trains on its own text.
-    """
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str]) -> Any:
+    """A GPT-2-style byte-level BPE (a `tokenizers.Tokenizer`) trained on `texts`, the special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    if family not in FAMILIES:
-        raise ValueError(f"Unknown tiny chat family {family!r}; expected one of {sorted(FAMILIES)}.")
-    spec = FAMILIES[family]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(spec.special_tokens),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(list(corpus) if corpus is not None else list(_CORPUS) * 4, trainer=trainer)
+    backend.train_from_iterator(texts, trainer=trainer)
+    return backend
+
+
+def build_tiny_tokenizer(family: str, vocab_size: int = 400, corpus: Sequence[str] | None = None) -> Any:
+    """Train a small byte-level BPE tokenizer carrying ``family``'s chat template and control tokens.
+
+    ``corpus`` defaults to a few built-in lines (tests); the demo trains on its own text.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown tiny chat family {family!r}; expected one of {sorted(FAMILIES)}.")
+    spec = FAMILIES[family]
+    texts = list(corpus) if corpus is not None else list(_CORPUS) * 4
+    backend = train_byte_level_bpe(texts, vocab_size, spec.special_tokens)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=spec.bos_token,
