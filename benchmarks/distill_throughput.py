@@ -25,21 +25,19 @@ def main() -> int:
     args = parser.parse_args()
 
     from megatron_osprey.parallel import parallel_context
-    from megatron_osprey.recipes import get_recipe
-    from megatron_osprey.testing.distill_setup import build_distill_setup
+    from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
     from megatron_osprey.training.distillation import run_distill
 
     with tempfile.TemporaryDirectory() as tmp:
         setup = build_distill_setup(Path(tmp))
-        cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
-        cfg.target.path, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
-        cfg.data.data_path = [str(setup["data"])]
-        cfg.training.train_iters = args.iters
-        cfg.training.seq_length = args.seq_length
-        cfg.training.micro_batch_size = args.micro_batch_size
-        cfg.training.global_batch_size = args.micro_batch_size
-        cfg.logging.log_interval = max(1, args.iters // 2)
-        cfg.logging.progress_bar = False
+        cfg = tiny_distill_config(
+            setup,
+            training__train_iters=args.iters,
+            training__seq_length=args.seq_length,
+            training__micro_batch_size=args.micro_batch_size,
+            training__global_batch_size=args.micro_batch_size,
+            logging__log_interval=max(1, args.iters // 2),
+        )
         with parallel_context(cfg.parallel) as state:
             result = run_distill(cfg, state)
     last = result.history[-1]

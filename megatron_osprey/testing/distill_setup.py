@@ -77,3 +77,21 @@ def build_distill_setup(root: Path) -> dict:
     report = adapt.run(AdaptConfig(backbone=str(root / "backbone"), target=str(target), output=str(root / "drafter")))
     data = write_topic_conversations(root / "train.jsonl", 48)
     return {"target": target, "drafter": root / "drafter", "data": data, "report": report, "root": root}
+
+
+def tiny_distill_config(setup: dict, **changes):
+    """The tiny CPU recipe's DistillConfig on build_distill_setup's target, drafter and data: sequences of 64
+    tokens, a log line per step; each `section__field=value` in `changes` sets one more field."""
+    from megatron_osprey.recipes import get_recipe
+
+    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
+    cfg.target.path = str(setup["target"])
+    cfg.drafter.drafter_init = str(setup["drafter"])
+    cfg.data.data_path = [str(setup["data"])]
+    cfg.training.seq_length = 64
+    cfg.logging.log_interval = 1
+    cfg.logging.progress_bar = False
+    for key, value in changes.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg

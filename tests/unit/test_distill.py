@@ -10,9 +10,7 @@ from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.models.target.online import OnlineTarget
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.recipes import get_recipe
-from megatron_osprey.stages.distill import DistillConfig
-from megatron_osprey.testing.distill_setup import build_distill_setup
+from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
 
 
@@ -21,22 +19,8 @@ def setup(tmp_path_factory):
     return build_distill_setup(tmp_path_factory.mktemp("distill"))
 
 
-def tiny_config(setup, **changes) -> DistillConfig:
-    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
-    cfg.target.path = str(setup["target"])
-    cfg.drafter.drafter_init = str(setup["drafter"])
-    cfg.data.data_path = [str(setup["data"])]
-    cfg.training.seq_length = 64
-    cfg.logging.log_interval = 1
-    cfg.logging.progress_bar = False
-    for key, value in changes.items():
-        section, field = key.split("__")
-        setattr(getattr(cfg, section), field, value)
-    return cfg
-
-
 def test_short_distillation_raises_acc0(setup):
-    cfg = tiny_config(setup, training__train_iters=30)
+    cfg = tiny_distill_config(setup, training__train_iters=30)
     with parallel_context(cfg.parallel) as state:
         result = run_distill(cfg, state)
     acc = [entry["acc/0"] for entry in result.history]
@@ -78,7 +62,7 @@ def test_online_equals_offline_on_the_same_batch(setup, tmp_path):
     from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
 
-    cfg = tiny_config(setup)
+    cfg = tiny_distill_config(setup)
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     store_dir = tmp_path / "store"
     with parallel_context(ParallelConfig()) as state:
@@ -132,7 +116,7 @@ def test_batch_length_padding_gives_the_fixed_length_loss(setup, tmp_path):
     from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.training.checkpointing import load_backbone_weights
 
-    cfg = tiny_config(setup)
+    cfg = tiny_distill_config(setup)
     arch = DrafterArch.from_dict(load_run_config(setup["drafter"])["drafter"])
     with parallel_context(ParallelConfig()) as state:
         model = build_drafter_model(arch, state.config)
@@ -173,7 +157,7 @@ def hf_hidden_state_error(target_dir, input_ids, aux_layer_ids, aux, final) -> f
 
 
 def test_eagle3_baseline_through_the_same_entry(setup):
-    cfg = tiny_config(setup, training__train_iters=3, drafter__baseline="eagle3", drafter__draft_vocab_size=64)
+    cfg = tiny_distill_config(setup, training__train_iters=3, drafter__baseline="eagle3", drafter__draft_vocab_size=64)
     cfg.drafter.drafter_init = None
     from safetensors.torch import load_file
 
@@ -209,7 +193,7 @@ def test_data_order_is_a_function_of_consumed_samples(setup):
     ],
 )
 def test_clear_errors(setup, change, message):
-    cfg = tiny_config(setup, **change)
+    cfg = tiny_distill_config(setup, **change)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         cfg.validate(world_size=2)
 
@@ -231,7 +215,7 @@ def test_offline_refuses_a_store_from_another_target_of_the_same_shape(setup, tm
     # Same family, layers, width and tokenizer as the store's target; other weights (another seed).
     twin = write_chat_model(tmp_path / "twin", "qwen3", layers=8, hidden=64, seed=7)
     tokenizer = AutoTokenizer.from_pretrained(setup["target"])
-    cfg = tiny_config(setup, data__mode="offline", data__hidden_states=str(store_dir))
+    cfg = tiny_distill_config(setup, data__mode="offline", data__hidden_states=str(store_dir))
     source = build_sources(cfg, arch, ModelArch.from_hf_config(setup["target"]), tokenizer)  # its own: accepted
     online = ConversationSamples([str(setup["data"])], tokenizer, 64)
     # The token counts come from the store's ids and masks alone and equal the conversations' own.
@@ -260,7 +244,7 @@ def test_no_surviving_loss_tokens_is_refused_and_survivors_are_reported(setup, t
             )
             + "\n"
         )
-    cfg = tiny_config(setup, data__data_path=[str(prompts_only)], training__train_iters=2)
+    cfg = tiny_distill_config(setup, data__data_path=[str(prompts_only)], training__train_iters=2)
     with parallel_context(cfg.parallel) as state:
         with pytest.raises(ValueError, match=r"none of its 2 samples keeps an assistant token within --seq-length 64"):
             run_distill(cfg, state)

@@ -5,27 +5,12 @@ import torch
 
 from megatron_osprey.data.hidden_state_store import HiddenStateStore
 from megatron_osprey.parallel import parallel_context
-from megatron_osprey.recipes import get_recipe
 from megatron_osprey.stages.rollout import RolloutConfig
 from megatron_osprey.stages.rollout import run as run_rollout
-from megatron_osprey.testing.distill_setup import build_distill_setup
+from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
 from megatron_osprey.training.distillation import run_distill
 
 STEPS, TOP_K = 3, 16
-
-
-def distill_config(setup, **changes):
-    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
-    cfg.target.path = str(setup["target"])
-    cfg.drafter.drafter_init = str(setup["drafter"])
-    cfg.data.data_path = [str(setup["data"])]
-    cfg.training.seq_length = 64
-    cfg.logging.log_interval = 1
-    cfg.logging.progress_bar = False
-    for key, value in changes.items():
-        section, field = key.split("__")
-        setattr(getattr(cfg, section), field, value)
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +18,7 @@ def opd(tmp_path_factory):
     """An SFT-distilled drafter (online distillation, saved) and its rollout store over 8 training prompts."""
     setup = build_distill_setup(tmp_path_factory.mktemp("opd"))
     root = setup["root"]
-    cfg = distill_config(setup, training__train_iters=20, checkpoint__save=str(root / "sft"))
+    cfg = tiny_distill_config(setup, training__train_iters=20, checkpoint__save=str(root / "sft"))
     with parallel_context(cfg.parallel) as state:
         run_distill(cfg, state)
     rollout = RolloutConfig(
@@ -96,7 +81,7 @@ def test_rollout_sequence_is_the_target_greedy_output_with_its_states(opd):
 
 
 def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
-    cfg = distill_config(
+    cfg = tiny_distill_config(
         opd,
         data__mode="on-policy",
         data__hidden_states=str(opd["store"]),
@@ -121,7 +106,7 @@ def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
     ],
 )
 def test_on_policy_bad_input_names_the_flag(opd, change, message):
-    cfg = distill_config(opd, data__mode="on-policy", data__hidden_states=str(opd["store"]))
+    cfg = tiny_distill_config(opd, data__mode="on-policy", data__hidden_states=str(opd["store"]))
     cfg.drafter.drafter_init = str(opd["sft"])
     for key, value in change.items():
         section, field = key.split("__")
@@ -142,7 +127,7 @@ def test_on_policy_refuses_a_store_without_rollouts(opd, tmp_path):
         sample = store[0]
         writer.add("s0", sample["input_ids"], sample["loss_mask"], sample["aux_hidden"], sample["final_hidden"])
     finalize_store(plain)
-    cfg = distill_config(
+    cfg = tiny_distill_config(
         opd, data__mode="on-policy", data__hidden_states=str(plain), drafter__drafter_init=str(opd["sft"])
     )
     with parallel_context(cfg.parallel) as state, pytest.raises(ValueError, match="--hidden-states .* no rollout"):
@@ -160,7 +145,7 @@ def test_the_ttt_unroll_redrafts_each_recorded_round(opd):
 
     store = HiddenStateStore(opd["store"])
     arch = distilled_arch(str(opd["sft"]))
-    cfg = distill_config(opd)
+    cfg = tiny_distill_config(opd)
     with parallel_context(cfg.parallel) as state, torch.no_grad():
         model = build_drafter_model(arch, state.config, transformer_impl="local", params_dtype=torch.float32)
         load_backbone_weights(str(opd["sft"]), [model])
@@ -176,7 +161,7 @@ def test_the_ttt_unroll_redrafts_each_recorded_round(opd):
 
 def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_path):
     """An EAGLE-3 drafter with a reduced draft vocabulary (the top-k ids are mapped into it): SFT, rollout, OPD."""
-    sft = distill_config(
+    sft = tiny_distill_config(
         opd,
         drafter__drafter_init=None,
         drafter__baseline="eagle3",
@@ -197,7 +182,7 @@ def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_pa
         limit=4,
     )
     run_rollout(rollout)
-    cfg = distill_config(
+    cfg = tiny_distill_config(
         opd,
         data__mode="on-policy",
         data__hidden_states=str(tmp_path / "rollout"),

@@ -185,18 +185,17 @@ def test_distill_from_stage3_trains_both_options_and_the_checkpoint_serves_them(
     # Stage 3's checkpoint has no fc_norm: distill starts those norms at ones, trains them, saves both options.
     from megatron_osprey.eval.loading import load_megatron_drafter
     from megatron_osprey.parallel import parallel_context
-    from megatron_osprey.recipes import get_recipe
-    from megatron_osprey.testing.distill_setup import build_distill_setup
+    from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
     from megatron_osprey.training.distillation import run_distill
 
     setup = build_distill_setup(tmp_path / "setup")
-    cfg = get_recipe("tiny_cpu_osprey_distill_1proc_fp32").distill
-    cfg.target.path, cfg.drafter.drafter_init = str(setup["target"]), str(setup["drafter"])
-    cfg.data.data_path = [str(setup["data"])]
-    cfg.training.seq_length, cfg.training.train_iters = 64, 3
-    cfg.logging.progress_bar = False
-    cfg.drafter.hidden_post_norm = cfg.drafter.aux_hidden_norm = True
-    cfg.checkpoint.save = str(tmp_path / "ckpt")
+    cfg = tiny_distill_config(
+        setup,
+        training__train_iters=3,
+        drafter__hidden_post_norm=True,
+        drafter__aux_hidden_norm=True,
+        checkpoint__save=str(tmp_path / "ckpt"),
+    )
     with parallel_context(cfg.parallel) as state:
         result = run_distill(cfg, state)
     assert result.arch.hidden_post_norm and result.arch.aux_hidden_norm
