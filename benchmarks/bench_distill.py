@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.bench_harness import Pair
+from megatron_osprey.models.drafter.reference import RMSNorm
 
 TTT_STEPS = 5
 DECAY = 0.8
@@ -45,21 +46,7 @@ PAD_MULTIPLE = 16  # training/distillation.py pads each micro-batch to a multipl
 
 
 # --- the peer: SpecForge's formulation in plain PyTorch ---------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """HF Llama's RMSNorm (float32 inside)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+# (RMSNorm is HF Llama's, float32 inside: the reference drafter's module, the same op SpecForge uses.)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
