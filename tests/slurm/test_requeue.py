@@ -44,16 +44,22 @@ echo "@done restart=${SLURM_RESTART_COUNT:-0}"
 """
 
 
-def test_scontrol_requeue_runs_the_job_again(slurm_cluster, tmp_path):
+def _requeued_once(slurm_cluster, tmp_path, script: str, interrupt: list[str]) -> list[str]:
+    """Submit `script`, run `interrupt + [jobid]` once it started, require one restart to COMPLETED with exit 0;
+    the job's own `@` lines (not Slurm's or bash's)."""
     env = slurm_cluster["env"]
-    jobid = sbatch(write_script(tmp_path / "trapped.sh", TRAPPED), env)
+    jobid = sbatch(write_script(tmp_path / "job.sh", script), env)
     wait_running(jobid, env, tmp_path / "started")
-    subprocess.run(["scontrol", "requeue", jobid], env=env, check=True)
+    subprocess.run([*interrupt, jobid], env=env, check=True)
     state = wait_for_jobs([jobid], env, timeout=60)[jobid]
     out = (tmp_path / "job.out").read_text()
     assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), out
-    lines = [line[1:] for line in out.splitlines() if line.startswith("@")]  # ours, not Slurm's or bash's
-    assert lines == ["start restart=0", "batch TERM restart=0", "start restart=1", "done restart=1"], out
+    return [line[1:] for line in out.splitlines() if line.startswith("@")]
+
+
+def test_scontrol_requeue_runs_the_job_again(slurm_cluster, tmp_path):
+    lines = _requeued_once(slurm_cluster, tmp_path, TRAPPED, ["scontrol", "requeue"])
+    assert lines == ["start restart=0", "batch TERM restart=0", "start restart=1", "done restart=1"]
 
 
 SELF_REQUEUE = """\
@@ -72,15 +78,8 @@ echo "@done restart=${SLURM_RESTART_COUNT:-0}"
 
 def test_step_signal_then_self_requeue(slurm_cluster, tmp_path):
     """The pretrain template's path: TERM to the step (as from --signal=TERM@300), clean stop, scontrol requeue."""
-    env = slurm_cluster["env"]
-    jobid = sbatch(write_script(tmp_path / "self.sh", SELF_REQUEUE), env)
-    wait_running(jobid, env, tmp_path / "started")
-    subprocess.run(["scancel", "--signal=TERM", jobid], env=env, check=True)
-    state = wait_for_jobs([jobid], env, timeout=60)[jobid]
-    out = (tmp_path / "job.out").read_text()
-    assert (state.state, state.exit_code, state.restarts) == ("COMPLETED", 0, 1), out
-    lines = [line[1:] for line in out.splitlines() if line.startswith("@")]  # ours, not Slurm's or bash's
-    assert lines == ["start restart=0", "step TERM", "step exit 0", "start restart=1", "done restart=1"], out
+    lines = _requeued_once(slurm_cluster, tmp_path, SELF_REQUEUE, ["scancel", "--signal=TERM"])
+    assert lines == ["start restart=0", "step TERM", "step exit 0", "start restart=1", "done restart=1"]
 
 
 BATCH_ONLY = """\
