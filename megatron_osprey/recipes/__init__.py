@@ -7,6 +7,7 @@ stage runs; `run_stage(stage)` is the job door every `python -m megatron_osprey.
 from __future__ import annotations
 
 import importlib
+import sys
 
 from megatron_osprey.recipes.recipe import STAGES, Recipe
 from megatron_osprey.recipes.registry import (
@@ -20,9 +21,10 @@ from megatron_osprey.recipes.registry import (
 
 
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
-    """Run `megatron_osprey.stages.<stage>`'s main with `--recipe` resolved by this registry; its exit code."""
+    """Run `megatron_osprey.stages.<stage>`'s main with `--recipe` resolved by this registry; its exit code. `argv`
+    defaults to this program's command line: the job door is the one place that reads it."""
     module = importlib.import_module(f"megatron_osprey.stages.{stage}")
-    return module.main(argv, recipes=stage_resolver)
+    return module.main(sys.argv[1:] if argv is None else argv, recipes=stage_resolver)
 
 
 __all__ = [

@@ -91,8 +91,10 @@ def parse_config(
     description: str,
     recipes: RecipeResolver | None = None,
 ):
-    """(The stage's resolved config, how it was invoked) from argv (see the module docstring); bad input exits 2
-    with one line."""
+    """(The stage's resolved config, how it was invoked) from argv (see the module docstring; None: no arguments,
+    the program's own command line is read by its entry point, recipes.run_stage); bad input exits 2 with one
+    line."""
+    argv = [] if argv is None else list(argv)
     parser = stage_parser(stage, description, groups)
     typed = vars(parser.parse_args(argv))
     spec, run_dir, overrides = typed.pop("recipe", None), typed.pop("run_dir", None), typed.pop("overrides", [])
@@ -112,7 +114,7 @@ def parse_config(
         config = apply_overrides(config, stage_overrides)
     except ValueError as error:
         parser.error(str(error))
-    command = ("python", "-m", f"megatron_osprey.stages.{stage}", *(sys.argv[1:] if argv is None else argv))
+    command = ("python", "-m", f"megatron_osprey.stages.{stage}", *argv)
     return config, Invocation(stage, spec, command)
 
 
