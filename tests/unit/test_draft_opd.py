@@ -13,14 +13,11 @@ from megatron_osprey.training.distillation import run_distill
 STEPS, TOP_K = 3, 16
 
 
-@pytest.fixture(scope="module")
-def opd(tmp_path_factory):
-    """An SFT-distilled drafter (online distillation, saved) and its rollout store over 8 training prompts."""
-    setup = build_distill_setup(tmp_path_factory.mktemp("opd"))
-    root = setup["root"]
-    cfg = tiny_distill_config(setup, training__train_iters=20, checkpoint__save=str(root / "sft"))
-    with parallel_context(cfg.parallel) as state:
-        run_distill(cfg, state)
+def sft_then_rollout(setup, root, max_new_tokens: int, limit: int, **sft_changes):
+    """Distill online into ROOT/sft (the tiny config plus `sft_changes`), then roll it out into ROOT/rollout."""
+    sft = tiny_distill_config(setup, checkpoint__save=str(root / "sft"), **sft_changes)
+    with parallel_context(sft.parallel) as state:
+        run_distill(sft, state)
     rollout = RolloutConfig(
         target=str(setup["target"]),
         drafter=str(root / "sft"),
@@ -28,10 +25,18 @@ def opd(tmp_path_factory):
         output=str(root / "rollout"),
         steps=STEPS,
         top_k=TOP_K,
-        max_new_tokens=24,
-        limit=8,
+        max_new_tokens=max_new_tokens,
+        limit=limit,
     )
-    results = run_rollout(rollout)
+    return run_rollout(rollout)
+
+
+@pytest.fixture(scope="module")
+def opd(tmp_path_factory):
+    """An SFT-distilled drafter (online distillation, saved) and its rollout store over 8 training prompts."""
+    setup = build_distill_setup(tmp_path_factory.mktemp("opd"))
+    root = setup["root"]
+    results = sft_then_rollout(setup, root, max_new_tokens=24, limit=8, training__train_iters=20)
     return {**setup, "sft": root / "sft", "store": root / "rollout", "results": results}
 
 
@@ -161,27 +166,16 @@ def test_the_ttt_unroll_redrafts_each_recorded_round(opd):
 
 def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_path):
     """An EAGLE-3 drafter with a reduced draft vocabulary (the top-k ids are mapped into it): SFT, rollout, OPD."""
-    sft = tiny_distill_config(
+    sft_then_rollout(
         opd,
+        tmp_path,
+        max_new_tokens=12,
+        limit=4,
         drafter__drafter_init=None,
         drafter__baseline="eagle3",
         drafter__draft_vocab_size=64,
         training__train_iters=6,
-        checkpoint__save=str(tmp_path / "sft"),
     )
-    with parallel_context(sft.parallel) as state:
-        run_distill(sft, state)
-    rollout = RolloutConfig(
-        target=str(opd["target"]),
-        drafter=str(tmp_path / "sft"),
-        data_path=str(opd["data"]),
-        output=str(tmp_path / "rollout"),
-        steps=STEPS,
-        top_k=TOP_K,
-        max_new_tokens=12,
-        limit=4,
-    )
-    run_rollout(rollout)
     cfg = tiny_distill_config(
         opd,
         data__mode="on-policy",
