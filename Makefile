@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-full test test-unit test-distributed lint format bench clean
+.PHONY: venv demo demo-arms demo-full test test-unit test-distributed lint format bench clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m megatron_osprey.demo --output demo_out
+
+# `make demo` plus every extra arm and the harder eval sets (resumes demo_out: only the new steps run).
+demo-arms: $(STAMP)
+	$(PY) -m megatron_osprey.demo --arms all --output demo_out
 
 demo-full: $(STAMP)
 	$(PY) -m megatron_osprey.demo --full --output demo_out_full

@@ -1,10 +1,12 @@
-"""python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--regenerate-temperature T]
-[--output demo_out] [--fresh]: the Osprey pipeline on a real target."""
+"""python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--arms all|ARM ...]
+[--regenerate-temperature T] [--output demo_out] [--fresh]: the Osprey pipeline on a real target."""
 
 import argparse
 import dataclasses
 import sys
 from pathlib import Path
+
+from megatron_osprey.demo.sizes import EXTRA_ARMS
 
 
 def main(argv=None) -> int:
@@ -25,6 +27,14 @@ def main(argv=None) -> int:
         "target's vocabulary) to a quick or smoke run; --full always has it",
     )
     parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        metavar="ARM",
+        help="add extra arms to a quick or smoke run ('all', or any of: " + ", ".join(EXTRA_ARMS) + "); --full "
+        "has them all. A finished run resumes with more arms.",
+    )
+    parser.add_argument(
         "--regenerate-temperature",
         type=float,
         default=None,
@@ -42,6 +52,11 @@ def main(argv=None) -> int:
     cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
     if args.cross_tokenizer:
         cfg = cfg.with_cross_tokenizer()
+    if args.arms:
+        try:
+            cfg = cfg.with_arms(args.arms)
+        except ValueError as error:
+            parser.error(str(error))
     if args.regenerate_temperature is not None:
         if args.regenerate_temperature < 0:
             parser.error("--regenerate-temperature must be >= 0 (0: greedy).")

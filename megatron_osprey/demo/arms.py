@@ -12,15 +12,18 @@ from megatron_osprey.demo.sizes import DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
 
-def preprocess_general(steps: StepRunner, output: Path, data: dict, tokenizer_dir: Path, name: str) -> Path:
-    """The general mix, tokenized with `name`'s tokenizer into Megatron's indexed format; returns its prefix."""
+def preprocess_general(
+    steps: StepRunner, output: Path, data: dict, tokenizer_dir: Path, name: str, source: Path | None = None
+) -> Path:
+    """The general mix (or the text JSONL `source`), tokenized with `name`'s tokenizer into Megatron's indexed
+    format; returns its prefix."""
     prefix = output / "data" / f"general_{name}"
     steps.run(
         f"preprocess_general_{name}",
         [
             "tools/preprocess_data.py",
             "--input",
-            data["general"],
+            source or data["general"],
             "--json-key",
             "text",
             "--tokenizer",
@@ -36,10 +39,17 @@ def preprocess_general(steps: StepRunner, output: Path, data: dict, tokenizer_di
 
 
 def backbone_steps(
-    steps: StepRunner, cfg: DemoConfig, output: Path, source: Path, prefix: Path, target: Path, name: str
+    steps: StepRunner,
+    cfg: DemoConfig,
+    output: Path,
+    source: Path,
+    prefix: Path,
+    target: Path,
+    name: str,
+    iters: int | None = None,
 ) -> Path:
-    """Stage 1 (prune to 2 layers), Stage 2 (continue pretraining on the general mix at `prefix`), Stage 3
-    (adapt)."""
+    """Stage 1 (prune to 2 layers), Stage 2 (continue pretraining on the general mix at `prefix` for `iters`
+    steps, default cfg.backbone_iters), Stage 3 (adapt)."""
     steps.run(
         f"prune_{name}",
         [
@@ -61,7 +71,7 @@ def backbone_steps(
             output / f"pruned_{name}",
             Path(f"{prefix}_text_document"),
             output / f"backbone_{name}",
-            cfg.backbone_iters,
+            iters or cfg.backbone_iters,
             cfg.backbone_lr,
         ),
     )

@@ -94,12 +94,15 @@ def distill_argv(
     save: Path,
     seed: int,
     draft_vocab: int,
+    extra: tuple = (),
 ) -> list:
+    """Stage 4 offline from `store`: the Osprey init `init`, or EAGLE-3 from scratch (`init` None); `extra`
+    flags name what an extra arm changes."""
     samples = _count_rows(data)
     iters = max(1, math.ceil(cfg.distill_epochs * samples / cfg.distill_batch))
     flags = (
         ["--drafter-init", init]
-        if method != "eagle3"
+        if init is not None
         else ["--baseline", "eagle3", "--draft-vocab-size", str(draft_vocab)]
     )
     argv = [
@@ -133,6 +136,7 @@ def distill_argv(
         "--no-progress-bar",
         "--seed",
         str(seed),
+        *extra,
     ]
     return argv + (["--bf16"] if cfg.bf16 else [])
 
@@ -145,9 +149,11 @@ def eval_argv(
     data: dict,
     replay: bool = False,
     limit: int | None = None,
+    splits: list[Path] | None = None,
+    prompt_messages: str | None = None,
 ) -> list:
-    """An eval step's command: every drafter on every eval domain, greedy chains, decoded live and
-    lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
+    """An eval step's command: every drafter on every eval domain (or on `splits`), greedy chains, decoded live
+    and lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
     argv = [
         "-m",
         "megatron_osprey.stages.evaluate",
@@ -175,6 +181,8 @@ def eval_argv(
         argv += ["--drafter", f"{d['name']}={d['path']}"]
     argv += ["--train-domain", *[d["domain"] for d in drafters]]
     argv += ["--method", *[f"{d['name']}={d['method']}" for d in drafters]]
-    for domain in cfg.eval_domains:
-        argv += ["--data", data["splits"][domain]["eval"]]
+    if prompt_messages is not None:
+        argv += ["--prompt-messages", prompt_messages]
+    for path in splits if splits is not None else [data["splits"][d]["eval"] for d in cfg.eval_domains]:
+        argv += ["--data", path]
     return argv

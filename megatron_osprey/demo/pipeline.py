@@ -29,14 +29,18 @@ from pathlib import Path
 
 from megatron_osprey.demo.arms import build_backbones, distill_drafters, evaluate_drafters, regenerate_and_extract
 from megatron_osprey.demo.commands import user_data_argv
-from megatron_osprey.demo.sizes import TARGET_MODEL, DemoConfig
+from megatron_osprey.demo.extra_arms import evaluate_extra, extra_backbones, extra_drafters
+from megatron_osprey.demo.harder_sets import build_harder_sets
+from megatron_osprey.demo.sizes import ARM_FIELDS, TARGET_MODEL, DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
 MARKER = ".osprey_demo"
 
 
 def _config_digest(cfg: DemoConfig) -> str:
-    return hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    """The run's identity; the extra arms' settings are left out, so a finished run resumes with more arms."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ARM_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def prepare_demo_output(output: Path, cfg: DemoConfig, fresh: bool = False) -> None:
@@ -150,18 +154,25 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
 
     steps.header("Stage 1-3: prune, continue pretraining and adapt the backbone(s)")
     inits = build_backbones(steps, cfg, output, data, target)
+    if cfg.arms:
+        inits = extra_backbones(steps, cfg, output, data, target, inits)
 
     steps.header("regenerate the training conversations with the target and extract its hidden states once")
     regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target)
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     drafters = distill_drafters(steps, cfg, output, target, inits, regenerated, stores)
+    if cfg.arms:
+        drafters += extra_drafters(steps, cfg, output, target, inits, regenerated, stores, data)
 
     steps.header(
         "evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.stages.evaluate)"
     )
     eval_dir = output / "eval"
-    evaluate_drafters(steps, cfg, target, eval_dir, drafters, data)
+    evaluate_drafters(steps, cfg, target, eval_dir, [d for d in drafters if not d.get("ngram")], data)
+    if cfg.arms:
+        harder = build_harder_sets(steps, cfg, output, data, target)
+        evaluate_extra(steps, cfg, target, eval_dir, drafters, data, harder)
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report

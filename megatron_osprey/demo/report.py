@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_osprey.base.atomic_io import write_bytes_atomic
+from megatron_osprey.demo.report_arms import arms_report, render_arms
+from megatron_osprey.demo.sizes import EXTRA_ARMS
 from megatron_osprey.demo.statistics import bootstrap, collect, relative_gain, summarize_cells
 
 PAPER_NOTE = "paper, Qwen3-8B: +16.1% mean, ID +12.4%, OOD +17.3%"
@@ -22,6 +24,7 @@ METHOD_LABELS = {
     "osprey": "Osprey (target's first 2 layers, pretrained, adapted)",
     "osprey_xtok": "Osprey cross-tokenizer (small LM with another tokenizer, pretrained, adapted)",
     "eagle3": "EAGLE-3 (1 layer from scratch, same data, tokens, TTT depth, optimizer)",
+    **EXTRA_ARMS,
 }
 
 
@@ -243,6 +246,7 @@ def write_report(
         "examples": decoded_examples(results, target),
         "lossless": {"checked": results["lossless"]["checked"], "mismatches": len(results["lossless"]["mismatches"])},
         "live_check": live_check(results, eval_dir / "live_check" / "results.json"),
+        "arms": arms_report(eval_dir, results, speed),
         "alignment": _alignment_reports(output),
         "config": dataclasses.asdict(cfg),
         "eval": results["config"],
@@ -402,6 +406,7 @@ def render_markdown(report: dict, cfg) -> str:
     check = report.get("live_check")
     lines = _results_lines(report, cfg) + _matrix_lines(report) + _coverage_lines(report, cfg)
     lines += _speed_lines(check["speed"] if check else report["speed"]) + _checks_lines(report, check, cfg)
+    lines += render_arms(report.get("arms"))
     lines += ["", "## The target's own replies (greedy), first prompts of each eval domain", ""]
     for split, items in report["examples"].items():
         for item in items:

@@ -6,6 +6,20 @@ import dataclasses
 
 TARGET_MODEL = "smollm2-135m-instruct"
 
+# The arms a run may add beside Osprey and EAGLE-3 (`--arms`; `make demo-full` runs them all). Each keeps the
+# Osprey arm's data, optimizer, tokens and seed and changes one named thing:
+EXTRA_ARMS = {
+    "eagle3_2layer": "EAGLE-3 with 2 layers from scratch (parameter-matched to Osprey's 2 layers)",
+    "osprey_no_stage2": "Osprey with 0 Stage-2 steps (prune and adapt only)",
+    "osprey_ttt_reference": "Osprey trained with --ttt-normalization reference (SpecForge's per-sample loss)",
+    "osprey_drift": "Osprey + post-norm hidden states + per-hidden-state RMSNorm",
+    "eagle3_drift": "EAGLE-3 + post-norm hidden states + per-hidden-state RMSNorm",
+    "osprey_opd": "Osprey + Draft-OPD (one rollout round on the training prompts, then on-policy distillation)",
+    "ngram": "n-gram drafter (order 4) on the training domain's regenerated conversations",
+    "ngram_monolingual": "n-gram drafter (order 4) on the monolingual corpora",
+    "osprey_monolingual": "Osprey after a monolingual Stage-2 pass (5 languages), then adapted and distilled",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class SmallLM:
@@ -18,6 +32,10 @@ class SmallLM:
     kv_heads: int = 2
     ffn: int = 768
     iters: int = 300
+
+
+# The fields only the extra arms read (each arm's command carries them, so they need not name the run).
+ARM_FIELDS = ("arms", "long_context_tokens", "task_prompts_per_language", "opd_prompts", "monolingual_iters")
 
 
 @dataclasses.dataclass
@@ -50,6 +68,14 @@ class DemoConfig:
     seeds: tuple[int, ...] = (0,)
     cross_tokenizer: SmallLM | None = None  # the target-agnostic arm (demo-full)
     bf16: bool = True  # bf16 compute where it is correct: backbone pretraining, distillation, regeneration
+    arms: tuple[str, ...] = ()  # EXTRA_ARMS to add; a finished run can be resumed with more of them
+    # The harder eval sets made from the first training domain's eval prompts (evaluated with the extra arms):
+    # template perturbation, long context of this many prompt tokens (the target's context is not reached on
+    # a CPU), and translation / story prompts per language of the monolingual corpora.
+    long_context_tokens: int = 768
+    task_prompts_per_language: int = 2
+    opd_prompts: int = 32  # Draft-OPD rollout prompts per training domain (the first of its training prompts)
+    monolingual_iters: int = 60  # the monolingual Stage-2 pass, from the Stage-2 backbone
     seed: int = 0  # data order and splits
 
     @classmethod
@@ -73,6 +99,10 @@ class DemoConfig:
             distill_batch=4,
             regenerate_tokens=16,
             eval_tokens=16,
+            long_context_tokens=256,
+            task_prompts_per_language=1,
+            opd_prompts=4,
+            monolingual_iters=3,
         )
 
     @classmethod
@@ -91,6 +121,11 @@ class DemoConfig:
             live_check_prompts=4,
             seeds=(0, 1, 2),
             cross_tokenizer=SmallLM(),
+            arms=tuple(EXTRA_ARMS),
+            long_context_tokens=2048,
+            task_prompts_per_language=4,
+            opd_prompts=96,
+            monolingual_iters=120,
         )
 
     def with_cross_tokenizer(self) -> "DemoConfig":
@@ -98,6 +133,14 @@ class DemoConfig:
         if self.cross_tokenizer is not None:
             return self
         return dataclasses.replace(self, cross_tokenizer=SmallLM(iters=min(300, 5 * self.backbone_iters)))
+
+    def with_arms(self, arms) -> "DemoConfig":
+        """This size plus the named EXTRA_ARMS ("all": every one), in EXTRA_ARMS's order."""
+        names = set(EXTRA_ARMS) if "all" in arms else set(arms)
+        unknown = sorted(names - set(EXTRA_ARMS))
+        if unknown:
+            raise ValueError(f"--arms {' '.join(unknown)}: expected 'all' or any of {', '.join(EXTRA_ARMS)}.")
+        return dataclasses.replace(self, arms=tuple(a for a in EXTRA_ARMS if a in names | set(self.arms)))
 
     def domains(self) -> list[str]:
         """Every domain the run reads: the training and the eval domains, sorted."""

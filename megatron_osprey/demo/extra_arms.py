@@ -1,0 +1,196 @@
+"""The demo's extra arms (`--arms`, all of them in `make demo-full`), each beside Osprey and EAGLE-3 on the same
+regenerated data, hidden-state store, optimizer, tokens and seeds, changing one named thing:
+
+- the paper's ablation: a parameter-matched 2-layer EAGLE-3 from scratch, and Osprey with 0 Stage-2 steps;
+- the loss: Osprey trained with SpecForge's per-sample normalisation (`--ttt-normalization reference`);
+- attention drift: post-norm hidden states and per-hidden-state RMSNorm, for Osprey and for EAGLE-3;
+- Draft-OPD: one rollout round of the SFT Osprey drafter on the training prompts, then on-policy distillation;
+- n-gram drafters: on the training domain's regenerated conversations, and on the monolingual corpora;
+- Osprey after a monolingual Stage-2 pass over the monolingual corpora' languages.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from megatron_osprey.demo.arms import backbone_steps, preprocess_general
+from megatron_osprey.demo.commands import distill_argv
+from megatron_osprey.demo.sizes import DemoConfig
+from megatron_osprey.demo.step_runner import StepRunner
+
+# What each offline-distilled arm passes: its drafter init (an Osprey init's name; None: EAGLE-3 from scratch)
+# and the flags that name its one change.
+OFFLINE_ARMS = {
+    "eagle3_2layer": (None, ("--eagle3-num-layers", "2")),
+    "osprey_no_stage2": ("osprey_no_stage2", ()),
+    "osprey_ttt_reference": ("osprey", ("--ttt-normalization", "reference")),
+    "osprey_drift": ("osprey", ("--hidden-post-norm", "--aux-hidden-norm")),
+    "eagle3_drift": (None, ("--hidden-post-norm", "--aux-hidden-norm")),
+    "osprey_monolingual": ("osprey_monolingual", ()),
+}
+NGRAM_ORDER = 4
+SENT = "before_assistant"  # the harder sets' prompts: every message before the first reply (system prompts too)
+
+
+def monolingual_corpus(cfg: DemoConfig, output: Path, data: dict) -> Path:
+    """Every monolingual corpus's text in one JSONL, with no message of any eval set in it."""
+    from megatron_osprey.demo.monolingual import write_monolingual_text
+    from megatron_osprey.recipes.cpu import MONOLINGUAL_LANGUAGES
+
+    path = output / "data" / "monolingual.jsonl"
+    if not path.is_file():
+        evals = [data["splits"][d]["eval"] for d in cfg.domains()]
+        rows = []
+        for language in MONOLINGUAL_LANGUAGES:
+            part = write_monolingual_text(language, output / "data" / "monolingual" / f"{language}.jsonl", evals)
+            rows += [line for line in part.read_text(encoding="utf-8").splitlines() if line.strip()]
+        path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def extra_backbones(
+    steps: StepRunner, cfg: DemoConfig, output: Path, data: dict, target: Path, inits: dict[str, Path]
+) -> dict[str, Path]:
+    """Stage 1-3 of the extra Osprey arms: adapt the pruned backbone without Stage 2, and a monolingual Stage-2
+    pass continued from the Stage-2 backbone (converted back to a pruned backbone by the prune stage)."""
+    inits = dict(inits)
+    if "osprey_no_stage2" in cfg.arms:
+        init = output / "drafter_init_no_stage2"
+        steps.run(
+            "adapt_no_stage2",
+            ["tools/adapt_drafter.py", "--backbone", output / "pruned_target", "--target", target, "--output", init]
+            + ["--overwrite"],
+        )
+        inits["osprey_no_stage2"] = init
+    if "osprey_monolingual" in cfg.arms or "ngram_monolingual" in cfg.arms:
+        began = time.time()
+        data["monolingual"] = monolingual_corpus(cfg, output, data)
+        steps.timed("monolingual_corpus", time.time() - began)
+    if "osprey_monolingual" in cfg.arms:
+        prefix = preprocess_general(steps, output, data, target, "monolingual", source=data["monolingual"])
+        inits["osprey_monolingual"] = backbone_steps(
+            steps,
+            cfg,
+            output,
+            output / "backbone_target" / "hf",
+            prefix,
+            target,
+            "monolingual",
+            iters=cfg.monolingual_iters,
+        )
+    return inits
+
+
+def _name(arm: str, domain: str, seed: int, cfg: DemoConfig) -> str:
+    return f"{arm}_{domain}" + (f"_s{seed}" if len(cfg.seeds) > 1 else "")
+
+
+def _on_policy(
+    steps: StepRunner, cfg: DemoConfig, output: Path, target: Path, data: dict, domain: str, seed: int, sft: Path
+) -> dict:
+    """Draft-OPD: the SFT Osprey drafter and the target roll out on the domain's first training prompts (one
+    round), then on-policy distillation from the SFT checkpoint on the recorded rounds."""
+    name = _name("osprey_opd", domain, seed, cfg)
+    store = output / "rollouts" / name
+    steps.run(
+        f"rollout_{name}",
+        ["-m", "megatron_osprey.stages.rollout", "--target", target, "--drafter", sft]
+        + ["--data", data["splits"][domain]["train"], "--output", store, "--steps", "5"]
+        + ["--max-new-tokens", str(cfg.regenerate_tokens), "--limit", str(cfg.opd_prompts)]
+        + ["--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"],
+    )
+    iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
+    save = output / "drafters" / name
+    lr = cfg.distill_lr / 10  # continued training starts at the SFT schedule's final lr (chosen before any eval)
+    steps.run(
+        f"distill_{name}",
+        ["-m", "megatron_osprey.stages.distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
+        + ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
+        + ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
+        + ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
+        + ["--transformer-impl", "local", "--save", save, "--save-interval", str(iters)]
+        + ["--log-interval", str(max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
+        + (["--bf16"] if cfg.bf16 else []),
+    )
+    return {"name": name, "method": "osprey_opd", "domain": domain, "seed": seed, "path": save}
+
+
+def _ngram(steps: StepRunner, output: Path, target: Path, method: str, corpus: Path, domain: str) -> dict:
+    """An n-gram drafter counted over `corpus` (its train domain: `domain`)."""
+    name = f"{method}_{domain}"
+    path = output / "drafters" / name
+    steps.run(
+        f"ngram_{name}",
+        ["-m", "megatron_osprey.stages.ngram", "--input", corpus, "--tokenizer", target, "--order", str(NGRAM_ORDER)]
+        + ["--output", path, "--no-progress", "--overwrite"],
+    )
+    return {"name": name, "method": method, "domain": domain, "seed": 0, "path": path, "ngram": True}
+
+
+def extra_drafters(
+    steps: StepRunner,
+    cfg: DemoConfig,
+    output: Path,
+    target: Path,
+    inits: dict[str, Path],
+    regenerated: dict[str, Path],
+    stores: dict[str, Path],
+    data: dict,
+) -> list[dict]:
+    """Every extra arm's drafter per training domain and seed (n-gram drafters once: they have no seed)."""
+    from transformers import AutoConfig
+
+    draft_vocab = cfg.draft_vocab_size(AutoConfig.from_pretrained(target).vocab_size)
+    drafters = []
+    for seed in cfg.seeds:
+        for domain in cfg.train_domains:
+            for arm in (a for a in cfg.arms if a in OFFLINE_ARMS):
+                init_name, extra = OFFLINE_ARMS[arm]
+                name = _name(arm, domain, seed, cfg)
+                save = output / "drafters" / name
+                init = inits[init_name] if init_name else None
+                argv = distill_argv(
+                    cfg, arm, init, target, domain, regenerated[domain], stores[domain], save, seed, draft_vocab, extra
+                )
+                steps.run(f"distill_{name}", argv)
+                drafters.append({"name": name, "method": arm, "domain": domain, "seed": seed, "path": save})
+            if "osprey_opd" in cfg.arms:
+                sft = output / "drafters" / _name("osprey", domain, seed, cfg)
+                drafters.append(_on_policy(steps, cfg, output, target, data, domain, seed, sft))
+    if "ngram" in cfg.arms:
+        drafters += [_ngram(steps, output, target, "ngram", regenerated[d], d) for d in cfg.train_domains]
+    if "ngram_monolingual" in cfg.arms:
+        drafters.append(_ngram(steps, output, target, "ngram_monolingual", data["monolingual"], "multilingual"))
+    return drafters
+
+
+def evaluate_extra(
+    steps: StepRunner,
+    cfg: DemoConfig,
+    target: Path,
+    eval_dir: Path,
+    drafters: list[dict],
+    data: dict,
+    harder: list[Path],
+) -> None:
+    """The harder sets for seed 0's drafters (system prompts sent), and the n-gram drafters at batch 1 (their
+    engine: the reference chain decoder) on the eval domains and the harder sets, lossless-checked."""
+    import dataclasses
+
+    from megatron_osprey.demo.commands import eval_argv
+
+    neural = [d for d in drafters if not d.get("ngram") and d["seed"] == cfg.seeds[0]]
+    ngrams = [d for d in drafters if d.get("ngram")]
+    if neural:
+        replay = cfg.eval_replay
+        steps.run("eval_harder", eval_argv(cfg, target, eval_dir / "harder", neural, data, replay, None, harder, SENT))
+    if ngrams:
+        batch1 = dataclasses.replace(cfg, eval_batch=1)
+        limit = cfg.live_check_prompts if cfg.eval_replay else None  # live decoding at batch 1 costs the most
+        steps.run("eval_ngram", eval_argv(batch1, target, eval_dir / "ngram", ngrams, data, limit=limit))
+        steps.run(
+            "eval_ngram_harder",
+            eval_argv(batch1, target, eval_dir / "ngram_harder", ngrams, data, False, limit, harder, SENT),
+        )

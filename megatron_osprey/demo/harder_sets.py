@@ -1,0 +1,68 @@
+"""The harder eval sets of the demo's extra arms, made from the first training domain's held-out prompts:
+
+- template perturbation and long context (`python -m megatron_osprey.data.eval_variants`, one logged step);
+- translation and story prompts for every language that has a monolingual corpus: an English held-out prompt
+  to translate into the language, or to continue as a short story written in it.
+
+They are evaluated with `--prompt-messages before_assistant`, so the perturbed set's system prompt is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megatron_osprey.demo.sizes import DemoConfig
+from megatron_osprey.demo.step_runner import StepRunner
+
+TASKS = {
+    "translation": "Translate the following text into {language}. Reply with the translation only.\n\n{text}",
+    "story": "Write a short story in {language} that begins with this line:\n\n{text}",
+}
+
+
+def task_rows(prompts: list[tuple[str, str]], languages: tuple[str, ...], per_language: int) -> dict[str, list]:
+    """Per task, `per_language` rows per language; each language takes the next prompts in turn, so the
+    languages see different source texts while the prompts last."""
+    if not prompts:
+        raise ValueError("the harder sets need at least one held-out prompt.")
+    out = {}
+    for task, template in TASKS.items():
+        rows = []
+        for li, language in enumerate(languages):
+            for j in range(per_language):
+                source_id, text = prompts[(li * per_language + j) % len(prompts)]
+                content = template.format(language=language.capitalize(), text=text)
+                rows.append(
+                    {"id": f"{task}-{language}-{source_id}", "conversations": [{"role": "user", "content": content}]}
+                )
+        out[task] = rows
+    return out
+
+
+def write_task_sets(cfg: DemoConfig, eval_path: Path, out_dir: Path) -> list[Path]:
+    """translation.jsonl and story.jsonl in out_dir from the held-out eval set at eval_path."""
+    from megatron_osprey.data.conversations import read_conversations
+    from megatron_osprey.demo.corpora import write_jsonl
+    from megatron_osprey.eval.prompts import prompt_messages
+    from megatron_osprey.recipes.cpu import MONOLINGUAL_LANGUAGES
+
+    prompts = [(c.id, prompt_messages(c.messages)[0]["content"]) for c in read_conversations(eval_path)]
+    rows = task_rows(prompts, MONOLINGUAL_LANGUAGES, cfg.task_prompts_per_language)
+    return [write_jsonl(out_dir / f"{task}.jsonl", rows[task]) for task in TASKS]
+
+
+def build_harder_sets(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict, target: Path) -> list[Path]:
+    """The harder sets' files: perturbed, long context, translation, story."""
+    domain = cfg.train_domains[0]
+    source = data["splits"][domain]["eval"]
+    out_dir = output / "data" / "harder"
+    steps.run(
+        "eval_variants",
+        ["-m", "megatron_osprey.data.eval_variants", "--input", source, "--tokenizer", target]
+        + ["--output-dir", out_dir, "--max-context-tokens", str(cfg.long_context_tokens), "--seed", str(cfg.seed)],
+    )
+    began = time.time()
+    tasks = write_task_sets(cfg, source, out_dir)
+    steps.timed("task_prompts", time.time() - began)
+    return [out_dir / f"{domain}.perturbed.jsonl", out_dir / f"{domain}.long_context.jsonl", *tasks]

@@ -1,0 +1,184 @@
+"""The extra arms' part of the demo report: each arm against the arm it changes (paired 95% intervals), the
+harder eval sets (template perturbation, long context, translation, story), and the n-gram drafters with their
+drafting cost and speed at batch 1. Every figure is recomputed from the evals' results.json files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from megatron_osprey.demo.sizes import EXTRA_ARMS
+
+ROUNDS = 2000
+# (arm, the arm it is compared with, what the comparison asks)
+COMPARISONS = (
+    ("osprey", "eagle3_2layer", "pretrained prior against an extra layer: Osprey vs the 2-layer EAGLE-3"),
+    ("eagle3_2layer", "eagle3", "the extra layer alone: 2-layer vs 1-layer EAGLE-3"),
+    ("osprey", "osprey_no_stage2", "Stage 2's pretraining: Osprey vs Osprey with 0 Stage-2 steps"),
+    ("osprey_ttt_reference", "osprey", "loss normalisation: SpecForge's per-sample vs the default (tokens)"),
+    ("osprey_drift", "osprey", "post-norm + aux norm on Osprey"),
+    ("eagle3_drift", "eagle3", "post-norm + aux norm on EAGLE-3"),
+    ("osprey_opd", "osprey", "Draft-OPD after SFT vs SFT alone"),
+    ("osprey_monolingual", "osprey", "a monolingual Stage-2 pass before adaptation"),
+)
+
+
+def _per_request(results: dict, seeds: dict[str, int] | None = None) -> dict:
+    """{method: {(train_domain, split): {request id: AL averaged over seeds}}}."""
+    acc: dict = {}
+    for cell in results["cells"]:
+        key = (cell["train_domain"], cell["split"])
+        for r in cell["requests"]:
+            acc.setdefault(cell["method"], {}).setdefault(key, {}).setdefault(r["id"], []).append(
+                r["acceptance_length"]
+            )
+    return {m: {k: {i: float(np.mean(v)) for i, v in ids.items()} for k, ids in c.items()} for m, c in acc.items()}
+
+
+def paired_gain(a: dict, b: dict, rounds: int = ROUNDS, seed: int = 0) -> dict | None:
+    """Relative gain of a over b in mean AL (cells averaged equally), with a 95% interval from resampling the
+    requests of each cell, the same ones for both (paired). a, b: {cell: {request id: AL}}."""
+    cells = sorted(set(a) & set(b))
+    cells = [(c, sorted(set(a[c]) & set(b[c]))) for c in cells]
+    cells = [(c, ids) for c, ids in cells if ids]
+    if not cells:
+        return None
+    arrays = [(np.array([a[c][i] for i in ids]), np.array([b[c][i] for i in ids])) for c, ids in cells]
+
+    def gain(picks):
+        num = np.mean([x[p].mean() for (x, _), p in zip(arrays, picks)])
+        den = np.mean([y[p].mean() for (_, y), p in zip(arrays, picks)])
+        return num / den - 1
+
+    rng = np.random.default_rng(seed)
+    point = gain([np.arange(len(x)) for x, _ in arrays])
+    draws = [gain([rng.integers(0, len(x), len(x)) for x, _ in arrays]) for _ in range(rounds)]
+    return {"gain": float(point), "ci": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]}
+
+
+def _subset(cells: dict, keep) -> dict:
+    return {k: v for k, v in cells.items() if keep(k)}
+
+
+def comparisons(main: dict, harder: dict | None) -> list[dict]:
+    """Each COMPARISONS pair present in the run: the gain in mean, in-domain and out-of-domain AL on the eval
+    domains, and per harder set."""
+    per = _per_request(main)
+    hard = _per_request(harder) if harder else {}
+    out = []
+    for arm, base, question in COMPARISONS:
+        if arm not in per or base not in per:
+            continue
+        row = {
+            "arm": arm,
+            "base": base,
+            "question": question,
+            "mean": paired_gain(per[arm], per[base]),
+            "id": paired_gain(_subset(per[arm], lambda k: k[0] == k[1]), _subset(per[base], lambda k: k[0] == k[1])),
+            "ood": paired_gain(_subset(per[arm], lambda k: k[0] != k[1]), _subset(per[base], lambda k: k[0] != k[1])),
+            "harder": {},
+        }
+        if arm in hard and base in hard:
+            for split in sorted({k[1] for k in hard[arm]}):
+                row["harder"][split] = paired_gain(
+                    _subset(hard[arm], lambda k, s=split: k[1] == s), _subset(hard[base], lambda k, s=split: k[1] == s)
+                )
+        out.append(row)
+    return out
+
+
+def split_table(results: dict) -> dict:
+    """{drafter: {"method", "train_domain", "al": {split: mean AL}, "draft_us_per_token": {split: ...}}}."""
+    out = {}
+    for cell in results["cells"]:
+        entry = out.setdefault(
+            cell["drafter"], {"method": cell["method"], "train_domain": cell["train_domain"], "al": {}, "draft_us": {}}
+        )
+        entry["al"][cell["split"]] = float(np.mean([r["acceptance_length"] for r in cell["requests"]]))
+        per_token = cell["summary"].get("draft_seconds_per_token")
+        entry["draft_us"][cell["split"]] = None if per_token is None else 1e6 * per_token
+    return out
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def arms_report(eval_dir: Path, main: dict, speed) -> dict | None:
+    """The extra arms' section of report.json (None when the run has no extra-arm evaluations); `speed` turns
+    an eval's results into its tokens/s figures."""
+    harder, ngram, ngram_harder = (_load(eval_dir / d / "results.json") for d in ("harder", "ngram", "ngram_harder"))
+    if not any((harder, ngram, ngram_harder)) and not any(m in EXTRA_ARMS for m in _per_request(main)):
+        return None
+    return {
+        "comparisons": comparisons(main, harder),
+        "harder": split_table(harder) if harder else {},
+        "ngram": split_table(ngram) if ngram else {},
+        "ngram_harder": split_table(ngram_harder) if ngram_harder else {},
+        "ngram_speed": speed(ngram) if ngram else None,
+    }
+
+
+def _pct(entry) -> str:
+    if not entry:
+        return "-"
+    lo, hi = entry["ci"]
+    return f"{100 * entry['gain']:+.1f}% [{100 * lo:+.1f}%, {100 * hi:+.1f}%]"
+
+
+def _table(title: str, table: dict, note: str, with_cost: bool = False) -> list[str]:
+    if not table:
+        return []
+    splits = list(dict.fromkeys(s for entry in table.values() for s in entry["al"]))
+    head = "| drafter (trained on) | " + " | ".join(splits) + (" | drafting us/token |" if with_cost else " |")
+    lines = ["", f"## {title}", "", note, "", head, "|" + " --- |" * (len(splits) + 1 + with_cost)]
+    for name, entry in table.items():
+        cells = [f"{entry['al'][s]:.3f}" if s in entry["al"] else "-" for s in splits]
+        if with_cost:
+            costs = [v for v in entry["draft_us"].values() if v is not None]
+            cells.append(f"{np.mean(costs):.0f}" if costs else "-")
+        lines.append(f"| {name} ({entry['train_domain']}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_arms(arms: dict | None) -> list[str]:
+    """report.md's lines for the extra arms (none without them)."""
+    if not arms:
+        return []
+    lines = ["", "## Extra arms against the arm each one changes", ""]
+    if arms["comparisons"]:
+        splits = sorted({s for row in arms["comparisons"] for s in row["harder"]})
+        lines += [
+            "Relative gain in AL of the first arm over the second (cells averaged equally; brackets: 95% paired "
+            "bootstrap over requests).",
+            "",
+            "| comparison | mean | in-domain | out-of-domain | " + " | ".join(splits) + " |",
+            "|" + " --- |" * (4 + len(splits)),
+        ]
+        for row in arms["comparisons"]:
+            harder = [_pct(row["harder"].get(s)) for s in splits]
+            lines.append(
+                f"| {row['arm']} vs {row['base']} ({row['question']}) | {_pct(row['mean'])} | {_pct(row['id'])} | "
+                f"{_pct(row['ood'])} | " + " | ".join(harder) + " |"
+            )
+    lines += _table(
+        "Harder eval sets (seed 0's drafters, system prompts sent)",
+        arms["harder"],
+        "Template perturbation, long context, and translation / story prompts into the monolingual corpora's "
+        "languages, made from the first training domain's held-out prompts; AL per drafter.",
+    )
+    lines += _table(
+        "N-gram drafters (reference engine, batch 1)",
+        {**arms["ngram"], **{f"{k} ": v for k, v in arms["ngram_harder"].items()}},
+        "AL on the eval domains and on the harder sets, and the drafting cost per drafted token.",
+        with_cost=True,
+    )
+    sp = arms.get("ngram_speed")
+    if sp and sp.get("target_only_tokens_per_s"):
+        per = ", ".join(
+            f"{m} {v:.1f} tokens/s ({sp['speedup'][m]:.2f}x)" for m, v in sp["speculative_tokens_per_s"].items()
+        )
+        lines += ["", f"N-gram speed at batch 1: target-only {sp['target_only_tokens_per_s']:.1f} tokens/s; {per}."]
+    return lines

@@ -1,0 +1,112 @@
+"""The demo's extra arms: each changes exactly one named thing against the arm it is compared with, a finished
+run resumes with more arms, the harder sets' task prompts, and the report's paired comparisons."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_osprey.demo.commands import distill_argv
+from megatron_osprey.demo.extra_arms import OFFLINE_ARMS
+from megatron_osprey.demo.harder_sets import TASKS, task_rows
+from megatron_osprey.demo.pipeline import prepare_demo_output
+from megatron_osprey.demo.report_arms import COMPARISONS, comparisons, paired_gain
+from megatron_osprey.demo.sizes import EXTRA_ARMS, DemoConfig
+
+
+def _argv(tmp_path: Path, cfg: DemoConfig, method: str, init, extra=()):
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"id": "a"}\n' * 12)
+    save = tmp_path / "drafters" / "x"
+    return distill_argv(cfg, method, init, tmp_path / "t", "chat", data, tmp_path / "s", save, 0, 100, tuple(extra))
+
+
+@pytest.mark.parametrize("arm", sorted(OFFLINE_ARMS))
+def test_each_offline_arm_differs_from_its_base_by_its_named_change_only(tmp_path, arm):
+    cfg = DemoConfig.quick()
+    init_name, extra = OFFLINE_ARMS[arm]
+    init = tmp_path / f"init_{init_name}" if init_name else None
+    base_init = tmp_path / "init_osprey" if init_name else None  # Osprey's init, or EAGLE-3 from scratch
+    arm_argv = [str(w) for w in _argv(tmp_path, cfg, arm, init, extra)]
+    base_argv = [str(w) for w in _argv(tmp_path, cfg, "base", base_init)]
+    # the base arm's command (same data, optimizer, tokens, seed), its init swapped, the arm's flags added
+    swapped = [str(init) if init is not None and w == str(base_init) else w for w in base_argv]
+    assert arm_argv == swapped[:-1] + list(extra) + ["--bf16"]
+    assert "--drafter-init" in arm_argv if init_name else "--baseline" in arm_argv
+
+
+def test_every_extra_arm_is_compared_or_tabled():
+    compared = {a for a, b, _ in COMPARISONS} | {b for a, b, _ in COMPARISONS}
+    assert set(EXTRA_ARMS) - compared == {"ngram", "ngram_monolingual"}  # their own table: no neural base
+
+
+def test_with_arms_checks_names_and_keeps_one_order():
+    cfg = DemoConfig.quick().with_arms(["ngram", "eagle3_2layer"])
+    assert cfg.arms == ("eagle3_2layer", "ngram")
+    assert cfg.with_arms(["osprey_opd"]).arms == ("eagle3_2layer", "osprey_opd", "ngram")
+    assert DemoConfig.quick().with_arms(["all"]).arms == tuple(EXTRA_ARMS) == DemoConfig.full().arms
+    with pytest.raises(ValueError, match="--arms bogus"):
+        DemoConfig.quick().with_arms(["bogus"])
+
+
+def test_a_finished_run_resumes_with_more_arms_but_not_with_another_size(tmp_path):
+    output = tmp_path / "demo"
+    prepare_demo_output(output, DemoConfig.quick())
+    (output / "kept.txt").write_text("x")
+    prepare_demo_output(output, DemoConfig.quick().with_arms(["all"]))  # more arms: the same run
+    assert (output / "kept.txt").is_file()
+    with pytest.raises(RuntimeError, match="another configuration"):
+        prepare_demo_output(output, DemoConfig.smoke())
+
+
+def test_task_rows_cover_every_language_and_task_with_rotating_sources():
+    prompts = [(f"p{i}", f"text {i}") for i in range(3)]
+    rows = task_rows(prompts, ("spanish", "french"), per_language=2)
+    assert set(rows) == set(TASKS)
+    for task, items in rows.items():
+        assert len(items) == 4 and len({r["id"] for r in items}) == 4
+        contents = [r["conversations"][0]["content"] for r in items]
+        assert "Spanish" in contents[0] and "French" in contents[2]
+        # sources taken in turn: spanish gets p0, p1; french p2, then p0 again
+        assert [c.rsplit("\n", 1)[-1] for c in contents] == ["text 0", "text 1", "text 2", "text 0"]
+    with pytest.raises(ValueError):
+        task_rows([], ("spanish",), 1)
+
+
+def test_paired_gain_is_the_ratio_of_cell_means_with_a_paired_interval():
+    rng = np.random.default_rng(0)
+    b = {("chat", "chat"): {f"r{i}": float(v) for i, v in enumerate(rng.uniform(1, 2, 8))}}
+    a = {k: {i: 1.25 * v for i, v in ids.items()} for k, ids in b.items()}
+    exact = paired_gain(a, b, rounds=200)
+    assert exact["gain"] == pytest.approx(0.25) and exact["ci"] == pytest.approx([0.25, 0.25])  # paired
+    b[("chat", "code")] = {"x": 1.0, "y": 3.0}
+    a[("chat", "code")] = {"x": 2.0, "y": 2.0, "z": 9.0}  # z has no partner: left out
+    got = paired_gain(a, b, rounds=200)
+    cell_a = [np.mean([1.25 * v for v in b[("chat", "chat")].values()]), 2.0]
+    cell_b = [np.mean(list(b[("chat", "chat")].values())), 2.0]
+    assert got["gain"] == pytest.approx(np.mean(cell_a) / np.mean(cell_b) - 1)
+    assert got["ci"][0] <= got["gain"] <= got["ci"][1]
+    assert paired_gain({("a", "a"): {"x": 1.0}}, {("b", "b"): {"x": 1.0}}) is None
+
+
+def _cell(method, drafter, train, split, als):
+    requests = [{"id": f"q{i}", "acceptance_length": v} for i, v in enumerate(als)]
+    return {"method": method, "drafter": drafter, "train_domain": train, "split": split, "requests": requests}
+
+
+def test_comparisons_pair_each_arm_with_its_base_in_and_out_of_domain():
+    main = {
+        "cells": [
+            _cell("eagle3", "e", "chat", "chat", [1.0, 1.2]),
+            _cell("eagle3", "e", "chat", "code", [1.0, 1.0]),
+            _cell("eagle3_2layer", "e2", "chat", "chat", [1.5, 1.8]),
+            _cell("eagle3_2layer", "e2", "chat", "code", [1.1, 1.1]),
+        ]
+    }
+    harder = {"cells": [_cell("eagle3", "e", "chat", "p", [1.0]), _cell("eagle3_2layer", "e2", "chat", "p", [2.0])]}
+    (row,) = comparisons(main, harder)
+    assert (row["arm"], row["base"]) == ("eagle3_2layer", "eagle3")
+    assert row["id"]["gain"] == pytest.approx(3.3 / 2.2 - 1)
+    assert row["ood"]["gain"] == pytest.approx(0.1)
+    assert row["mean"]["gain"] == pytest.approx((1.65 + 1.1) / (1.1 + 1.0) - 1)
+    assert row["harder"]["p"]["gain"] == pytest.approx(1.0)
