@@ -5,8 +5,12 @@
     python benchmarks/gpu_check.py --dry-run     # CPU, toy sizes: the same code paths (tests run this)
     python benchmarks/gpu_check.py --only ttt_memory ttt_loss
 
-Checks (each line: {"check": NAME, "ok": true|false, ...figures}; a check that raises, or runs past
---check-timeout seconds, prints ok false and its error, and the next check still runs):
+Checks (each line: {"check": NAME, "ok": true|false, ...figures}; a check that raises, or runs past its time,
+prints ok false and its error, and the next check still runs). A lent GPU gives about 15 minutes of device time,
+start-up included, so the checks share --total-budget seconds (default 480): each gets its weighted share of what
+remains, at most --check-timeout; a check left without time prints "skipped: budget spent"; a check stuck where the
+alarm cannot reach it (inside a C call) ends the run at the budget. The last line: {"summary": "gpu_check", "ok",
+"elapsed_s", "total_budget_s", "failed", "skipped"}.
   init         torch.distributed up with NCCL and the CPU compatibility layer off (an NCCL all-reduce).
   placement    every parameter, buffer and rotary table of the drafter and the backbone on the GPU.
   train_steps  one BF16 training step of the drafter (TTT loss) and of the backbone (LM loss), each
@@ -30,9 +34,11 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -44,6 +50,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CHECKS = ("init", "placement", "train_steps", "checkpoint", "ttt_memory", "ttt_loss", "throughput")
+# Relative shares of the total budget, by the work each does (the real run is not timed yet): train_steps builds
+# four models and pays the first step's compilation of the fused ops, checkpoint builds three and saves, ttt_memory
+# runs seven attention passes at seq 4096, throughput 13 steps; init builds nothing, placement and ttt_loss two.
+WEIGHTS = dict(init=1, placement=1, train_steps=3, checkpoint=2, ttt_memory=2, ttt_loss=1, throughput=2)
+MIN_CHECK_S = 1.0  # a share below this cannot even build a model: the check is skipped
+WATCHDOG_GRACE_S = 5.0  # past the budget, a check the alarm could not stop ends the run
 MIB = 1 << 20
 
 
@@ -426,15 +438,18 @@ class CheckTimeout(Exception):
 
 
 def _on_alarm(signum, frame):
-    raise CheckTimeout("ran past --check-timeout (a child process may have died while the check waited on it)")
+    raise CheckTimeout(
+        "ran past its time (its share of --total-budget, at most --check-timeout; a child process may have died "
+        "while the check waited on it)"
+    )
 
 
-def _guarded(name: str, limit_s: int, fn, *args) -> dict:
+def _guarded(name: str, limit_s: float, fn, *args) -> dict:
     """Run one check; an error or running past limit_s prints its failing line and the next check runs."""
     start = time.perf_counter()
     # A check that waits forever (a dead writer process in a checkpoint save) must not take the whole window.
     previous = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.alarm(limit_s)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
     try:
         line = fn(*args)
     except Exception as err:  # one failing check must not hide the others
@@ -444,13 +459,75 @@ def _guarded(name: str, limit_s: int, fn, *args) -> dict:
             error=f"{type(err).__name__}: {err}",
             traceback=traceback.format_exc()[-2000:],
             seconds=round(time.perf_counter() - start, 1),
+            limit_s=round(limit_s, 1),
         )
         traceback.clear_frames(err.__traceback__)  # the frames hold the check's models alive
         del err
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     _free_memory()
+    return line
+
+
+class Budget:
+    """The device window shared by the checks: each gets its weighted share of what remains, at most check_timeout.
+
+    A watchdog thread ends the process WATCHDOG_GRACE_S after the budget when a check is stuck where SIGALRM cannot
+    reach it (a C call that never returns, a hung collective), printing the lines the run still owes.
+    """
+
+    def __init__(self, total_s: float, check_timeout_s: float, names: list[str]):
+        self.total_s, self.check_timeout_s = total_s, check_timeout_s
+        self.pending, self.current, self.lines = list(names), None, []
+        self.start = time.perf_counter()
+        self._watchdog = threading.Timer(total_s + WATCHDOG_GRACE_S, self._overrun)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def share(self, name: str) -> float:
+        weights = sum(WEIGHTS[n] for n in self.pending)
+        return min(self.check_timeout_s, (self.total_s - self.elapsed()) * WEIGHTS[name] / weights)
+
+    def run(self, name: str, fn, *args) -> dict:
+        """Run check `name` within its share, or print that it is skipped when the budget is spent."""
+        limit = self.share(name)
+        self.current = name
+        self.pending.remove(name)
+        if limit < MIN_CHECK_S:
+            line = emit(name, False, error="skipped: budget spent", skipped=True, elapsed_s=round(self.elapsed(), 1))
+        else:
+            line = _guarded(name, limit, fn, *args)
+        self.current = None
+        self.lines.append(line)
+        return line
+
+    def summary(self) -> dict:
+        self._watchdog.cancel()
+        return _summary(self.lines, self.elapsed(), self.total_s)
+
+    def _overrun(self) -> None:
+        if self.current:
+            self.lines.append(emit(self.current, False, error="ran past --total-budget where no alarm reaches"))
+        for name in self.pending:
+            self.lines.append(emit(name, False, error="skipped: budget spent", skipped=True))
+        _summary(self.lines, self.elapsed(), self.total_s)
+        os._exit(1)  # the main thread is stuck: nothing else ends it within the window
+
+
+def _summary(lines: list[dict], elapsed_s: float, total_s: float) -> dict:
+    line = {
+        "summary": "gpu_check",
+        "ok": bool(lines) and all(line["ok"] for line in lines),
+        "elapsed_s": round(elapsed_s, 1),
+        "total_budget_s": total_s,
+        "failed": [line["check"] for line in lines if not line["ok"] and not line.get("skipped")],
+        "skipped": [line["check"] for line in lines if line.get("skipped")],
+    }
+    print(json.dumps(line), flush=True)
     return line
 
 
@@ -459,17 +536,27 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (no GPU needed)")
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
     parser.add_argument(
-        "--check-timeout", type=int, default=180, metavar="S", help="seconds one check may run (default 180)"
+        "--check-timeout", type=float, default=180, metavar="S", help="seconds one check may run (default 180)"
+    )
+    parser.add_argument(
+        "--total-budget",
+        type=float,
+        default=480,
+        metavar="S",
+        help="seconds all checks may take together (default 480: a 15-minute device window less start-up)",
     )
     args = parser.parse_args(argv)
+    if not args.check_timeout > 0 or not args.total_budget > 0:
+        parser.error("--check-timeout and --total-budget must be > 0 seconds")
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; use --dry-run for the CPU toy run.", file=sys.stderr)
         return 2
     sizes = TOY if args.dry_run else GPU
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
-    lines = []
     in_context = [c for c in ("init", "placement", "train_steps", "checkpoint", "ttt_loss") if c in args.only]
+    alone = [c for c in ("ttt_memory", "throughput") if c in args.only]
+    budget = Budget(args.total_budget, args.check_timeout, in_context + alone)
     if in_context:
         with parallel_context(ParallelConfig()) as state:
             table = {
@@ -479,12 +566,13 @@ def main(argv=None) -> int:
                 "checkpoint": check_checkpoint,
                 "ttt_loss": check_ttt_loss,
             }
-            lines += [_guarded(name, args.check_timeout, table[name], sizes, state) for name in in_context]
-    if "ttt_memory" in args.only:
-        lines.append(_guarded("ttt_memory", args.check_timeout, check_ttt_memory, sizes))
-    if "throughput" in args.only:
-        lines.append(_guarded("throughput", args.check_timeout, check_throughput, sizes))
-    return 0 if all(line["ok"] for line in lines) else 1
+            for name in in_context:
+                budget.run(name, table[name], sizes, state)
+    if "ttt_memory" in alone:
+        budget.run("ttt_memory", check_ttt_memory, sizes)
+    if "throughput" in alone:
+        budget.run("throughput", check_throughput, sizes)
+    return 0 if budget.summary()["ok"] else 1
 
 
 if __name__ == "__main__":

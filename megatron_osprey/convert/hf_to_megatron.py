@@ -3,7 +3,7 @@
 Each rank reads only its own TP slice of its own PP stage's tensors, and of the
 experts only its EP rank's, straight from the safetensors files: a 70B or 229B
 checkpoint is never materialized whole. FP8 block-scaled tensors are dequantized
-as they are read (see safetensors_io).
+as they are read, on the device the model lives on (see safetensors_io).
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def load_hf_weights(model, hf_dir: str | Path, arch: ModelArch, tp_rank: int, tp
     ep_rank, ep_size, etp_rank, etp_size = expert_layout(tp_rank, tp_size)
     experts_per_rank = arch.num_experts // ep_size if arch.is_moe else 0
     loaded = []
-    with SafetensorsCheckpoint(hf_dir) as ckpt:
+    # Where the model lives (the rank's GPU when there is one), in its dtype: FP8 blocks are dequantized there.
+    first = next(model.parameters())
+    with SafetensorsCheckpoint(hf_dir, device=first.device, dequantized_dtype=first.dtype) as ckpt:
         for name, param in _tensors_to_load(model, rules):
             found = match_rule_indices(name, rules)
             if found is None:

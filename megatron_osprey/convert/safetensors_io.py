@@ -3,7 +3,9 @@
 FP8 block-scaled checkpoints (DeepSeek-V3 / MiniMax-M2 style: an e4m3 `X.weight`
 plus a float32 `X.weight_scale_inv` holding one scale per 128x128 block) are
 dequantized as they are read, slice by slice: only the scale blocks that cover
-the requested rows and columns are read.
+the requested rows and columns are read. The fp8 slice and its scales move to the
+checkpoint's `device` first (the loading rank's GPU), so the multiply runs there,
+not on the CPU where a 229B model's share would keep the other ranks waiting.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def dequantize_fp8_blocks(
     block: tuple[int, int],
     row_offset: int = 0,
     col_offset: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """float32 `weight * scale` where `scale_inv` holds one scale per block, covering rows/cols from the offsets."""
+    """`weight * scale` (in float32, returned as `dtype`) where `scale_inv` holds one scale per block, covering
+    rows/cols from the offsets; computed on `weight`'s device."""
     rows, cols = weight.shape
     br, bc = block
     # `scale_inv` starts at the block holding (row_offset, col_offset).
     r0, c0 = row_offset % br, col_offset % bc
-    scale = scale_inv.float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
-    return weight.float() * scale[r0 : r0 + rows, c0 : c0 + cols]
+    scale = scale_inv.to(weight.device).float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    return (weight.float() * scale[r0 : r0 + rows, c0 : c0 + cols]).to(dtype)
 
 
 def _open_safetensors(path: Path):
@@ -64,10 +68,18 @@ def _open_safetensors(path: Path):
 
 
 class SafetensorsCheckpoint:
-    """A HF checkpoint directory; `read` returns a slice without loading whole files."""
+    """A HF checkpoint directory; `read` returns a slice without loading whole files, on `device`, with FP8
+    tensors dequantized there into `dequantized_dtype`."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(
+        self,
+        directory: str | Path,
+        device: torch.device | str = "cpu",
+        dequantized_dtype: torch.dtype = torch.float32,
+    ):
         self.directory = Path(directory)
+        self.device = torch.device(device)
+        self.dequantized_dtype = dequantized_dtype
         if not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory not found: {self.directory}")
         index = self.directory / INDEX_NAME
@@ -114,17 +126,17 @@ class SafetensorsCheckpoint:
         return list(self._handle(name).get_slice(name).get_shape())
 
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """Read `name`, or only rows [a, b) / cols [a, b) of it, from disk (FP8 comes back float32)."""
+        """Read `name`, or only rows [a, b) / cols [a, b) of it, from disk onto `device` (FP8 dequantized)."""
         out = self._read_raw(name, rows, cols)
-        if out.dtype in FP8_DTYPES:
-            scale_name = name + SCALE_SUFFIX
-            if not self.has(scale_name):
-                raise ValueError(
-                    f"{self.directory}: {name} is {out.dtype} but has no {scale_name}; only block-scaled "
-                    f"FP8 checkpoints (weight + weight_scale_inv) can be loaded."
-                )
-            out = self._dequantize(name, scale_name, out, rows, cols)
-        return out
+        if out.dtype not in FP8_DTYPES:
+            return out.to(self.device)
+        scale_name = name + SCALE_SUFFIX
+        if not self.has(scale_name):
+            raise ValueError(
+                f"{self.directory}: {name} is {out.dtype} but has no {scale_name}; only block-scaled "
+                f"FP8 checkpoints (weight + weight_scale_inv) can be loaded."
+            )
+        return self._dequantize(name, scale_name, out, rows, cols)
 
     def _read_raw(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
         sliced = self._handle(name).get_slice(name)
@@ -148,10 +160,11 @@ class SafetensorsCheckpoint:
             )
         r0, r1 = rows if rows else (0, full[0])
         c0, c1 = cols if cols else (0, full[1])
+        weight = weight.to(self.device)
         if r1 <= r0 or c1 <= c0:
-            return weight.float()
+            return weight.to(self.dequantized_dtype)
         scale = self._read_raw(scale_name, (r0 // br, -(-r1 // br)), (c0 // bc, -(-c1 // bc)))
-        return dequantize_fp8_blocks(weight, scale, (br, bc), r0, c0)
+        return dequantize_fp8_blocks(weight, scale, (br, bc), r0, c0, self.dequantized_dtype)
 
 
 def write_safetensors_atomic(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:

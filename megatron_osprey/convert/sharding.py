@@ -35,7 +35,7 @@ def read_shard(
         start, end = _part(padded, tp_rank, tp_size)
         real_end = min(end, arch.vocab_size)
         shape = ckpt.shape(hf_names[0])
-        out = torch.zeros((end - start, *shape[1:]), dtype=ckpt.read(hf_names[0], rows=(0, 0)).dtype)
+        out = ckpt.read(hf_names[0], rows=(0, 0)).new_zeros((end - start, *shape[1:]))
         if real_end > start:
             out[: real_end - start] = ckpt.read(hf_names[0], rows=(start, real_end))
         return out

@@ -6,7 +6,7 @@ recipes and `osprey plan` import this package on a machine without torch.
 
 from megatron_osprey.parallel.config import ParallelConfig
 
-_STATE_NAMES = ("ParallelState", "destroy_parallel", "initialize_parallel", "parallel_context")
+_STATE_NAMES = ("ParallelState", "destroy_parallel", "initialize_parallel", "loading_window", "parallel_context")
 
 __all__ = ["ParallelConfig", *_STATE_NAMES]
 

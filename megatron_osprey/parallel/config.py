@@ -26,6 +26,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_backend: str | None = None  # None: nccl with CUDA, gloo without
     distributed_timeout_minutes: float = 10.0
+    # Only the barrier after a target's load waits this long (parallel.state.loading_window); the training
+    # collectives keep --distributed-timeout-minutes.
+    loading_timeout_minutes: float = 60.0
     seed: int = 1234
 
     def model_parallel_size(self) -> int:
@@ -60,6 +63,8 @@ class ParallelConfig:
             )
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
+        if not self.loading_timeout_minutes > 0:
+            raise ValueError(f"--loading-timeout-minutes must be > 0, got {self.loading_timeout_minutes}.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1.")
         if self.context_parallel_size > 1 and not _cuda_available():
@@ -78,3 +83,9 @@ PARALLEL_FLAGS = [
     Flag("--distributed-timeout-minutes", "distributed_timeout_minutes", {"type": float}),
     Flag("--seed", "seed", {"type": int}),
 ]
+# Where a stage loads a target (distill, extract): how long ranks wait for each other after the load.
+LOADING_TIMEOUT_FLAG = Flag(
+    "--loading-timeout-minutes",
+    "loading_timeout_minutes",
+    {"type": float, "help": "minutes ranks wait for the slowest one after loading the target"},
+)

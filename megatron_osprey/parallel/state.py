@@ -147,6 +147,26 @@ def destroy_parallel(state: ParallelState) -> None:
 
 
 @contextlib.contextmanager
+def loading_window(config: ParallelConfig) -> Iterator[None]:
+    """Ranks load at their own pace inside; on leaving, they wait for each other under --loading-timeout-minutes.
+
+    The wait is a barrier on a gloo group of its own, created on entry while the ranks are still in step (a group
+    made after the load would meet the slow rank under the default timeout), so the process group's timeout
+    (--distributed-timeout-minutes) stays the training collectives'.
+    """
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        yield
+        return
+    timeout = datetime.timedelta(minutes=config.loading_timeout_minutes)
+    group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    try:
+        yield
+        torch.distributed.barrier(group=group)
+    finally:
+        torch.distributed.destroy_process_group(group)
+
+
+@contextlib.contextmanager
 def parallel_context(config: ParallelConfig | None = None) -> Iterator[ParallelState]:
     """`with parallel_context(cfg) as ps:` initializes, yields the state, and always tears down."""
     state = initialize_parallel(config or ParallelConfig())

@@ -20,7 +20,7 @@ from megatron_osprey.data.config import DISTILL_DATA_FLAGS, DISTILL_MODES, Disti
 from megatron_osprey.losses.config import TTT_FLAGS, TTTLossConfig
 from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DistillDrafterConfig
 from megatron_osprey.models.target.config import TARGET_FLAGS, TARGET_LAYOUT_FLAGS, TargetConfig
-from megatron_osprey.parallel.config import ParallelConfig
+from megatron_osprey.parallel.config import LOADING_TIMEOUT_FLAG, ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
     parse_config,
@@ -109,7 +109,9 @@ class DistillConfig:
 
 FLAGS = {
     "drafter": under("drafter", DRAFTER_FLAGS) + under("ttt", TTT_FLAGS),
-    "target and data": under("target", TARGET_FLAGS + TARGET_LAYOUT_FLAGS) + under("data", DISTILL_DATA_FLAGS),
+    "target and data": under("target", TARGET_FLAGS + TARGET_LAYOUT_FLAGS)
+    + under("parallel", [LOADING_TIMEOUT_FLAG])
+    + under("data", DISTILL_DATA_FLAGS),
     **SHARED_TRAINING_FLAGS,
 }
 

@@ -367,3 +367,60 @@ def test_the_regeneration_memory_is_a_recipe_setting(tmp_path):
     lines = _run_regenerate(render(cpu, "smollm2_cpu_smoke", "regenerate", str(tmp_path / "run")), tmp_path)
     servers = [line for line in lines if "tools/serve_local.py" in line]
     assert len(servers) == 1 and f"--mem={cpu.stage_resources('regenerate').mem} " in servers[0]
+
+
+# srun's own options (and pyxis's), then the task's command, started here as Slurm starts task 0.
+_STUB_TASK_SRUN = """#!/bin/bash
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NTASKS=1 exec "$@"
+"""
+_STUB_PYTHON = """#!/bin/bash
+env > "$TASK_ENV"
+printf '%s\\n' "$@" > "$TASK_ENV.args"
+"""
+
+
+def _task_environment(script: str, tmp_path: Path) -> tuple[dict[str, str], list[str]]:
+    """Run a rendered distributed job under stub srun / scontrol; the environment and arguments its training
+    process got."""
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", script, re.M).group(1))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", _STUB_TASK_SRUN), ("scontrol", _STUB_SCONTROL), ("python-task", _STUB_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    path, task_env = tmp_path / "job.sbatch", tmp_path / "task.env"
+    path.write_text(script)
+    task_env.unlink(missing_ok=True)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": ",".join(f"node{i}" for i in range(nodes)),
+        "OSPREY_REPO": str(tmp_path),
+        "PYTHON": str(bin_dir / "python-task"),
+        "TASK_ENV": str(task_env),
+    }
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    logs = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
+    assert done.returncode == 0 and task_env.is_file(), done.stdout + done.stderr + logs
+    args = Path(f"{task_env}.args").read_text().splitlines()
+    return dict(line.split("=", 1) for line in task_env.read_text().splitlines() if "=" in line), args
+
+
+GPU_RECIPES = sorted(n for n in RECIPES if get_recipe(n).hardware != "cpu")
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_every_megatron_stage_of_a_gpu_recipe_trains_with_one_cuda_connection(name, tmp_path):
+    # Megatron-Core overlaps tensor-parallel communication with compute only when kernels queue on one
+    # connection: the training process of each Megatron stage must see CUDA_DEVICE_MAX_CONNECTIONS=1.
+    from launcher.render import template_name
+
+    recipe = get_recipe(name)
+    stages = [stage for stage in recipe.chain if template_name(recipe, stage) == "distributed"]
+    assert stages, name
+    for stage in stages:
+        env, args = _task_environment(render(recipe, name, stage, str(tmp_path / "run")), tmp_path)
+        assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", (stage, env)
+        # The training process itself, past srun and the task wrapper: its rank and its stage's module.
+        assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and f"megatron_osprey.stages.{stage}" in args, args

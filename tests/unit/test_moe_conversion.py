@@ -120,9 +120,9 @@ def test_fp8_dequantized_slices_equal_the_full_dequantization(tmp_path):
         assert torch.equal(ckpt.read("w.weight", rows=(127, 129), cols=(5, 200)), full[127:129, 5:200])
 
 
-def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
-    """A synthetic FP8 MiniMax-M2 checkpoint (16x16 blocks, so tiny weights span several) matches HF on the same
-    values."""
+def write_fp8_minimax(tmp_path):
+    """A tiny MiniMax-M2 checkpoint in bf16 and its FP8 copy (16x16 blocks, so tiny weights span several):
+    (hf model, bf16 tensors, dequantized values of the FP8 tensors, the FP8 directory)."""
     from safetensors.torch import load_file, save_file
 
     hf = make_moe_hf_model(minimax_m2_config(layers=2), tmp_path / "bf16")
@@ -147,6 +147,12 @@ def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
         "activation_scheme": "dynamic",
     }
     (fp8_dir / "config.json").write_text(json.dumps(config))
+    return hf, tensors, dequantized, fp8_dir
+
+
+def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
+    """A synthetic FP8 MiniMax-M2 checkpoint matches HF on the same values."""
+    hf, tensors, dequantized, fp8_dir = write_fp8_minimax(tmp_path)
     # The reference: the HF model holding exactly the dequantized values.
     state = dict(tensors, **dequantized)
     with torch.no_grad():
@@ -166,6 +172,58 @@ def test_fp8_block_scaled_minimax_checkpoint_loads_dequantized(tmp_path):
     assert (got - expected).abs().max().item() < 1e-4
     # And the FP8 rounding is visible: the bf16 checkpoint's logits differ.
     assert (megatron_logits(tmp_path / "bf16") - got).abs().max().item() > 1e-4
+
+
+def _fp8_file(tmp_path):
+    from safetensors.torch import save_file
+
+    weight = torch.randn(300, 260, generator=torch.Generator().manual_seed(1))
+    q, scale = quantize_fp8_blocks(weight, 128)
+    save_file({"w.weight": q, "w.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    return dequantize_fp8_blocks(q, scale, (128, 128))  # the CPU float32 path, whole tensor
+
+
+def test_fp8_dequantized_on_a_device_in_the_model_dtype_is_bit_identical_to_the_cpu_path(tmp_path):
+    full = _fp8_file(tmp_path)
+    for dtype in (torch.bfloat16, torch.float32):
+        with SafetensorsCheckpoint(tmp_path, device="cpu", dequantized_dtype=dtype) as ckpt:
+            got = ckpt.read("w.weight", rows=(100, 290), cols=(5, 200))
+        assert got.dtype == dtype and torch.equal(got, full[100:290, 5:200].to(dtype))
+    # "meta" stands in for the GPU: the slice and its scales move there and the product is made there.
+    with SafetensorsCheckpoint(tmp_path, device="meta", dequantized_dtype=torch.bfloat16) as ckpt:
+        on_device = ckpt.read("w.weight", rows=(127, 129))
+    assert (on_device.device.type, on_device.dtype, tuple(on_device.shape)) == ("meta", torch.bfloat16, (2, 260))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_dequantized_on_the_gpu_is_bit_identical_to_the_cpu_path(tmp_path):
+    full = _fp8_file(tmp_path)
+    with SafetensorsCheckpoint(tmp_path, device="cuda", dequantized_dtype=torch.bfloat16) as ckpt:
+        got = ckpt.read("w.weight", rows=(100, 290), cols=(5, 200))
+    assert got.is_cuda and torch.equal(got.cpu(), full[100:290, 5:200].to(torch.bfloat16))
+
+
+def test_the_target_load_dequantizes_fp8_where_the_model_lives_in_its_dtype(tmp_path, monkeypatch):
+    from megatron_osprey.convert import safetensors_io
+
+    _, _, dequantized, fp8_dir = write_fp8_minimax(tmp_path)
+    seen = []
+    real = safetensors_io.dequantize_fp8_blocks
+
+    def spy(weight, scale_inv, *args):
+        out = real(weight, scale_inv, *args)
+        seen.append((weight.device.type, out.device.type, out.dtype))
+        return out
+
+    monkeypatch.setattr(safetensors_io, "dequantize_fp8_blocks", spy)
+    arch = ModelArch.from_hf_config(fp8_dir)
+    with parallel_context(ParallelConfig()) as state:
+        model = build_gpt_model(arch, state.config, perform_initialization=False)
+        model.to(device="meta", dtype=torch.bfloat16)  # "meta" stands in for the rank's GPU
+        load_hf_weights(model, fp8_dir, arch, 0, 1)
+    # Every FP8 tensor of the checkpoint (q/k/v/o and each expert's w1/w2/w3) went through the device path.
+    assert len(seen) == len(dequantized) and set(seen) == {("meta", "meta", torch.bfloat16)}
 
 
 def _real_config(**fields) -> ModelArch:

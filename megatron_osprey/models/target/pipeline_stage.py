@@ -22,7 +22,7 @@ import torch
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.hf_to_megatron import load_hf_weights
 from megatron_osprey.models.backbone.gpt import build_gpt_model
-from megatron_osprey.parallel import ParallelConfig
+from megatron_osprey.parallel import ParallelConfig, loading_window
 
 # Weight bytes the fingerprint reads per safetensors file: SAMPLES windows of WINDOW bytes spread
 # over the file, so a fine-tune of the same shape (new values in every layer) changes it.
@@ -86,22 +86,24 @@ def load_target(
 
     arch = arch or ModelArch.from_hf_config(target_dir)
     last = mpu.is_pipeline_last_stage()
-    # Without the LM head the last stage returns the pre-norm hidden state, which
-    # is all extraction needs: no vocab-sized logits, no final norm or LM head to load.
-    model = build_gpt_model(
-        arch,
-        parallel,
-        transformer_impl=transformer_impl,
-        params_dtype=params_dtype,
-        post_process=last and with_lm_head,
-        perform_initialization=False,
-    )
-    model = model.to(device).eval()
-    for param in model.parameters():
-        param.requires_grad_(False)
-    # Each rank reads (and, for FP8 block-scaled checkpoints, dequantizes) its own slice only: the collective
-    # after the load waits for the slowest rank's share, not a whole load, under the process group's timeout.
-    load_hf_weights(model, target_dir, arch, mpu.get_tensor_model_parallel_rank(), parallel.tensor_model_parallel_size)
+    # Each rank reads (and, for FP8 block-scaled checkpoints, dequantizes on its device) its own slice only, at
+    # its own pace; the ranks then wait for the slowest under --loading-timeout-minutes, not the collective timeout.
+    with loading_window(parallel):
+        # Without the LM head the last stage returns the pre-norm hidden state, which
+        # is all extraction needs: no vocab-sized logits, no final norm or LM head to load.
+        model = build_gpt_model(
+            arch,
+            parallel,
+            transformer_impl=transformer_impl,
+            params_dtype=params_dtype,
+            post_process=last and with_lm_head,
+            perform_initialization=False,
+        )
+        model = model.to(device).eval()
+        for param in model.parameters():
+            param.requires_grad_(False)
+        tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), parallel.tensor_model_parallel_size
+        load_hf_weights(model, target_dir, arch, tp_rank, tp_size)
     return TargetStage(arch, model, parallel, device, params_dtype)
 
 
