@@ -69,9 +69,20 @@ def sweep_settings(config) -> list[dict]:
 NGRAM_AUX_LAYERS = [0, 0, 0]
 
 
+DATA_SUFFIXES = (".jsonl", ".json")
+
+
 def split_names(paths: list[Path]) -> list[str]:
-    """Each split is named by its file stem (``code.jsonl`` -> ``code``); names must be distinct."""
-    names = [Path(p).name.split(".")[0] for p in paths]
+    """Each split is named by its file name less its data suffix (``code.jsonl`` -> ``code``,
+    ``chat.perturbed.jsonl`` -> ``chat.perturbed``); names must be distinct."""
+    names = []
+    for p in paths:
+        name = Path(p).name
+        for suffix in DATA_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                name = name[: -len(suffix)]
+                break
+        names.append(name)
     if len(set(names)) != len(names):
         raise ValueError(f"--data files must have distinct stems (split names), got {names}.")
     return names

@@ -4,6 +4,7 @@ with the real Qwen3 tokenizer, and read by the evaluate stage's prompt loader.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,12 @@ def test_the_command_writes_both_sets_beside_each_other(tmp_path, tokenizer, cap
         main([*args, "--variants", "long_context"])
     with pytest.raises(ValueError, match="--variants shuffled"):
         main([*args, "--variants", "shuffled"])
+
+
+def test_variant_files_are_splits_of_their_own_beside_their_source():
+    from megatron_osprey.eval.run import split_names
+
+    paths = [Path("e/chat.jsonl"), Path("e/chat.perturbed.jsonl"), Path("e/chat.long_context.jsonl"), Path("x.json")]
+    assert split_names(paths) == ["chat", "chat.perturbed", "chat.long_context", "x"]
+    with pytest.raises(ValueError, match="distinct"):
+        split_names([Path("a/chat.jsonl"), Path("b/chat.jsonl")])
