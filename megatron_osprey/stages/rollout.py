@@ -234,12 +234,14 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
     if arch.is_moe and tp > 1:
         raise ValueError("--target-backend megatron rolls out dense targets only at --tensor-model-parallel-size > 1.")
     dtype, output = getattr(torch, config.dtype), Path(config.output)
+    # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
+    drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
+    aux_ids = list(drafter.config.aux_layer_ids)
     with parallel_context(config.parallel) as state:
         if state.rank == 0:
             prepare_output(output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
         torch.distributed.barrier()
-        drafter = _load_drafter(config, arch.vocab_size, state.device, dtype)
-        aux_ids = list(drafter.config.aux_layer_ids)
+        drafter = drafter.to(state.device)
         stage = load_target(
             config.target, state.config, state.device, params_dtype=dtype, with_lm_head=True, transformer_impl="local"
         )

@@ -245,3 +245,24 @@ def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_pa
     assert result.arch.variant == "eagle3" and result.arch.draft_vocab_size == 64
     assert all(torch.isfinite(torch.tensor(entry["loss/train"])) for entry in result.history)
     assert all(entry["ploss/0"] > 0 for entry in result.history)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"target_backend": "vllm"}, "--target-backend must be one of"),
+        ({"parallel": "TP2"}, "--tensor-model-parallel-size shards the Megatron target"),
+    ],
+)
+def test_rollout_bad_backend_flags_name_the_flag(opd, tmp_path, change, message):
+    from megatron_osprey.parallel.config import ParallelConfig
+
+    if change.get("parallel") == "TP2":
+        change = {"parallel": ParallelConfig(tensor_model_parallel_size=2)}
+    config = RolloutConfig(
+        target=str(opd["target"]), drafter=str(opd["sft"]), data_path=str(opd["data"]), output=str(tmp_path / "o")
+    )
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        config.validate()
