@@ -57,6 +57,8 @@ def megatron_run_config(root: Path) -> dict:
 @torch.no_grad()
 def load_megatron_drafter(root: Path) -> LoadedDrafter:
     """Load a Megatron drafter checkpoint (TP=1 here; dist checkpoints reshard) into a ReferenceDrafter."""
+    from megatron.core import parallel_state as mpu
+
     from megatron_osprey.models.drafter.convert import reference_state
     from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_model
     from megatron_osprey.parallel import ParallelConfig, parallel_context
@@ -69,7 +71,8 @@ def load_megatron_drafter(root: Path) -> LoadedDrafter:
             arch, state.config, params_dtype=arch.body.torch_dtype_obj(), perform_initialization=False
         )
         load_model_weights(root, model)
-        state_dict = reference_state(model)
+        # Its own TP group (one rank): under torchrun the default group's other ranks are replicas, not shards.
+        state_dict = reference_state(model, mpu.get_tensor_model_parallel_group())
     drafter = ReferenceDrafter(arch.reference_config())
     drafter.to(state_dict["embed_tokens.weight"].dtype)
     drafter.load_state_dict(state_dict, strict=True)

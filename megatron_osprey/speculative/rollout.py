@@ -10,7 +10,13 @@ verify round gives (data/hidden_state_store/rollout.py has the store layout):
 * how many drafts the target accepted (the greedy chain rule: the leading drafts equal to its argmax).
 
 It wraps the engine's target (a TargetModel), so the engine itself is unchanged: `speculative_generate`
-drives the recording target exactly as it drives the plain one.
+drives the recording target exactly as it drives the plain one; any TargetModel serves (the HF model, or the
+Megatron-Core one on a rank or a tensor-parallel group).
+
+Each round already records the target on the drafter's own proposals, accepted and rejected: positions past
+the rejection lie along the rejected draft. The next live round drafts from just after the correction token.
+What no live round shows is the drafter re-drafting the rejected position itself from the verified prefix
+(with the target's features of the accepted drafts instead of its own): replay_rejections adds that round.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from megatron_osprey.models.target.decoding import TargetModel
 from .config import SpecConfig, SpecResult
 from .draft_session import DraftSession
 from .generate import speculative_generate
+from .tree import build_draft
 
 
 class RecordingTarget(TargetModel):
@@ -48,19 +55,7 @@ class RecordingTarget(TargetModel):
             raise ValueError("the rollout records chains only (SpecConfig.topk == 1).")
         root = self.target.cache_length  # x_root = tokens[0], the last verified token
         logits, aux = self.target.verify(tokens, depths, allowed)
-        drafts = tokens[1:].cpu()
-        probs = torch.softmax(logits[:-1].double(), dim=-1)  # position j: after the root and d_1..d_j
-        top = torch.topk(probs, self.top_k, dim=-1)
-        agree = (torch.argmax(logits[:-1], dim=-1).cpu() == drafts).long()
-        self.rounds.append(
-            {
-                "root_row": root - 1,
-                "accepted": int(agree.cumprod(0).sum()),
-                "draft_tokens": drafts,
-                "topk_ids": top.indices.cpu(),
-                "topk_probs": top.values.float().cpu(),
-            }
-        )
+        self.rounds.append(round_record(root - 1, tokens, logits, self.top_k))
         return logits, aux
 
     def commit(self, keep: list[int]) -> None:
@@ -70,21 +65,36 @@ class RecordingTarget(TargetModel):
             )
         self.target.commit(keep)
 
-    def recorded(self) -> RolloutRounds:
-        """The rounds since the last prefill."""
-        if not self.rounds:  # the first token ended the generation
-            k, steps = self.top_k, self.steps
-            empty = torch.zeros(0, dtype=torch.long)
-            return RolloutRounds(
-                empty, empty, empty.reshape(0, steps), empty.reshape(0, steps, k), torch.zeros(0, steps, k)
-            )
+
+def round_record(root_row: int, tokens: torch.Tensor, logits: torch.Tensor, top_k: int) -> dict:
+    """One chain verify round: tokens [root, d_1..d_K], the target's logits [K + 1, V] over them."""
+    drafts = tokens[1:].cpu()
+    probs = torch.softmax(logits[:-1].double(), dim=-1)  # position j: after the root and d_1..d_j
+    top = torch.topk(probs, top_k, dim=-1)
+    agree = (torch.argmax(logits[:-1], dim=-1).cpu() == drafts).long()
+    return {
+        "root_row": root_row,
+        "accepted": int(agree.cumprod(0).sum()),
+        "draft_tokens": drafts,
+        "topk_ids": top.indices.cpu(),
+        "topk_probs": top.values.float().cpu(),
+    }
+
+
+def stack_rounds(records: list[dict], steps: int, top_k: int) -> RolloutRounds:
+    """RolloutRounds of round_record()s, in their order (none: empty tensors of the right shapes)."""
+    if not records:
+        empty = torch.zeros(0, dtype=torch.long)
         return RolloutRounds(
-            root_rows=torch.tensor([r["root_row"] for r in self.rounds]),
-            accepted=torch.tensor([r["accepted"] for r in self.rounds]),
-            draft_tokens=torch.stack([r["draft_tokens"] for r in self.rounds]),
-            topk_ids=torch.stack([r["topk_ids"] for r in self.rounds]),
-            topk_probs=torch.stack([r["topk_probs"] for r in self.rounds]),
+            empty, empty, empty.reshape(0, steps), empty.reshape(0, steps, top_k), torch.zeros(0, steps, top_k)
         )
+    return RolloutRounds(
+        root_rows=torch.tensor([r["root_row"] for r in records]),
+        accepted=torch.tensor([r["accepted"] for r in records]),
+        draft_tokens=torch.stack([r["draft_tokens"] for r in records]),
+        topk_ids=torch.stack([r["topk_ids"] for r in records]),
+        topk_probs=torch.stack([r["topk_probs"] for r in records]),
+    )
 
 
 @dataclasses.dataclass
@@ -93,12 +103,21 @@ class Rollout:
 
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool: the continuation
-    rounds: RolloutRounds
+    rounds: RolloutRounds  # the live rounds and the replays, by root row
     result: SpecResult
+    replays: int = 0  # rounds replayed from a rejection position
 
 
-def rollout(target: TargetModel, drafter: DraftSession, prompt_ids: torch.Tensor, cfg: SpecConfig, top_k: int):
-    """Greedy chain speculative decoding of one prompt, recording its verify rounds; a Rollout."""
+def rollout(
+    target: TargetModel,
+    drafter: DraftSession,
+    prompt_ids: torch.Tensor,
+    cfg: SpecConfig,
+    top_k: int,
+    replay: bool = True,
+):
+    """Greedy chain speculative decoding of one prompt, recording its verify rounds (and, with `replay`, a
+    round replayed from each rejection position: replay_rejections); a Rollout."""
     if cfg.topk != 1 or cfg.temperature != 0:
         raise ValueError("the rollout is greedy chain decoding: SpecConfig(topk=1, temperature=0).")
     recording = RecordingTarget(target, top_k, cfg.steps)
@@ -106,7 +125,61 @@ def rollout(target: TargetModel, drafter: DraftSession, prompt_ids: torch.Tensor
     result = speculative_generate(recording, drafter, prompt_ids, cfg)
     input_ids = torch.cat([prompt_ids, torch.tensor(result.tokens, dtype=torch.long)])
     loss_mask = torch.arange(input_ids.numel()) >= prompt_ids.numel()
-    return Rollout(input_ids, loss_mask, recording.recorded(), result)
+    live = recording.rounds
+    replayed = replay_rejections(target, drafter, input_ids, prompt_ids.numel(), live, cfg, top_k) if replay else []
+    merged = sorted(live + replayed, key=lambda r: r["root_row"])
+    return Rollout(input_ids, loss_mask, stack_rounds(merged, cfg.steps, top_k), result, len(replayed))
+
+
+def rejection_rows(live: list[dict], steps: int, num_tokens: int) -> list[int]:
+    """The root rows of the replays: t + a for each live round (root row t) whose draft d_{a+1} was rejected
+    after a >= 1 accepted drafts (a = 0: the round itself drafted from there), inside the sequence."""
+    rows = [r["root_row"] + r["accepted"] for r in live if 0 < r["accepted"] < steps]
+    return [q for q in rows if q + 1 < num_tokens]
+
+
+@torch.no_grad()
+def replay_rejections(
+    target: TargetModel, drafter: DraftSession, input_ids: torch.Tensor, prompt_length: int, live, cfg, top_k: int
+) -> list[dict]:
+    """Draft again from each rejection position, now from the verified prefix, and record the target on it.
+
+    Live round r (root row t, x_0..x_n verified, n = t + 1) drafted d_1..d_K; the target accepted a of them and
+    rejected d_{a+1}, which the drafter proposed from its own states for d_1..d_a. The replay is the round
+    the engine would run with x_0..x_n, d_1..d_a verified: root row t + a, the drafter reading the target's
+    features of d_1..d_a, its fresh chain e_1..e_K, and the target's distribution after each e_1..e_j (step 0:
+    the rejected position itself). One pass over the sequence: the target's cache and the draft session
+    advance over the verified tokens, so the replays of a sample cost one target forward over it plus one
+    chain verify each. Returns round_record()s (root rows increasing, each strictly between two live roots).
+    """
+    ids = input_ids.long().cpu()
+    rows, records = rejection_rows(live, cfg.steps, ids.numel()), []
+    if not rows:
+        return records
+    _, aux = target.prefill(ids[:prompt_length])
+    cached, drafted, pending = prompt_length, 0, [aux]  # target cache x_0..x_{cached-1}; drafter rows < drafted
+    generator = torch.Generator().manual_seed(cfg.seed)
+    for q in rows:
+        if q + 1 > cached:  # the verified tokens up to x_q join the target's cache, their features the drafter's
+            n = q + 1 - cached
+            _, aux = target.verify(ids[cached : q + 1], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+            target.commit(list(range(n)))
+            pending.append(aux)
+            cached = q + 1
+        features = torch.cat(pending)
+        if drafted == 0:
+            root_logits = drafter.start(ids[: q + 1], int(ids[q + 1]), features)
+        else:
+            root_logits = drafter.extend(ids[drafted + 1 : q + 2], features)
+        drafted = q + 1
+        tree = build_draft(drafter, root_logits, cfg, generator)
+        drafter.end_round()
+        tokens, depths, allowed = tree.verify_inputs(int(ids[q + 1]))
+        logits, aux = target.verify(tokens, depths, allowed)
+        records.append(round_record(q, tokens, logits, top_k))
+        target.commit([0])  # x_{q+1}: the next replay lies at least two rows on
+        cached, pending = q + 2, [aux[:1]]
+    return records
 
 
 @torch.no_grad()
@@ -125,6 +198,21 @@ def target_states(model, input_ids: torch.Tensor, aux_layer_ids: list[int]) -> t
         handle.remove()
     aux = torch.cat([out.hidden_states[i + 1][0] for i in aux_layer_ids], dim=-1)
     return aux, captured["final"].reshape(input_ids.numel(), -1)
+
+
+@torch.no_grad()
+def megatron_target_states(target, input_ids: torch.Tensor, final_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_states for a MegatronTargetModel (one rank or a tensor-parallel group): one causal forward over
+    `input_ids` [T]; the final state is decoder layer `final_layer`'s output (the last layer, before the norm)."""
+    from megatron_osprey.models.target.pipeline_stage import LayerCapture
+
+    capture = LayerCapture(target.model, [final_layer])
+    try:
+        _, aux = target.prefill(input_ids)
+        final = capture.outputs[final_layer][:, 0]
+    finally:
+        capture.remove()
+    return aux, final.reshape(input_ids.numel(), -1)
 
 
 @torch.no_grad()

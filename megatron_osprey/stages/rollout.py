@@ -2,28 +2,38 @@
 
     python -m megatron_osprey.stages.rollout --target TARGET_DIR --drafter DISTILL_SAVE_DIR \\
         --data CONVERSATIONS.jsonl --output ROLLOUT_STORE [--steps 5] [--top-k 32] [--max-new-tokens 256] [--limit N]
+        [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
+    torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ... --target-backend megatron \\
+        --tensor-model-parallel-size T   (N / T data-parallel replicas, each rolling out its slice of the prompts)
 
-Greedy chain speculative decoding through the reference engine (speculative/rollout.py): the continuation is the
-target's own, verified output. ROLLOUT_STORE is a hidden-state store (the extract stage's format) with the
-rollout feature: each sample is one prompt plus its verified continuation (loss mask on the continuation), the
-target's aux and final hidden states over it, and its verify rounds: the root row, the drafted tokens, the
-number accepted (the rejection position) and the target's top-k probabilities at every drafted position
-(data/hidden_state_store/rollout.py). `distill --mode on-policy --hidden-states ROLLOUT_STORE` trains on it;
-rollout -> train rounds can repeat with the new checkpoint as --drafter.
+Greedy chain speculative decoding through the reference engine (speculative/rollout.py) with the HF target
+(--target-backend hf, one process) or the Megatron-Core target (megatron: the evaluate stage's exact-recompute
+target, sharded over a tensor-parallel group); the continuation is the target's own, verified output.
+ROLLOUT_STORE is a hidden-state store (the extract stage's format) with the rollout feature: each sample is one
+prompt plus its verified continuation (loss mask on the continuation), the target's aux and final hidden states
+over it, and its verify rounds: the root row, the drafted tokens, the number accepted (the rejection position)
+and the target's top-k probabilities at every drafted position (data/hidden_state_store/rollout.py). Unless
+--no-replay, each round rejected after a >= 1 accepted drafts adds a replayed round from its rejection position
+(root row t + a, drafted from the verified prefix). As the extract stage, one writer per data-parallel replica
+(its tensor-parallel rank 0) writes its slice; rank 0 finalizes. `distill --mode on-policy --hidden-states
+ROLLOUT_STORE` trains on it; rollout -> train rounds can repeat with the new checkpoint as --drafter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_output, prepare_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
-from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
-from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
+from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
+from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
+from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
+TARGET_BACKENDS = ("hf", "megatron")
 
 
 @dataclasses.dataclass
@@ -42,6 +52,9 @@ class RolloutConfig:
     enable_thinking: bool | None = None
     dtype: str = "float32"
     samples_per_shard: int = 64
+    replay: bool = True  # a round replayed from each rejection position
+    target_backend: str = "hf"  # or "megatron": the Megatron-Core target (tensor-parallel under torchrun)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     overwrite: bool = False
 
     def validate(self) -> None:
@@ -66,6 +79,10 @@ class RolloutConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}.")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"--dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}.")
+        if self.target_backend not in TARGET_BACKENDS:
+            raise ValueError(f"--target-backend must be one of {TARGET_BACKENDS}, got {self.target_backend!r}.")
+        if self.target_backend == "hf" and self.parallel.tensor_model_parallel_size != 1:
+            raise ValueError("--tensor-model-parallel-size shards the Megatron target: add --target-backend megatron.")
         check_output(self.output, self.paths_read(), PROVENANCE_FILE, self.overwrite, stage="rollout")
 
     def paths_read(self) -> dict[str, str | None]:
@@ -86,74 +103,188 @@ FLAGS = {
         Flag("--enable-thinking", "enable_thinking", {"type": boolean, "metavar": "true|false"}),
         Flag("--dtype", "dtype", {"choices": list(ROLLOUT_DTYPES)}),
         Flag("--samples-per-shard", "samples_per_shard", {"type": int}),
+        Flag(
+            "--no-replay",
+            "replay",
+            {"action": "store_false", "help": "record the live rounds only (no replays from rejection positions)"},
+        ),
+        Flag(
+            "--target-backend",
+            "target_backend",
+            {"choices": list(TARGET_BACKENDS), "help": "HF model (default) or Megatron-Core (tensor-parallel)"},
+        ),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace this stage's earlier output in --output"}),
-    ]
+    ],
+    "distributed": under("parallel", [f for f in PARALLEL_FLAGS if f.flag == "--tensor-model-parallel-size"]),
 }
 
 
-def _load(config: RolloutConfig):
-    """(HF target model, tokenizer, the drafter as a ReferenceDrafter on the target's device and dtype)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _load_drafter(config: RolloutConfig, vocab_size: int, device, dtype):
+    """The drafter as a ReferenceDrafter on the target's device and dtype, checked against the target's vocab."""
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.models.drafter.reference import ReferenceDrafter
 
     loaded = load_drafter(config.drafter, "--drafter")
     if not isinstance(loaded.drafter, ReferenceDrafter):
         raise ValueError(f"--drafter {config.drafter} is a {loaded.source} drafter; the rollout trains a neural one.")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype).to(device).eval()
-    if loaded.drafter.config.vocab_size != model.config.vocab_size:
+    if loaded.drafter.config.vocab_size != vocab_size:
         raise ValueError(
             f"--drafter {config.drafter} drafts over {loaded.drafter.config.vocab_size} tokens, --target "
-            f"{config.target} has {model.config.vocab_size}: it was adapted to another target."
+            f"{config.target} has {vocab_size}: it was adapted to another target."
         )
-    return model, AutoTokenizer.from_pretrained(config.target), loaded.drafter.to(device=device, dtype=dtype)
+    return loaded.drafter.to(device=device, dtype=dtype)
 
 
-def run(config: RolloutConfig, invocation: Invocation = Invocation("rollout")):
-    """Roll out every prompt and write the finalized rollout store; returns the SpecResults."""
-    from megatron_osprey.base.arch import ModelArch
-    from megatron_osprey.data.hidden_state_store import HiddenStateWriter, finalize_store
-    from megatron_osprey.eval.prompts import load_prompts
+def _spec(config: RolloutConfig):
+    """Greedy chains of --steps drafts, up to --max-new-tokens, stopping at the target's EOS tokens."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from megatron_osprey.speculative import SpecConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(config.target).eos_token_id
+    except OSError:  # no generation_config.json: HF's model takes it from config.json
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.target)).eos_token_id
+    eos = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return SpecConfig(steps=config.steps, max_new_tokens=config.max_new_tokens, eos_token_ids=eos)
+
+
+@dataclasses.dataclass
+class RolloutRun:
+    """This rank's rollout: each prompt's SpecResult and how many rounds it replayed from rejection positions."""
+
+    results: list
+    replays: list[int]
+
+
+def _roll_out(config: RolloutConfig, target, states, drafter, prompts, writer) -> RolloutRun:
+    """Roll out `prompts` (target: a TargetModel; states(ids) -> (aux, final)); `writer` (or None) stores them."""
+    from megatron_osprey.speculative import ReferenceDraftSession
+    from megatron_osprey.speculative.rollout import rollout
+
+    spec, session, run = _spec(config), ReferenceDraftSession(drafter), RolloutRun([], [])
+    top_k = min(config.top_k, target.vocab_size)
+    for prompt in prompts:
+        done = rollout(target, session, prompt.input_ids, spec, top_k, replay=config.replay)
+        aux, final = states(done.input_ids)
+        if writer is not None:
+            writer.add(prompt.id, done.input_ids, done.loss_mask, aux.float(), final.float(), rollout=done.rounds)
+        run.results.append(done.result)
+        run.replays.append(done.replays)
+    return run
+
+
+def _open_writer(config: RolloutConfig, output: Path, arch, aux_ids: list[int], rank: int = 0, world_size: int = 1):
+    from megatron_osprey.data.hidden_state_store import HiddenStateWriter
     from megatron_osprey.models.target.pipeline_stage import target_identity
-    from megatron_osprey.speculative import HFTargetModel, ReferenceDraftSession, SpecConfig
-    from megatron_osprey.speculative.rollout import rollout, target_states
 
-    config.validate()
-    inputs = check_inputs({"target": config.target, "conversations": config.data_path})
-    model, tokenizer, drafter = _load(config)
-    aux_ids = list(drafter.config.aux_layer_ids)
-    prompts = load_prompts(config.data_path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
-    target_id, config_hash = target_identity(ModelArch.from_hf_config(config.target), config.target)
-    output = prepare_output(config.output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    spec = SpecConfig(
-        steps=config.steps,
-        max_new_tokens=config.max_new_tokens,
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-    )
-    target, session, results = HFTargetModel(model, aux_ids), ReferenceDraftSession(drafter), []
-    writer = HiddenStateWriter(
+    target_id, config_hash = target_identity(arch, config.target)
+    return HiddenStateWriter(
         output,
         target_id=target_id,
         config_hash=config_hash,
         aux_layer_ids=aux_ids,
-        hidden_size=model.config.hidden_size,
+        hidden_size=arch.hidden_size,
         samples_per_shard=config.samples_per_shard,
         rollout_steps=config.steps,
-        rollout_top_k=min(config.top_k, model.config.vocab_size),
+        rollout_top_k=min(config.top_k, arch.vocab_size),
+        rank=rank,
+        world_size=world_size,
     )
-    with writer:
-        for prompt in prompts:
-            done = rollout(target, session, prompt.input_ids, spec, writer.header.rollout_top_k)
-            aux, final = target_states(model, done.input_ids, aux_ids)
-            writer.add(prompt.id, done.input_ids, done.loss_mask, aux.float(), final.float(), rollout=done.rounds)
-            results.append(done.result)
+
+
+def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
+    """One process, the HF target."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_osprey.data.hidden_state_store import finalize_store
+    from megatron_osprey.speculative import HFTargetModel
+    from megatron_osprey.speculative.rollout import target_states
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, config.dtype)
+    model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype).to(device).eval()
+    drafter = _load_drafter(config, model.config.vocab_size, device, dtype)
+    aux_ids = list(drafter.config.aux_layer_ids)
+    prompts = prompts_of()
+    output = prepare_output(config.output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
+    target = HFTargetModel(model, aux_ids)
+    with _open_writer(config, output, arch, aux_ids) as writer:
+        results = _roll_out(config, target, lambda ids: target_states(model, ids, aux_ids), drafter, prompts, writer)
     finalize_store(output)
-    invocation.record(output, config, inputs, {"store": output / "manifest.json"})
+    return results, output
+
+
+def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
+    """Every rank of the job: the Megatron-Core target over each tensor-parallel group, one writer per
+    data-parallel replica (tensor-parallel rank 0) on its contiguous slice of the prompts; rank 0 finalizes."""
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    from megatron_osprey.data.extract import contiguous_slice
+    from megatron_osprey.data.hidden_state_store import finalize_store
+    from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
+    from megatron_osprey.models.target.pipeline_stage import load_target
+    from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.speculative.rollout import megatron_target_states
+
+    tp = config.parallel.tensor_model_parallel_size
+    arch.validate_parallel(tp, 1, 1)
+    if arch.is_moe and tp > 1:
+        raise ValueError("--target-backend megatron rolls out dense targets only at --tensor-model-parallel-size > 1.")
+    dtype, output = getattr(torch, config.dtype), Path(config.output)
+    # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
+    drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
+    aux_ids = list(drafter.config.aux_layer_ids)
+    with parallel_context(config.parallel) as state:
+        if state.rank == 0:
+            prepare_output(output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
+        torch.distributed.barrier()
+        drafter = drafter.to(state.device)
+        stage = load_target(
+            config.target, state.config, state.device, params_dtype=dtype, with_lm_head=True, transformer_impl="local"
+        )
+        target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size)
+        dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        prompts = prompts_of()
+        mine = [prompts[i] for i in contiguous_slice(len(prompts), dp_rank, dp_size)]
+        is_writer = mpu.get_tensor_model_parallel_rank() == 0
+        writer = _open_writer(config, output, arch, aux_ids, dp_rank, dp_size) if is_writer else None
+        states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
+        with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
+            results = _roll_out(config, target, states, drafter, mine, writer)
+        target.capture.remove()
+        torch.distributed.barrier()
+        if state.rank == 0:
+            finalize_store(output)
+        torch.distributed.barrier()
+    return results, output
+
+
+def run(config: RolloutConfig, invocation: Invocation = Invocation("rollout")):
+    """Roll out every prompt (this rank's share under torchrun) and write the finalized rollout store; returns
+    this rank's RolloutRun."""
+    from transformers import AutoTokenizer
+
+    from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.eval.prompts import load_prompts
+
+    config.validate()
+    rank0 = is_rank0()
+    inputs = check_inputs({"target": config.target, "conversations": config.data_path}) if rank0 else {}
+    arch = ModelArch.from_hf_config(config.target)
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+
+    def prompts_of():
+        return load_prompts(config.data_path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
+
+    if config.target_backend == "megatron":
+        results, output = _run_megatron(config, arch, prompts_of)
+    else:
+        results, output = _run_hf(config, arch, prompts_of)
+    if rank0:
+        invocation.record(output, config, inputs, {"store": output / "manifest.json"})
     return results
 
 
@@ -164,11 +295,14 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
     def roll_and_report() -> None:
         from megatron_osprey.speculative import acceptance_summary
 
-        summary = acceptance_summary(run(config, invocation))
-        print(
-            f"rollout: {summary['requests']} prompts, {summary['verify_count']} verify rounds stored, mean acceptance "
-            f"length {summary['mean_acceptance_length']:.2f} -> {config.output}"
-        )
+        done = run(config, invocation)
+        summary = acceptance_summary(done.results)
+        if is_rank0():  # under torchrun: rank 0's share
+            print(
+                f"rollout: {summary['requests']} prompts, {summary['verify_count']} verify rounds and "
+                f"{sum(done.replays)} replays stored, mean acceptance length "
+                f"{summary['mean_acceptance_length']:.2f} -> {config.output}"
+            )
 
     return exit_code(roll_and_report)
 

@@ -53,7 +53,7 @@ def test_recorded_target_distributions_equal_a_fresh_target_forward(opd):
     for i in range(len(store)):
         sample = store[i]
         rounds = sample["rollout"]
-        assert len(rounds) == opd["results"][i].verify_count
+        assert len(rounds) == opd["results"].results[i].verify_count + opd["results"].replays[i]
         for r in range(len(rounds)):
             fresh = fresh_target_distributions(model, sample["input_ids"], rounds, r)  # [K, V] float64
             top = torch.topk(fresh, TOP_K, dim=-1)
@@ -67,6 +67,62 @@ def test_recorded_target_distributions_equal_a_fresh_target_forward(opd):
     # float32 logits from an incremental KV cache against one fresh float32 forward
     assert worst < 1e-5, worst
     assert rounds_seen > 8 and rejected > 0  # the drafter is imperfect: there are rejections to learn from
+
+
+def _live_and_replayed(rounds, prompt_length: int) -> tuple[list[int], list[int]]:
+    """Indices of the live rounds (the first roots at the prompt's last row, each next one at t + a + 1) and
+    of the others (the replays)."""
+    live, replayed, expect = [], [], prompt_length - 1
+    for r in range(len(rounds)):
+        if int(rounds.root_rows[r]) == expect:
+            live.append(r)
+            expect = int(rounds.root_rows[r] + rounds.accepted[r]) + 1
+        else:
+            replayed.append(r)
+    return live, replayed
+
+
+def test_replays_redraft_each_rejection_position_from_the_verified_prefix(opd):
+    """A live round rejected after a >= 1 accepted drafts gets one replay at root row t + a: its first step
+    scores the rejected position again (the live round's distribution there), its drafts are the drafter's
+    own chain from the verified prefix with the target's features (a fresh session and a fresh target forward)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_osprey.eval.loading import load_drafter
+    from megatron_osprey.speculative import ReferenceDraftSession
+    from megatron_osprey.speculative.rollout import target_states
+
+    model = AutoModelForCausalLM.from_pretrained(str(opd["target"]), dtype=torch.float32).eval()
+    drafter = load_drafter(str(opd["sft"]), "--drafter").drafter.float()
+    aux_ids = list(drafter.config.aux_layer_ids)
+    store = HiddenStateStore(opd["store"])
+    replays = worst = 0
+    for i in range(len(store)):
+        sample = store[i]
+        ids, rounds = sample["input_ids"], sample["rollout"]
+        live, replayed = _live_and_replayed(rounds, int((~sample["loss_mask"]).sum()))
+        assert len(live) == opd["results"].results[i].verify_count and len(replayed) == opd["results"].replays[i]
+        expected = {
+            int(rounds.root_rows[r] + rounds.accepted[r]): r
+            for r in live
+            if 0 < int(rounds.accepted[r]) < STEPS and int(rounds.root_rows[r] + rounds.accepted[r]) + 1 < ids.numel()
+        }
+        assert [int(rounds.root_rows[r]) for r in replayed] == sorted(expected)
+        for r in replayed:
+            q, origin = int(rounds.root_rows[r]), expected[int(rounds.root_rows[r])]
+            a = int(rounds.accepted[origin])
+            assert torch.equal(rounds.topk_ids[r, 0], rounds.topk_ids[origin, a])
+            worst = max(worst, float((rounds.topk_probs[r, 0] - rounds.topk_probs[origin, a]).abs().max()))
+            session = ReferenceDraftSession(drafter)
+            aux, _ = target_states(model, ids[: q + 1], aux_ids)
+            logits, chain = session.start(ids[: q + 1], int(ids[q + 1]), aux), []
+            for _ in range(STEPS):
+                chain.append(int(logits.argmax()))
+                logits = session.expand([len(chain) - 2], torch.tensor([chain[-1]]))[0]
+            assert chain == rounds.draft_tokens[r].tolist()
+            replays += 1
+    assert worst < 1e-5, worst
+    assert replays > 0
 
 
 def test_rollout_sequence_is_the_target_greedy_output_with_its_states(opd):
@@ -189,3 +245,24 @@ def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_pa
     assert result.arch.variant == "eagle3" and result.arch.draft_vocab_size == 64
     assert all(torch.isfinite(torch.tensor(entry["loss/train"])) for entry in result.history)
     assert all(entry["ploss/0"] > 0 for entry in result.history)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"target_backend": "vllm"}, "--target-backend must be one of"),
+        ({"parallel": "TP2"}, "--tensor-model-parallel-size shards the Megatron target"),
+    ],
+)
+def test_rollout_bad_backend_flags_name_the_flag(opd, tmp_path, change, message):
+    from megatron_osprey.parallel.config import ParallelConfig
+
+    if change.get("parallel") == "TP2":
+        change = {"parallel": ParallelConfig(tensor_model_parallel_size=2)}
+    config = RolloutConfig(
+        target=str(opd["target"]), drafter=str(opd["sft"]), data_path=str(opd["data"]), output=str(tmp_path / "o")
+    )
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        config.validate()

@@ -21,7 +21,8 @@ from megatron_osprey.models.target.decoding import TargetModel
 
 
 class MegatronTargetModel(TargetModel):
-    """TargetModel over a single-rank Megatron-Core GPTModel (with its LM head) and layer hooks."""
+    """TargetModel over a Megatron-Core GPTModel (with its LM head) and layer hooks: one rank, or one
+    tensor-parallel group (no sequence or pipeline parallelism), where every rank gets the full logits."""
 
     def __init__(self, model, aux_layer_ids: list[int], vocab_size: int):
         from megatron_osprey.models.target.pipeline_stage import LayerCapture
@@ -32,6 +33,12 @@ class MegatronTargetModel(TargetModel):
         self.capture = LayerCapture(model, self.aux_layer_ids)
         self._committed = torch.zeros(0, dtype=torch.long)
         self._pending: torch.Tensor | None = None
+        self.tp_size = 1
+        if torch.distributed.is_initialized():
+            from megatron.core import parallel_state as mpu
+
+            if mpu.model_parallel_is_initialized():
+                self.tp_size = mpu.get_tensor_model_parallel_world_size()
 
     @classmethod
     @contextlib.contextmanager
@@ -66,6 +73,10 @@ class MegatronTargetModel(TargetModel):
         hidden = model.decoder(hidden_states=hidden, attention_mask=~visible[None, None], rotary_pos_emb=rotary)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(hidden, weight=weight)
+        if self.tp_size > 1:  # each tensor-parallel rank holds a vocabulary slice: every rank gets all of it
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
         aux = torch.cat([self.capture.outputs[i][-new:, 0] for i in self.aux_layer_ids], dim=-1)
         self.capture.clear()
         return logits[-new:, 0, : self.vocab_size].float(), aux.float()

@@ -1,0 +1,89 @@
+"""Run under `torchrun --nproc_per_node=2`: the Draft-OPD rollout on the Megatron target at TP=2 and at DP=2 (two
+writers) against the single-process HF rollout (REFERENCE, written by the pytest process with the same settings).
+
+argv: WORK RESULT TARGET DRAFTER DATA REFERENCE. Rank 0 writes a JSON of measured figures to RESULT.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.data.hidden_state_store import HiddenStateStore
+from megatron_osprey.parallel import ParallelConfig
+from megatron_osprey.stages.rollout import RolloutConfig, run
+from tests.store_quanta import error_in_quanta
+
+STEPS, TOP_K, LIMIT = 3, 16, 6
+LAYOUTS = {"tp2": ParallelConfig(tensor_model_parallel_size=2), "dp2": ParallelConfig()}
+
+
+def compare(reference: HiddenStateStore, store: HiddenStateStore, label: str) -> dict:
+    """Equal tokens and rounds (ids, drafts, accepted counts, top-k ids); the largest float differences."""
+    figures = {f"{label}_samples": len(store), f"{label}_writers": len(store.manifest["writers"])}
+    exact, rounds, probs, states = True, 0, 0.0, 0.0
+    by_id = {store[i]["sample_id"]: store[i] for i in range(len(store))}
+    for i in range(len(reference)):
+        want = reference[i]
+        got = by_id[want["sample_id"]]
+        a, b = want["rollout"], got["rollout"]
+        exact &= torch.equal(want["input_ids"], got["input_ids"]) and len(a) == len(b)
+        if not exact:
+            break
+        for name in ("root_rows", "accepted", "draft_tokens", "topk_ids"):
+            exact &= torch.equal(getattr(a, name), getattr(b, name))
+        probs = max(probs, float((a.topk_probs - b.topk_probs).abs().max()))
+        groups = len(reference.header.aux_layer_ids)
+        for name, k in (("aux_hidden", groups), ("final_hidden", 1)):  # both stores round to bf16
+            states = max(states, error_in_quanta(got[name], want[name], reference.header.encoding, k))
+        rounds += len(a)
+    figures |= {f"{label}_exact": bool(exact), f"{label}_rounds": rounds}
+    figures |= {f"{label}_probs_max_abs": probs, f"{label}_states_quanta": states}
+    return figures
+
+
+def rollout_config(target: str, drafter: str, data: str, output: Path, **changes) -> RolloutConfig:
+    """The settings of both the HF reference and the Megatron rollouts."""
+    return RolloutConfig(
+        target=target,
+        drafter=drafter,
+        data_path=data,
+        output=str(output),
+        steps=STEPS,
+        top_k=TOP_K,
+        max_new_tokens=20,
+        limit=LIMIT,
+        samples_per_shard=2,
+        **changes,
+    )
+
+
+def main(work: Path, result_path: Path, target: str, drafter: str, data: str, reference: str) -> None:
+    rank, results = torch.distributed.get_rank(), {}
+    for label, layout in LAYOUTS.items():
+        config = rollout_config(target, drafter, data, work / label, target_backend="megatron", parallel=layout)
+        results[f"{label}_rank{rank}_prompts"] = len(run(config).results)
+    gathered = [None, None]
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        reference = HiddenStateStore(reference, dtype=torch.float32)
+        merged["hf_samples"] = len(reference)
+        merged["hf_rounds"] = sum(len(reference[i]["rollout"]) for i in range(len(reference)))
+        merged["hf_rejected_after_accepting"] = sum(
+            int(((s["rollout"].accepted > 0) & (s["rollout"].accepted < STEPS)).sum()) for s in reference
+        )
+        for label in LAYOUTS:
+            merged |= compare(reference, HiddenStateStore(work / label, dtype=torch.float32), label)
+        result_path.write_text(json.dumps(merged, indent=2))
+
+
+if __name__ == "__main__":
+    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
+    try:
+        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:7])
+    finally:
+        torch.distributed.destroy_process_group()

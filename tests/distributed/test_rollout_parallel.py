@@ -1,0 +1,54 @@
+"""The Draft-OPD rollout on the Megatron-Core target at TP=2 and at DP=2 (torchrun, gloo) equals the
+single-process HF rollout: the same tokens, rounds, replays and accepted counts, the same target distributions."""
+
+import pytest
+
+from megatron_osprey.parallel import parallel_context
+from megatron_osprey.stages.rollout import run
+from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
+from megatron_osprey.training.distillation import run_distill
+from tests.distributed.launch import run_torchrun
+from tests.distributed.scripts.check_rollout import rollout_config
+
+pytestmark = pytest.mark.distributed
+LAYOUTS = ["tp2", "dp2"]
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    """An SFT-distilled drafter (so that rounds accept some drafts and reject others), then the torchrun check."""
+    setup = build_distill_setup(tmp_path_factory.mktemp("rollout_setup"))
+    sft = tiny_distill_config(setup, checkpoint__save=str(setup["root"] / "sft"), training__train_iters=20)
+    with parallel_context(sft.parallel) as state:
+        run_distill(sft, state)
+    extra = [str(setup["target"]), str(setup["root"] / "sft"), str(setup["data"]), str(setup["root"] / "hf")]
+    reference = run(rollout_config(*extra[:3], setup["root"] / "hf"))  # one process, the HF target
+    figures = run_torchrun("check_rollout.py", tmp_path_factory.mktemp("rollout"), timeout=400, extra=extra)
+    return figures | {"hf_replays": sum(reference.replays)}
+
+
+def test_the_reference_rollout_has_rejections_and_replays(figures):
+    assert figures["hf_samples"] == 6
+    # rounds rejected after accepting some drafts, and the replays from their rejection positions
+    assert figures["hf_rejected_after_accepting"] > 0 and figures["hf_replays"] > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_rollout_records_the_hf_rollout(figures, layout):
+    print(
+        f"{layout}: {figures[f'{layout}_rounds']} rounds, max |p_megatron - p_hf| "
+        f"{figures[f'{layout}_probs_max_abs']:.2e}, states {figures[f'{layout}_states_quanta']:.2f} bf16 quanta off"
+    )
+    assert figures[f"{layout}_samples"] == figures["hf_samples"]
+    assert figures[f"{layout}_exact"] is True  # tokens, root rows, drafts, accepted counts, top-k ids
+    assert figures[f"{layout}_rounds"] == figures["hf_rounds"]
+    # Measured 6.7e-8 (float32 logits from TP-sharded matmuls against HF's, the same top-16 ids).
+    assert figures[f"{layout}_probs_max_abs"] < 1e-6
+    # Both stores round float32 states to bf16: values ~1e-7 apart round at most one quantum apart (at a tie).
+    assert figures[f"{layout}_states_quanta"] <= 1.0
+
+
+def test_one_writer_per_data_parallel_replica(figures):
+    assert figures["tp2_writers"] == 1 and figures["dp2_writers"] == 2
+    assert figures["tp2_rank0_prompts"] == figures["tp2_rank1_prompts"] == 6  # a TP group rolls out every prompt
+    assert figures["dp2_rank0_prompts"] == figures["dp2_rank1_prompts"] == 3  # each replica its half
