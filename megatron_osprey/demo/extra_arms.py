@@ -122,7 +122,7 @@ def _ngram(steps: StepRunner, output: Path, target: Path, method: str, corpus: P
     name = f"{method}_{domain}"
     path = output / "drafters" / name
     steps.run(
-        f"ngram_{name}",
+        name,
         ["-m", "megatron_osprey.stages.ngram", "--input", corpus, "--tokenizer", target, "--order", str(NGRAM_ORDER)]
         + ["--output", path, "--no-progress", "--overwrite"],
     )

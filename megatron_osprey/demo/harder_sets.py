@@ -48,7 +48,7 @@ def write_task_sets(cfg: DemoConfig, eval_path: Path, out_dir: Path) -> list[Pat
     from megatron_osprey.recipes.cpu import MONOLINGUAL_LANGUAGES
 
     prompts = [(c.id, prompt_messages(c.messages)[0]["content"]) for c in read_conversations(eval_path)]
-    rows = task_rows(prompts, MONOLINGUAL_LANGUAGES, cfg.task_prompts_per_language)
+    rows = task_rows(prompts, MONOLINGUAL_LANGUAGES[: cfg.task_languages], cfg.task_prompts_per_language)
     return [write_jsonl(out_dir / f"{task}.jsonl", rows[task]) for task in TASKS]
 
 

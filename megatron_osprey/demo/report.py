@@ -81,6 +81,8 @@ def draft_vocab_coverage(results: dict, drafters: list[dict]) -> dict:
             outputs[cell["split"]] = [t for r in cell["requests"] for t in r.get("output_ids", [])]
     coverage = {}
     for d in drafters:
+        if d.get("ngram"):  # an n-gram drafter proposes from the whole vocabulary
+            continue
         loaded = load_drafter(Path(d["path"])).drafter
         if loaded.config.draft_vocab_size == loaded.config.vocab_size:
             continue

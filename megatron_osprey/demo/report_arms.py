@@ -169,9 +169,14 @@ def render_arms(arms: dict | None) -> list[str]:
         "Template perturbation, long context, and translation / story prompts into the monolingual corpora's "
         "languages, made from the first training domain's held-out prompts; AL per drafter.",
     )
+    ngram = {k: dict(v, al=dict(v["al"]), draft_us=dict(v["draft_us"])) for k, v in arms["ngram"].items()}
+    for name, entry in arms["ngram_harder"].items():  # one row per drafter: the eval domains, then the harder sets
+        row = ngram.setdefault(name, dict(entry, al={}, draft_us={}))
+        row["al"].update(entry["al"])
+        row["draft_us"].update(entry["draft_us"])
     lines += _table(
         "N-gram drafters (reference engine, batch 1)",
-        {**arms["ngram"], **{f"{k} ": v for k, v in arms["ngram_harder"].items()}},
+        ngram,
         "AL on the eval domains and on the harder sets, and the drafting cost per drafted token.",
         with_cost=True,
     )

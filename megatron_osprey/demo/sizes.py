@@ -35,7 +35,14 @@ class SmallLM:
 
 
 # The fields only the extra arms read (each arm's command carries them, so they need not name the run).
-ARM_FIELDS = ("arms", "long_context_tokens", "task_prompts_per_language", "opd_prompts", "monolingual_iters")
+ARM_FIELDS = (
+    "arms",
+    "long_context_tokens",
+    "task_prompts_per_language",
+    "task_languages",
+    "opd_prompts",
+    "monolingual_iters",
+)
 
 
 @dataclasses.dataclass
@@ -74,6 +81,7 @@ class DemoConfig:
     # a CPU), and translation / story prompts per language of the monolingual corpora.
     long_context_tokens: int = 768
     task_prompts_per_language: int = 2
+    task_languages: int = 5  # the first N languages of the monolingual corpora get translation / story prompts
     opd_prompts: int = 32  # Draft-OPD rollout prompts per training domain (the first of its training prompts)
     monolingual_iters: int = 60  # the monolingual Stage-2 pass, from the Stage-2 backbone
     seed: int = 0  # data order and splits
@@ -101,6 +109,7 @@ class DemoConfig:
             eval_tokens=16,
             long_context_tokens=256,
             task_prompts_per_language=1,
+            task_languages=1,
             opd_prompts=4,
             monolingual_iters=3,
         )

@@ -149,3 +149,35 @@ def test_refuses_a_directory_it_did_not_write(tmp_path):
     with pytest.raises(RuntimeError, match="was not written by the demo"):
         run_demo(DemoConfig.smoke(), tmp_path)
     assert (tmp_path / "precious.txt").read_text() == "keep"
+
+
+def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
+    """Every extra arm added to the finished run: only the new steps run, each arm is evaluated (lossless),
+    compared with its base arm, and the harder sets and n-gram drafters are reported."""
+    from megatron_osprey.data.hidden_state_store import HiddenStateStore
+    from megatron_osprey.demo.extra_arms import OFFLINE_ARMS
+    from megatron_osprey.demo.report_arms import COMPARISONS
+    from megatron_osprey.demo.sizes import EXTRA_ARMS
+
+    output, cfg, _ = demo
+    arms = cfg.with_arms(["all"])
+    report = run_demo(arms, output)
+    printed = capsys.readouterr().out
+    for step in ("pretrain_backbone_target", "regenerate_chat", "extract_chat", "distill_osprey_chat"):
+        assert f"{step}: finished in an earlier run, skipped" in printed
+    neural = set(OFFLINE_ARMS) | {"osprey_opd"}
+    assert set(report["methods"]) == {"osprey", "eagle3"} | neural
+    assert {(r["arm"], r["base"]) for r in report["arms"]["comparisons"]} == {(a, b) for a, b, _ in COMPARISONS}
+    harder = report["arms"]["harder"]
+    assert set(harder) == {f"{m}_chat" for m in neural | {"osprey", "eagle3"}}
+    assert all(set(e["al"]) == {"chat.perturbed", "chat.long_context", "translation", "story"} for e in harder.values())
+    assert set(report["arms"]["ngram"]) == {"ngram_chat", "ngram_monolingual_multilingual"}
+    for name in ("eval", "eval/harder", "eval/ngram", "eval/ngram_harder"):
+        lossless = json.loads((output / name / "results.json").read_text())["lossless"]
+        assert lossless == {"checked": True, "mismatches": []}, name
+    # Draft-OPD trained on recorded rounds of the SFT drafter; the n-gram drafters report their drafting cost.
+    assert len(HiddenStateStore(output / "rollouts" / "osprey_opd_chat")) == arms.opd_prompts
+    assert all(v is not None for e in report["arms"]["ngram"].values() for v in e["draft_us"].values())
+    text = (output / "report.md").read_text()
+    assert "Extra arms against the arm each one changes" in text and "N-gram drafters" in text
+    assert all(EXTRA_ARMS[m] in text for m in neural)
