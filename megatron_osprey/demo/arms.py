@@ -230,18 +230,24 @@ def distill_drafters(
 
 
 def evaluate_drafters(
-    steps: StepRunner, cfg: DemoConfig, target: Path, eval_dir: Path, drafters: list[dict], data: dict
+    steps: StepRunner,
+    cfg: DemoConfig,
+    target: Path,
+    eval_dir: Path,
+    drafters: list[dict],
+    data: dict,
+    name: str = "eval",
 ) -> None:
-    """The train x eval acceptance-length matrix into `eval_dir` (one step, or one per seed merged), and with
-    `eval_replay` the live, lossless-checked decoding of seed 0 on a few prompts per domain."""
+    """The train x eval acceptance-length matrix into `eval_dir` (one step `name`, or one per seed merged), and
+    with `eval_replay` the live, lossless-checked decoding of seed 0 on a few prompts per domain."""
     if len(cfg.seeds) == 1 and not cfg.eval_replay:
-        steps.run("eval", eval_argv(cfg, target, eval_dir, drafters, data))
+        steps.run(name, eval_argv(cfg, target, eval_dir, drafters, data))
     else:  # one resumable step per seed, merged into one results.json
         from megatron_osprey.eval.run import merge_results
 
         for seed in cfg.seeds:
             steps.run(
-                f"eval_s{seed}",
+                f"{name}_s{seed}",
                 eval_argv(
                     cfg,
                     target,
@@ -256,7 +262,7 @@ def evaluate_drafters(
         )
     if cfg.eval_replay:
         steps.run(
-            "eval_live_check",
+            f"{name}_live_check",
             eval_argv(
                 cfg,
                 target,

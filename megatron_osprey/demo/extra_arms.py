@@ -11,6 +11,7 @@ regenerated data, hidden-state store, optimizer, tokens and seeds, changing one 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ OFFLINE_ARMS = {
     "osprey_drift": ("osprey", ("--hidden-post-norm", "--aux-hidden-norm")),
     "eagle3_drift": (None, ("--hidden-post-norm", "--aux-hidden-norm")),
     "osprey_monolingual": ("osprey_monolingual", ()),
+    "osprey_stage2_more": ("osprey_stage2_more", ()),
 }
 NGRAM_ORDER = 4
 SENT = "before_assistant"  # the harder sets' prompts: every message before the first reply (system prompts too)
@@ -36,17 +38,18 @@ SENT = "before_assistant"  # the harder sets' prompts: every message before the 
 
 def monolingual_corpus(cfg: DemoConfig, output: Path, data: dict) -> Path:
     """Every monolingual corpus's text in one JSONL, with no message of any eval set in it."""
+    from megatron_osprey.demo.corpora import write_jsonl
     from megatron_osprey.demo.monolingual import write_monolingual_text
     from megatron_osprey.recipes.cpu import MONOLINGUAL_LANGUAGES
 
     path = output / "data" / "monolingual.jsonl"
-    if not path.is_file():
+    if not path.is_file():  # written atomically: a file here is whole
         evals = [data["splits"][d]["eval"] for d in cfg.domains()]
         rows = []
         for language in MONOLINGUAL_LANGUAGES:
             part = write_monolingual_text(language, output / "data" / "monolingual" / f"{language}.jsonl", evals)
-            rows += [line for line in part.read_text(encoding="utf-8").splitlines() if line.strip()]
-        path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+            rows += [json.loads(line) for line in part.read_text(encoding="utf-8").splitlines() if line.strip()]
+        write_jsonl(path, rows)
     return path
 
 
@@ -68,17 +71,16 @@ def extra_backbones(
         began = time.time()
         data["monolingual"] = monolingual_corpus(cfg, output, data)
         steps.timed("monolingual_corpus", time.time() - began)
+    stage2 = output / "backbone_target" / "hf"  # both passes continue from the Stage-2 backbone
     if "osprey_monolingual" in cfg.arms:
         prefix = preprocess_general(steps, output, data, target, "monolingual", source=data["monolingual"])
         inits["osprey_monolingual"] = backbone_steps(
-            steps,
-            cfg,
-            output,
-            output / "backbone_target" / "hf",
-            prefix,
-            target,
-            "monolingual",
-            iters=cfg.monolingual_iters,
+            steps, cfg, output, stage2, prefix, target, "monolingual", iters=cfg.monolingual_iters
+        )
+    if "osprey_stage2_more" in cfg.arms:  # its control: as many more steps on the general mix
+        prefix = output / "data" / "general_target"  # preprocessed by the base arm
+        inits["osprey_stage2_more"] = backbone_steps(
+            steps, cfg, output, stage2, prefix, target, "stage2_more", iters=cfg.monolingual_iters
         )
     return inits
 
@@ -112,6 +114,7 @@ def _on_policy(
         + ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
         + ["--transformer-impl", "local", "--save", save, "--save-interval", str(iters)]
         + ["--log-interval", str(max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
+        + (["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else [])
         + (["--bf16"] if cfg.bf16 else []),
     )
     return {"name": name, "method": "osprey_opd", "domain": domain, "seed": seed, "path": save}
@@ -166,26 +169,49 @@ def extra_drafters(
     return drafters
 
 
+def combine_evaluations(cfg: DemoConfig, eval_dir: Path, arms_dir: Path, out_dir: Path) -> Path:
+    """One results.json (and live check) in out_dir from the base arms' evaluation and the extra arms'."""
+    import json
+
+    from megatron_osprey.eval.run import merge_results
+
+    def load(d: Path) -> dict:
+        return json.loads((d / "results.json").read_text())
+
+    merge_results([load(eval_dir), load(arms_dir)], out_dir)
+    if cfg.eval_replay:
+        merge_results([load(eval_dir / "live_check"), load(arms_dir / "live_check")], out_dir / "live_check")
+    return out_dir
+
+
 def evaluate_extra(
     steps: StepRunner,
     cfg: DemoConfig,
     target: Path,
     eval_dir: Path,
-    drafters: list[dict],
+    base: list[dict],
+    extra: list[dict],
     data: dict,
     harder: list[Path],
-) -> None:
-    """The harder sets for seed 0's drafters (system prompts sent), and the n-gram drafters at batch 1 (their
-    engine: the reference chain decoder) on the eval domains and the harder sets, lossless-checked."""
+) -> Path:
+    """The extra neural arms on the eval domains (their own steps, merged with the base arms' results into
+    eval_dir/combined, which it returns); the harder sets for seed 0's drafters (system prompts sent); and the
+    n-gram drafters at batch 1 (their engine: the reference chain decoder) on the eval domains and the harder
+    sets, lossless-checked."""
     import dataclasses
 
+    from megatron_osprey.demo.arms import evaluate_drafters
     from megatron_osprey.demo.commands import eval_argv
 
-    neural = [d for d in drafters if not d.get("ngram") and d["seed"] == cfg.seeds[0]]
-    ngrams = [d for d in drafters if d.get("ngram")]
+    neural = [d for d in extra if not d.get("ngram")]
+    ngrams = [d for d in extra if d.get("ngram")]
+    results_dir = eval_dir
     if neural:
-        replay = cfg.eval_replay
-        steps.run("eval_harder", eval_argv(cfg, target, eval_dir / "harder", neural, data, replay, None, harder, SENT))
+        evaluate_drafters(steps, cfg, target, eval_dir / "arms", neural, data, name="eval_arms")
+        results_dir = combine_evaluations(cfg, eval_dir, eval_dir / "arms", eval_dir / "combined")
+    seed0 = [d for d in base + neural if d["seed"] == cfg.seeds[0]]
+    replay = cfg.eval_replay
+    steps.run("eval_harder", eval_argv(cfg, target, eval_dir / "harder", seed0, data, replay, None, harder, SENT))
     if ngrams:
         batch1 = dataclasses.replace(cfg, eval_batch=1)
         limit = cfg.live_check_prompts if cfg.eval_replay else None  # live decoding at batch 1 costs the most
@@ -194,3 +220,4 @@ def evaluate_extra(
             "eval_ngram_harder",
             eval_argv(batch1, target, eval_dir / "ngram_harder", ngrams, data, False, limit, harder, SENT),
         )
+    return results_dir

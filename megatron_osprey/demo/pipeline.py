@@ -162,21 +162,28 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     drafters = distill_drafters(steps, cfg, output, target, inits, regenerated, stores)
-    if cfg.arms:
-        drafters += extra_drafters(steps, cfg, output, target, inits, regenerated, stores, data)
+    extra = extra_drafters(steps, cfg, output, target, inits, regenerated, stores, data) if cfg.arms else []
 
     steps.header(
         "evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.stages.evaluate)"
     )
-    eval_dir = output / "eval"
-    evaluate_drafters(steps, cfg, target, eval_dir, [d for d in drafters if not d.get("ngram")], data)
-    if cfg.arms:
+    eval_dir = results_dir = output / "eval"
+    evaluate_drafters(steps, cfg, target, eval_dir, drafters, data)
+    if cfg.arms:  # the extra arms in steps of their own (the base arms' results stay as they are), then merged
         harder = build_harder_sets(steps, cfg, output, data, target)
-        evaluate_extra(steps, cfg, target, eval_dir, drafters, data, harder)
+        results_dir = evaluate_extra(steps, cfg, target, eval_dir, drafters, extra, data, harder)
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report
 
     return write_report(
-        output, eval_dir, cfg, drafters, steps.timings, time.time() - steps.start, target, earlier=steps.earlier
+        output,
+        results_dir,
+        cfg,
+        drafters + extra,
+        steps.timings,
+        time.time() - steps.start,
+        target,
+        earlier=steps.earlier,
+        arms_dir=eval_dir if cfg.arms else None,
     )

@@ -203,6 +203,7 @@ def write_report(
     seconds: float,
     target: Path,
     earlier: dict | None = None,
+    arms_dir: Path | None = None,
 ) -> dict:
     """report.json, report.md and heatmap.png under `output` from the eval results. `timings` are this run's
     step seconds, `earlier` those of the steps an earlier run finished (a resumed run skips them)."""
@@ -248,7 +249,7 @@ def write_report(
         "examples": decoded_examples(results, target),
         "lossless": {"checked": results["lossless"]["checked"], "mismatches": len(results["lossless"]["mismatches"])},
         "live_check": live_check(results, eval_dir / "live_check" / "results.json"),
-        "arms": arms_report(eval_dir, results, speed),
+        "arms": arms_report(arms_dir, results, drafters, speed) if arms_dir else None,
         "alignment": _alignment_reports(output),
         "config": dataclasses.asdict(cfg),
         "eval": results["config"],

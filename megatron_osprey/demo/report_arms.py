@@ -9,8 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_osprey.demo.sizes import EXTRA_ARMS
-
 ROUNDS = 2000
 # (arm, the arm it is compared with, what the comparison asks)
 COMPARISONS = (
@@ -20,53 +18,73 @@ COMPARISONS = (
     ("osprey_ttt_reference", "osprey", "loss normalisation: SpecForge's per-sample vs the default (tokens)"),
     ("osprey_drift", "osprey", "post-norm + aux norm on Osprey"),
     ("eagle3_drift", "eagle3", "post-norm + aux norm on EAGLE-3"),
-    ("osprey_opd", "osprey", "Draft-OPD after SFT vs SFT alone"),
-    ("osprey_monolingual", "osprey", "a monolingual Stage-2 pass before adaptation"),
+    ("osprey_opd", "osprey", "Draft-OPD after SFT (extra on-policy updates) vs SFT alone"),
+    ("osprey_monolingual", "osprey_stage2_more", "more Stage-2 steps on the languages' text vs on the general mix"),
+    ("osprey_stage2_more", "osprey", "more Stage-2 steps on the general mix"),
 )
 
 
-def _per_request(results: dict, seeds: dict[str, int] | None = None) -> dict:
-    """{method: {(train_domain, split): {request id: AL averaged over seeds}}}."""
-    acc: dict = {}
+def _per_request(results: dict, seeds: dict[str, int]) -> dict:
+    """{method: {seed: {(train_domain, split): {request id: AL}}}}; `seeds` maps drafter names to seeds."""
+    out: dict = {}
     for cell in results["cells"]:
+        seed = seeds.get(cell["drafter"], 0)
         key = (cell["train_domain"], cell["split"])
-        for r in cell["requests"]:
-            acc.setdefault(cell["method"], {}).setdefault(key, {}).setdefault(r["id"], []).append(
-                r["acceptance_length"]
-            )
-    return {m: {k: {i: float(np.mean(v)) for i, v in ids.items()} for k, ids in c.items()} for m, c in acc.items()}
+        ids = out.setdefault(cell["method"], {}).setdefault(seed, {}).setdefault(key, {})
+        ids.update({r["id"]: r["acceptance_length"] for r in cell["requests"]})
+    return out
 
 
 def paired_gain(a: dict, b: dict, rounds: int = ROUNDS, seed: int = 0) -> dict | None:
-    """Relative gain of a over b in mean AL (cells averaged equally), with a 95% interval from resampling the
-    requests of each cell, the same ones for both (paired). a, b: {cell: {request id: AL}}."""
-    cells = sorted(set(a) & set(b))
-    cells = [(c, sorted(set(a[c]) & set(b[c]))) for c in cells]
-    cells = [(c, ids) for c, ids in cells if ids]
-    if not cells:
+    """Relative gain of a over b in mean AL (a cell's AL: its requests' mean, averaged over seeds; cells
+    averaged equally), with a 95% interval from resampling seeds and each cell's requests, the same draws for
+    both (paired: they share seeds and prompts). a, b: {seed: {cell: {request id: AL}}}."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
         return None
-    arrays = [(np.array([a[c][i] for i in ids]), np.array([b[c][i] for i in ids])) for c, ids in cells]
+    cells = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds)))
+    arrays = []
+    for c in cells:
+        ids = sorted(set.intersection(*(set(a[s][c]) & set(b[s][c]) for s in seeds)))
+        if ids:
+            arrays.append(
+                (
+                    np.array([[a[s][c][i] for i in ids] for s in seeds]),
+                    np.array([[b[s][c][i] for i in ids] for s in seeds]),
+                )
+            )
+    if not arrays:
+        return None
 
-    def gain(picks):
-        num = np.mean([x[p].mean() for (x, _), p in zip(arrays, picks)])
-        den = np.mean([y[p].mean() for (_, y), p in zip(arrays, picks)])
+    def gain(seed_rows, picks):
+        num = np.mean([x[seed_rows][:, p].mean() for (x, _), p in zip(arrays, picks)])
+        den = np.mean([y[seed_rows][:, p].mean() for (_, y), p in zip(arrays, picks)])
         return num / den - 1
 
     rng = np.random.default_rng(seed)
-    point = gain([np.arange(len(x)) for x, _ in arrays])
-    draws = [gain([rng.integers(0, len(x), len(x)) for x, _ in arrays]) for _ in range(rounds)]
-    return {"gain": float(point), "ci": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]}
+    point = gain(np.arange(len(seeds)), [np.arange(x.shape[1]) for x, _ in arrays])
+    draws = [
+        gain(rng.integers(0, len(seeds), len(seeds)), [rng.integers(0, x.shape[1], x.shape[1]) for x, _ in arrays])
+        for _ in range(rounds)
+    ]
+    return {
+        "gain": float(point),
+        "ci": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))],
+        "cells": len(arrays),
+        "requests_per_cell": min(x.shape[1] for x, _ in arrays),
+        "seeds": len(seeds),
+    }
 
 
-def _subset(cells: dict, keep) -> dict:
-    return {k: v for k, v in cells.items() if keep(k)}
+def _subset(per_seed: dict, keep) -> dict:
+    return {s: {k: v for k, v in cells.items() if keep(k)} for s, cells in per_seed.items()}
 
 
-def comparisons(main: dict, harder: dict | None) -> list[dict]:
+def comparisons(main: dict, harder: dict | None, seeds: dict[str, int]) -> list[dict]:
     """Each COMPARISONS pair present in the run: the gain in mean, in-domain and out-of-domain AL on the eval
     domains, and per harder set."""
-    per = _per_request(main)
-    hard = _per_request(harder) if harder else {}
+    per = _per_request(main, seeds)
+    hard = _per_request(harder, seeds) if harder else {}
     out = []
     for arm, base, question in COMPARISONS:
         if arm not in per or base not in per:
@@ -81,7 +99,7 @@ def comparisons(main: dict, harder: dict | None) -> list[dict]:
             "harder": {},
         }
         if arm in hard and base in hard:
-            for split in sorted({k[1] for k in hard[arm]}):
+            for split in sorted({k[1] for cells in hard[arm].values() for k in cells}):
                 row["harder"][split] = paired_gain(
                     _subset(hard[arm], lambda k, s=split: k[1] == s), _subset(hard[base], lambda k, s=split: k[1] == s)
                 )
@@ -89,14 +107,18 @@ def comparisons(main: dict, harder: dict | None) -> list[dict]:
     return out
 
 
-def split_table(results: dict) -> dict:
-    """{drafter: {"method", "train_domain", "al": {split: mean AL}, "draft_us_per_token": {split: ...}}}."""
+def split_table(results: dict, names: set[str]) -> dict:
+    """{drafter: {"method", "train_domain", "al": {split: mean AL}, "draft_us": {split: us per drafted token},
+    "requests": {split: count}}} for the drafters in `names`."""
     out = {}
     for cell in results["cells"]:
+        if cell["drafter"] not in names:  # a drafter of an earlier run with other arms
+            continue
         entry = out.setdefault(
             cell["drafter"], {"method": cell["method"], "train_domain": cell["train_domain"], "al": {}, "draft_us": {}}
         )
         entry["al"][cell["split"]] = float(np.mean([r["acceptance_length"] for r in cell["requests"]]))
+        entry.setdefault("requests", {})[cell["split"]] = len(cell["requests"])
         per_token = cell["summary"].get("draft_seconds_per_token")
         entry["draft_us"][cell["split"]] = None if per_token is None else 1e6 * per_token
     return out
@@ -106,18 +128,18 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def arms_report(eval_dir: Path, main: dict, speed) -> dict | None:
-    """The extra arms' section of report.json (None when the run has no extra-arm evaluations); `speed` turns
-    an eval's results into its tokens/s figures."""
-    harder, ngram, ngram_harder = (_load(eval_dir / d / "results.json") for d in ("harder", "ngram", "ngram_harder"))
-    if not any((harder, ngram, ngram_harder)) and not any(m in EXTRA_ARMS for m in _per_request(main)):
-        return None
+def arms_report(arms_dir: Path, main: dict, drafters: list[dict], speed) -> dict:
+    """The extra arms' section of report.json from the evaluations under arms_dir, for this run's `drafters`
+    only; `speed` turns an eval's results into its tokens/s figures."""
+    names = {d["name"] for d in drafters}
+    seeds = {d["name"]: d["seed"] for d in drafters}
+    harder, ngram, ngram_harder = (_load(arms_dir / d / "results.json") for d in ("harder", "ngram", "ngram_harder"))
     return {
-        "comparisons": comparisons(main, harder),
-        "harder": split_table(harder) if harder else {},
-        "ngram": split_table(ngram) if ngram else {},
-        "ngram_harder": split_table(ngram_harder) if ngram_harder else {},
-        "ngram_speed": speed(ngram) if ngram else None,
+        "comparisons": comparisons(main, harder, seeds),
+        "harder": split_table(harder, names) if harder else {},
+        "ngram": split_table(ngram, names) if ngram else {},
+        "ngram_harder": split_table(ngram_harder, names) if ngram_harder else {},
+        "ngram_speed": speed(ngram) if ngram and any(d.get("ngram") for d in drafters) else None,
     }
 
 
@@ -150,9 +172,12 @@ def render_arms(arms: dict | None) -> list[str]:
     lines = ["", "## Extra arms against the arm each one changes", ""]
     if arms["comparisons"]:
         splits = sorted({s for row in arms["comparisons"] for s in row["harder"]})
+        sizes = [row["mean"] for row in arms["comparisons"] if row["mean"]]
         lines += [
             "Relative gain in AL of the first arm over the second (cells averaged equally; brackets: 95% paired "
-            "bootstrap over requests).",
+            f"bootstrap over seeds and requests; {min(e['requests_per_cell'] for e in sizes)} or more requests per "
+            f"cell, {max(e['seeds'] for e in sizes)} seed(s): with few requests an interval of width 0 means "
+            "every resample agreed, not that the difference is exact).",
             "",
             "| comparison | mean | in-domain | out-of-domain | " + " | ".join(splits) + " |",
             "|" + " --- |" * (4 + len(splits)),
@@ -177,7 +202,9 @@ def render_arms(arms: dict | None) -> list[str]:
     lines += _table(
         "N-gram drafters (reference engine, batch 1)",
         ngram,
-        "AL on the eval domains and on the harder sets, and the drafting cost per drafted token.",
+        "AL on the eval domains and on the harder sets (requests per split: "
+        + ", ".join(sorted({str(n) for e in ngram.values() for n in e.get("requests", {}).values()}))
+        + "; at full size the first live-check prompts only), and the drafting cost per drafted token.",
         with_cost=True,
     )
     sp = arms.get("ngram_speed")

@@ -14,10 +14,11 @@ EXTRA_ARMS = {
     "osprey_ttt_reference": "Osprey trained with --ttt-normalization reference (SpecForge's per-sample loss)",
     "osprey_drift": "Osprey + post-norm hidden states + per-hidden-state RMSNorm",
     "eagle3_drift": "EAGLE-3 + post-norm hidden states + per-hidden-state RMSNorm",
-    "osprey_opd": "Osprey + Draft-OPD (one rollout round on the training prompts, then on-policy distillation)",
+    "osprey_opd": "Osprey SFT + Draft-OPD (one rollout round, then extra on-policy updates at a tenth of the lr)",
     "ngram": "n-gram drafter (order 4) on the training domain's regenerated conversations",
     "ngram_monolingual": "n-gram drafter (order 4) on the monolingual corpora",
-    "osprey_monolingual": "Osprey after a monolingual Stage-2 pass (5 languages), then adapted and distilled",
+    "osprey_monolingual": "Osprey after more Stage-2 steps on the 5 languages' text only, then adapted, distilled",
+    "osprey_stage2_more": "Osprey after as many more Stage-2 steps on the general mix (the monolingual control)",
 }
 
 

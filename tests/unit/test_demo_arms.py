@@ -10,7 +10,7 @@ from megatron_osprey.demo.commands import distill_argv
 from megatron_osprey.demo.extra_arms import OFFLINE_ARMS
 from megatron_osprey.demo.harder_sets import TASKS, task_rows
 from megatron_osprey.demo.pipeline import prepare_demo_output
-from megatron_osprey.demo.report_arms import COMPARISONS, comparisons, paired_gain
+from megatron_osprey.demo.report_arms import COMPARISONS, comparisons, paired_gain, split_table
 from megatron_osprey.demo.sizes import EXTRA_ARMS, DemoConfig
 
 
@@ -75,18 +75,29 @@ def test_task_rows_cover_every_language_and_task_with_rotating_sources():
 
 def test_paired_gain_is_the_ratio_of_cell_means_with_a_paired_interval():
     rng = np.random.default_rng(0)
-    b = {("chat", "chat"): {f"r{i}": float(v) for i, v in enumerate(rng.uniform(1, 2, 8))}}
-    a = {k: {i: 1.25 * v for i, v in ids.items()} for k, ids in b.items()}
+    b = {0: {("chat", "chat"): {f"r{i}": float(v) for i, v in enumerate(rng.uniform(1, 2, 8))}}}
+    a = {0: {k: {i: 1.25 * v for i, v in ids.items()} for k, ids in b[0].items()}}
     exact = paired_gain(a, b, rounds=200)
     assert exact["gain"] == pytest.approx(0.25) and exact["ci"] == pytest.approx([0.25, 0.25])  # paired
-    b[("chat", "code")] = {"x": 1.0, "y": 3.0}
-    a[("chat", "code")] = {"x": 2.0, "y": 2.0, "z": 9.0}  # z has no partner: left out
+    assert (exact["cells"], exact["requests_per_cell"], exact["seeds"]) == (1, 8, 1)
+    b[0][("chat", "code")] = {"x": 1.0, "y": 3.0}
+    a[0][("chat", "code")] = {"x": 2.0, "y": 2.0, "z": 9.0}  # z has no partner: left out
     got = paired_gain(a, b, rounds=200)
-    cell_a = [np.mean([1.25 * v for v in b[("chat", "chat")].values()]), 2.0]
-    cell_b = [np.mean(list(b[("chat", "chat")].values())), 2.0]
+    cell_a = [np.mean([1.25 * v for v in b[0][("chat", "chat")].values()]), 2.0]
+    cell_b = [np.mean(list(b[0][("chat", "chat")].values())), 2.0]
     assert got["gain"] == pytest.approx(np.mean(cell_a) / np.mean(cell_b) - 1)
     assert got["ci"][0] <= got["gain"] <= got["ci"][1]
-    assert paired_gain({("a", "a"): {"x": 1.0}}, {("b", "b"): {"x": 1.0}}) is None
+    assert paired_gain({0: {("a", "a"): {"x": 1.0}}}, {0: {("b", "b"): {"x": 1.0}}}) is None
+
+
+def test_paired_gain_resamples_seeds_too():
+    """Two seeds that disagree: the point estimate averages them, and the interval spans both seeds' gains,
+    which resampling requests alone (one request per cell here) could not do."""
+    b = {0: {("c", "c"): {"q": 1.0}}, 1: {("c", "c"): {"q": 1.0}}}
+    a = {0: {("c", "c"): {"q": 1.0}}, 1: {("c", "c"): {"q": 2.0}}}
+    got = paired_gain(a, b, rounds=400)
+    assert got["gain"] == pytest.approx(0.5) and got["seeds"] == 2
+    assert got["ci"] == pytest.approx([0.0, 1.0])
 
 
 def _cell(method, drafter, train, split, als):
@@ -104,9 +115,71 @@ def test_comparisons_pair_each_arm_with_its_base_in_and_out_of_domain():
         ]
     }
     harder = {"cells": [_cell("eagle3", "e", "chat", "p", [1.0]), _cell("eagle3_2layer", "e2", "chat", "p", [2.0])]}
-    (row,) = comparisons(main, harder)
+    (row,) = comparisons(main, harder, {"e": 0, "e2": 0})
     assert (row["arm"], row["base"]) == ("eagle3_2layer", "eagle3")
     assert row["id"]["gain"] == pytest.approx(3.3 / 2.2 - 1)
     assert row["ood"]["gain"] == pytest.approx(0.1)
     assert row["mean"]["gain"] == pytest.approx((1.65 + 1.1) / (1.1 + 1.0) - 1)
     assert row["harder"]["p"]["gain"] == pytest.approx(1.0)
+
+
+def test_tables_leave_out_drafters_of_another_run():
+    results = {
+        "cells": [_cell("ngram", "ngram_chat", "chat", "chat", [1.5]), _cell("ngram", "old", "chat", "chat", [9])]
+    }
+    for cell in results["cells"]:
+        cell["summary"] = {"draft_seconds_per_token": 1e-4}
+    table = split_table(results, {"ngram_chat"})
+    assert set(table) == {"ngram_chat"} and table["ngram_chat"]["draft_us"] == {"chat": pytest.approx(100.0)}
+
+
+class RecordingSteps:
+    """Records each step's command instead of running it."""
+
+    def __init__(self):
+        self.commands = {}
+
+    def run(self, name, argv):
+        assert name not in self.commands, name
+        self.commands[name] = [str(w) for w in argv]
+
+    def timed(self, name, seconds):
+        pass
+
+
+def test_the_arms_steps_read_the_base_arms_data_store_and_seed(tmp_path):
+    """extra_drafters' real commands: every offline arm reads the Osprey arm's regenerated data and store with
+    its seed and tokens; Draft-OPD rolls out the Osprey SFT drafter and trains from it."""
+    from transformers import LlamaConfig
+
+    from megatron_osprey.demo.arms import distill_drafters
+    from megatron_osprey.demo.extra_arms import extra_drafters
+
+    target = tmp_path / "target"
+    LlamaConfig(vocab_size=400).save_pretrained(target)
+    cfg = DemoConfig.quick().with_arms(["all"])
+    regenerated = {"chat": tmp_path / "chat.jsonl"}
+    regenerated["chat"].write_text('{"id": "a"}\n' * 20)
+    stores = {"chat": tmp_path / "store"}
+    inits = {name: tmp_path / f"init_{name}" for name in ("osprey", "osprey_no_stage2", "osprey_monolingual")}
+    inits["osprey_stage2_more"] = tmp_path / "init_more"
+    data = {"splits": {"chat": {"train": tmp_path / "prompts.jsonl"}}, "monolingual": tmp_path / "mono.jsonl"}
+    steps = RecordingSteps()
+    distill_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores)
+    drafters = extra_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores, data)
+    base = steps.commands["distill_osprey_chat"]
+    flags = ("--data-path", "--hidden-states", "--seed", "--train-iters", "--lr", "--global-batch-size", "--domain")
+    for arm in OFFLINE_ARMS:
+        argv = steps.commands[f"distill_{arm}_chat"]
+        for flag in flags:
+            assert argv[argv.index(flag) + 1] == base[base.index(flag) + 1], (arm, flag)
+    rollout = steps.commands["rollout_osprey_opd_chat"]
+    assert rollout[rollout.index("--drafter") + 1] == str(tmp_path / "drafters" / "osprey_chat")
+    assert rollout[rollout.index("--limit") + 1] == str(cfg.opd_prompts)
+    opd = steps.commands["distill_osprey_opd_chat"]
+    assert opd[opd.index("--drafter-init") + 1] == str(tmp_path / "drafters" / "osprey_chat")
+    assert opd[opd.index("--mode") + 1] == "on-policy"
+    assert opd[opd.index("--seed") + 1] == base[base.index("--seed") + 1]
+    assert {d["name"] for d in drafters if d.get("ngram")} == {"ngram_chat", "ngram_monolingual_multilingual"}
+    ngram = steps.commands["ngram_monolingual_multilingual"]
+    assert ngram[ngram.index("--input") + 1] == str(data["monolingual"])
