@@ -34,7 +34,7 @@ def task_rows(prompts: list[tuple[str, str]], languages: tuple[str, ...], per_la
                 source_id, text = prompts[(li * per_language + j) % len(prompts)]
                 content = template.format(language=language.capitalize(), text=text)
                 rows.append(
-                    {"id": f"{task}-{language}-{source_id}", "conversations": [{"role": "user", "content": content}]}
+                    {"id": f"{task}-{language}-{j}-{source_id}", "conversations": [{"role": "user", "content": content}]}
                 )
         out[task] = rows
     return out
