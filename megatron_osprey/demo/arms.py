@@ -240,12 +240,13 @@ def evaluate_drafters(
 ) -> None:
     """The train x eval acceptance-length matrix into `eval_dir` (one step `name`, or one per seed merged), and
     with `eval_replay` the live, lossless-checked decoding of seed 0 on a few prompts per domain."""
+    seeds = [s for s in cfg.seeds if any(d["seed"] == s for d in drafters)]  # the extra arms may train fewer
     if len(cfg.seeds) == 1 and not cfg.eval_replay:
         steps.run(name, eval_argv(cfg, target, eval_dir, drafters, data))
     else:  # one resumable step per seed, merged into one results.json
         from megatron_osprey.eval.run import merge_results
 
-        for seed in cfg.seeds:
+        for seed in seeds:
             steps.run(
                 f"{name}_s{seed}",
                 eval_argv(
@@ -257,9 +258,7 @@ def evaluate_drafters(
                     cfg.eval_replay,
                 ),
             )
-        merge_results(
-            [json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in cfg.seeds], eval_dir
-        )
+        merge_results([json.loads((eval_dir / f"seed{seed}" / "results.json").read_text()) for seed in seeds], eval_dir)
     if cfg.eval_replay:
         steps.run(
             f"{name}_live_check",

@@ -147,7 +147,7 @@ def extra_drafters(
 
     draft_vocab = cfg.draft_vocab_size(AutoConfig.from_pretrained(target).vocab_size)
     drafters = []
-    for seed in cfg.seeds:
+    for seed in cfg.seeds[: cfg.arm_seeds]:
         for domain in cfg.train_domains:
             for arm in (a for a in cfg.arms if a in OFFLINE_ARMS):
                 init_name, extra = OFFLINE_ARMS[arm]

@@ -33,9 +33,8 @@ def task_rows(prompts: list[tuple[str, str]], languages: tuple[str, ...], per_la
             for j in range(per_language):
                 source_id, text = prompts[(li * per_language + j) % len(prompts)]
                 content = template.format(language=language.capitalize(), text=text)
-                rows.append(
-                    {"id": f"{task}-{language}-{j}-{source_id}", "conversations": [{"role": "user", "content": content}]}
-                )
+                turn = {"role": "user", "content": content}
+                rows.append({"id": f"{task}-{language}-{j}-{source_id}", "conversations": [turn]})
         out[task] = rows
     return out
 

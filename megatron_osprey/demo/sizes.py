@@ -43,6 +43,7 @@ ARM_FIELDS = (
     "task_languages",
     "opd_prompts",
     "monolingual_iters",
+    "arm_seeds",
 )
 
 
@@ -85,6 +86,7 @@ class DemoConfig:
     task_languages: int = 5  # the first N languages of the monolingual corpora get translation / story prompts
     opd_prompts: int = 32  # Draft-OPD rollout prompts per training domain (the first of its training prompts)
     monolingual_iters: int = 60  # the monolingual Stage-2 pass, from the Stage-2 backbone
+    arm_seeds: int | None = None  # the extra arms train on the first N seeds (None: all)
     seed: int = 0  # data order and splits
 
     @classmethod
@@ -136,6 +138,7 @@ class DemoConfig:
             task_prompts_per_language=4,
             opd_prompts=96,
             monolingual_iters=120,
+            arm_seeds=1,  # 16 more distillations instead of 48 (each paired with seed 0 of its base arm)
         )
 
     def with_cross_tokenizer(self) -> "DemoConfig":

@@ -183,3 +183,28 @@ def test_the_arms_steps_read_the_base_arms_data_store_and_seed(tmp_path):
     assert {d["name"] for d in drafters if d.get("ngram")} == {"ngram_chat", "ngram_monolingual_multilingual"}
     ngram = steps.commands["ngram_monolingual_multilingual"]
     assert ngram[ngram.index("--input") + 1] == str(data["monolingual"])
+
+
+def test_at_full_size_the_extra_arms_train_and_evaluate_seed_0_only(tmp_path):
+    from transformers import LlamaConfig
+
+    from megatron_osprey.demo.arms import evaluate_drafters
+    from megatron_osprey.demo.extra_arms import extra_drafters
+
+    target = tmp_path / "target"
+    LlamaConfig(vocab_size=400).save_pretrained(target)
+    cfg = DemoConfig.full()
+    regenerated = {d: tmp_path / f"{d}.jsonl" for d in cfg.train_domains}
+    for path in regenerated.values():
+        path.write_text('{"id": "a"}\n' * 20)
+    inits = {n: tmp_path / n for n in ("osprey", "osprey_no_stage2", "osprey_monolingual", "osprey_stage2_more")}
+    splits = {d: {"train": tmp_path / f"p_{d}.jsonl", "eval": tmp_path / f"e_{d}.jsonl"} for d in cfg.domains()}
+    data = {"splits": splits, "monolingual": tmp_path / "mono.jsonl"}
+    steps = RecordingSteps()
+    stores = {d: tmp_path for d in regenerated}
+    drafters = extra_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores, data)
+    neural = [d for d in drafters if not d.get("ngram")]
+    assert {d["seed"] for d in neural} == {0} and len(neural) == 2 * (len(OFFLINE_ARMS) + 1)
+    with pytest.raises(FileNotFoundError, match="seed0"):  # no step ran: the merge finds no results to read
+        evaluate_drafters(steps, cfg, target, tmp_path / "arms", neural, data, name="eval_arms")
+    assert {n for n in steps.commands if n.startswith("eval_arms")} == {"eval_arms_s0"}  # seeds 1, 2: nothing
