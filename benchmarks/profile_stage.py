@@ -66,7 +66,7 @@ def profile_preprocessing(workdir: Path, sizes: Sizes, top: int) -> None:
     print_stats(profile, top, f"preprocessing, one worker's encode of all {len(batches)} batches in one process")
 
 
-def profile_model_stage(name: str, workdir: Path, sizes: Sizes, top: int, use_torch: bool) -> None:
+def profile_model_stage(name: str, workdir: Path, sizes: Sizes, top: int, use_torch: bool, save=None) -> None:
     pair = build_pair(name, sizes, workdir)
     try:
         pair.ours()  # warm-up, as the bench does
@@ -75,6 +75,8 @@ def profile_model_stage(name: str, workdir: Path, sizes: Sizes, top: int, use_to
         profile.runcall(pair.ours)
         print(f"{name}: {time.perf_counter() - start:.3f} s wall under cProfile")
         print_stats(profile, top, name)
+        if save:
+            profile.dump_stats(save)
         if use_torch:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny inputs of `bench.py --quick`")
     parser.add_argument("--top", type=int, default=10, help="entries printed per table")
     parser.add_argument("--torch", action="store_true", help="also torch.profiler's operators (model stages)")
+    parser.add_argument("--save", help="model stages: also write the cProfile stats here (for pstats' print_callers)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     sizes = Sizes.quick() if args.quick else Sizes()
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
         if args.stage == "preprocessing":
             profile_preprocessing(Path(tmp), sizes, args.top)
         else:
-            profile_model_stage(args.stage, Path(tmp), sizes, args.top, args.torch)
+            profile_model_stage(args.stage, Path(tmp), sizes, args.top, args.torch, args.save)
     return 0
 
 
