@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Profile our side of one `make bench` pair on the bench's own inputs; print the top entries.
-
+    python benchmarks/profile_stage.py STAGE [--quick] [--top 10] [--torch] [--save FILE]
     python benchmarks/profile_stage.py STAGE [--quick] [--top 10] [--torch]
 
 STAGE: preprocessing, extraction or distillation. The pair is built exactly as benchmarks/bench.py builds it; our
