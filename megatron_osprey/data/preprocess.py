@@ -1,11 +1,12 @@
 """Stage-2 data preprocessing: text documents -> Megatron indexed dataset (PREFIX_<key>_document.bin/.idx).
 
 One reading process streams record batches to `workers` encoding processes;
-results come back in input order and are appended to an IndexedDatasetBuilder
-under temporary names. With `partitions > 1` the input is cut into record
-ranges, each committed to its own indexed dataset with a completion marker, so
-an interrupted run resumes where it stopped; the partitions are merged with
-IndexedDatasetBuilder.add_index at the end.
+results come back in input order and are appended to an indexed dataset in
+megatron.core's format under temporary names (data/indexed_writer.py, which
+does not import megatron.core). With `partitions > 1` the input is cut into
+record ranges, each committed to its own indexed dataset with a completion
+marker, so an interrupted run resumes where it stopped; the partitions are
+merged with AtomicIndexedWriter.add_index at the end.
 
 `config` is the preprocess stage's PreprocessConfig (stages/preprocess.py).
 """
@@ -22,12 +23,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 
 from megatron_osprey.base.atomic_io import write_json_atomic
 from megatron_osprey.data.encode_pool import EncodePool, EncoderSettings
 from megatron_osprey.data.fast_tokenizer import TokenizerSpec, load_tokenizer_spec
-from megatron_osprey.data.indexed_writer import AtomicIndexedWriter, remove_indexed_dataset
+from megatron_osprey.data.indexed_writer import (
+    AtomicIndexedWriter,
+    get_bin_path,
+    get_idx_path,
+    remove_indexed_dataset,
+)
 from megatron_osprey.data.text_sources import RecordBatch, TextSource, open_text_source
 from megatron_osprey.data.token_encoding import EncodedBatch
 

@@ -58,18 +58,22 @@ def _all_reduce(tensor: Tensor, group, op=torch.distributed.ReduceOp.SUM, differ
     return tensor
 
 
-def _valid_columns(local_vocab: int, vocab_size: int, group) -> Tensor:
-    """Which of this rank's columns are real vocabulary (the rest is TP padding)."""
+def _valid_columns(local_vocab: int, vocab_size: int, group) -> Tensor | None:
+    """Which of this rank's columns are real vocabulary (the rest is TP padding); None when all are."""
     _, rank = _tp(group)
     start = rank * local_vocab
+    if start + local_vocab <= vocab_size:
+        return None
     return torch.arange(start, start + local_vocab) < vocab_size
 
 
-def vocab_parallel_argmax(logits: Tensor, vocab_size: int, group=None) -> Tensor:
-    """Global argmax ids [...] of vocab-sharded logits [..., V/TP]; exchanges per-row scalars only."""
-    local = logits.shape[-1]
-    masked = logits.masked_fill(~_valid_columns(local, vocab_size, group).to(logits.device), float("-inf"))
-    values, index = masked.max(dim=-1)
+def _mask_padding(logits: Tensor, valid: Tensor | None, fill: float) -> Tensor:
+    """logits with the padding columns set to `fill` (logits itself when there are none)."""
+    return logits if valid is None else logits.masked_fill(~valid.to(logits.device), fill)
+
+
+def _global_argmax(values: Tensor, index: Tensor, local: int, group) -> Tensor:
+    """Global argmax ids from this rank's row maxima (values, index) over its local columns."""
     size, rank = _tp(group)
     if size == 1:
         return index
@@ -78,6 +82,13 @@ def vocab_parallel_argmax(logits: Tensor, vocab_size: int, group=None) -> Tensor
     # The lowest global id among the ranks holding the max (torch.argmax's tie rule).
     candidate = torch.where(values == best, index, torch.full_like(index, torch.iinfo(index.dtype).max))
     return _all_reduce(candidate, group, op=torch.distributed.ReduceOp.MIN)
+
+
+def vocab_parallel_argmax(logits: Tensor, vocab_size: int, group=None) -> Tensor:
+    """Global argmax ids [...] of vocab-sharded logits [..., V/TP]; exchanges per-row scalars only."""
+    local = logits.shape[-1]
+    values, index = _mask_padding(logits, _valid_columns(local, vocab_size, group), float("-inf")).max(dim=-1)
+    return _global_argmax(values, index, local, group)
 
 
 @dataclasses.dataclass
@@ -90,31 +101,37 @@ class SoftCEResult:
 def vocab_parallel_soft_cross_entropy(
     drafter_logits: Tensor, target_logits: Tensor, vocab_size: int, group=None
 ) -> SoftCEResult:
-    """Per-row -sum_v p_target(v) log q_drafter(v) over the real vocab columns, both [rows, V/TP]."""
-    valid = _valid_columns(drafter_logits.shape[-1], vocab_size, group).to(drafter_logits.device)
+    """Per-row -sum_v p_target(v) log q_drafter(v) over the real vocab columns, both [rows, V/TP].
+
+    Each [rows, V] pass counts (this is the step's hot loop on CPU): padding columns are masked only where this
+    rank has some, and each side's one max pass gives both the softmax shift and the argmax.
+    """
+    local = drafter_logits.shape[-1]
+    valid = _valid_columns(local, vocab_size, group)
     # At least float32 (bf16 logits are promoted); float64 stays float64 for exactness checks.
     dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
-    q_logits = drafter_logits.to(dtype).masked_fill(~valid, float("-inf"))
-    t_logits = target_logits.to(dtype).masked_fill(~valid, float("-inf"))
+    q_logits = _mask_padding(drafter_logits.to(dtype), valid, float("-inf"))
+    t_logits = _mask_padding(target_logits.to(dtype), valid, float("-inf"))
 
-    t_max = _all_reduce(t_logits.max(dim=-1).values, group, op=torch.distributed.ReduceOp.MAX)
+    t_local_max, t_index = t_logits.max(dim=-1)
+    t_max = _all_reduce(t_local_max, group, op=torch.distributed.ReduceOp.MAX)
     t_exp = torch.exp(t_logits - t_max[:, None])
     p = t_exp / _all_reduce(t_exp.sum(dim=-1), group)[:, None]
 
-    q_max = _all_reduce(q_logits.max(dim=-1).values.detach(), group, op=torch.distributed.ReduceOp.MAX)
+    q_local_max, q_index = q_logits.detach().max(dim=-1)
+    q_max = _all_reduce(q_local_max, group, op=torch.distributed.ReduceOp.MAX)
     q_shift = q_logits - q_max[:, None]
     q_sum = _all_reduce(torch.exp(q_shift).sum(dim=-1), group, differentiable=True)
     log_z = torch.log(q_sum)
     # sum_v p log q = sum_v p (z_v - max) - log Z, since sum_v p = 1.
-    expected_logit = _all_reduce((p * q_shift.masked_fill(~valid, 0.0)).sum(dim=-1), group, differentiable=True)
+    expected_logit = _all_reduce((p * _mask_padding(q_shift, valid, 0.0)).sum(dim=-1), group, differentiable=True)
     loss = log_z - expected_logit
 
     with torch.no_grad():
         q = torch.exp(q_shift - log_z[:, None])
         accept = _all_reduce(torch.minimum(p, q).sum(dim=-1), group)
-        agree = vocab_parallel_argmax(drafter_logits.detach(), vocab_size, group) == vocab_parallel_argmax(
-            target_logits.detach(), vocab_size, group
-        )
+        # float32 keeps the order (and ties) of bf16 logits: the same argmax as on the logits as given.
+        agree = _global_argmax(q_local_max, q_index, local, group) == _global_argmax(t_local_max, t_index, local, group)
     return SoftCEResult(loss=loss, agree=agree, accept=accept)
 
 
@@ -189,18 +206,20 @@ def ttt_step_terms(
     terms = []
     for k, logits in enumerate(drafter_logits):
         mask = step_mask(loss_mask, target_in_draft, k, mask_alignment)
-        target_k = shift_rows(target_logits, 1 + k)
         # Which sample each row belongs to, in the order of the rows given.
         sample = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
         if logits.dim() == 2:  # counted rows only: every row given counts
             if logits.shape[0] != int(mask.sum()):
                 raise ValueError(f"TTT step {k}: {logits.shape[0]} drafter rows for {int(mask.sum())} counted rows.")
-            target_k, sample = target_k[mask], sample[mask]
+            # Row t reads the target at t+1+k; the mask's last 1+k rows are False (step_mask), so gathering
+            # from the unshifted logits gives shift_rows(target_logits, 1 + k)[mask] without the full copy.
+            shift = min(1 + k, mask.shape[1])
+            target_k, sample = target_logits[:, shift:][mask[:, : mask.shape[1] - shift]], sample[mask]
             mask = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         else:
             logits, target_k, mask, sample = (
                 logits.reshape(-1, logits.shape[-1]),
-                target_k.reshape(-1, target_logits.shape[-1]),
+                shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1]),
                 mask.reshape(-1),
                 sample.reshape(-1),
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,6 +96,38 @@ def test_batched_writes_equal_builder_add_document(tmp_path):
     w.add_documents(tokens[4:], lengths[2:])
     w.commit()
     assert _bytes(str(tmp_path / "ours")) == _bytes(str(tmp_path / "ref"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_merged_parts_equal_megatron_builder_add_index(tmp_path, dtype):
+    """Our .idx writer and partition merge (no megatron.core import) give megatron.core's bytes, part by part."""
+    rng = np.random.default_rng(1)
+    parts = [np.array([5, 2], np.int32), np.array([], np.int32), np.array([1, 9, 4], np.int32)]
+    ref = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=dtype)
+    ours = AtomicIndexedWriter(str(tmp_path / "ours"), dtype)
+    for k, lengths in enumerate(parts):
+        tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(dtype)
+        part = AtomicIndexedWriter(str(tmp_path / f"part{k}"), dtype)
+        part.add_documents(tokens, lengths)
+        part.commit()
+        ref.add_index(str(tmp_path / f"part{k}"))
+        ours.add_index(str(tmp_path / f"part{k}"))
+    ref.finalize(str(tmp_path / "ref.idx"))
+    ours.commit()
+    assert _bytes(str(tmp_path / "ours")) == _bytes(str(tmp_path / "ref"))
+    ours_ds, ref_ds = IndexedDataset(str(tmp_path / "ours")), IndexedDataset(str(tmp_path / "ref"))
+    assert len(ours_ds) == 5 and [ours_ds[i].tolist() for i in range(5)] == [ref_ds[i].tolist() for i in range(5)]
+
+
+def test_preprocessing_does_not_import_megatron_core():
+    """The stage's start-up stays free of megatron.core (and torch): seconds per run, for writing one file format."""
+    code = (
+        "import sys; import megatron_osprey.recipes, megatron_osprey.stages.preprocess, "
+        "megatron_osprey.data.preprocess; print(sorted(m for m in ('megatron.core', 'torch') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_compressed_parquet_and_datasets_inputs_give_identical_output(tmp_path, tokenizer_dir):

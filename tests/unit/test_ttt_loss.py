@@ -260,3 +260,63 @@ def test_reference_normalization_is_specforges_per_sample_mean():
         logits, target[..., t2d], loss_mask, in_draft, draft, TTTLossConfig(ttt_steps=steps, mask_alignment="reference")
     )
     assert abs(tokens.item() - expected.item()) > 1e-3
+
+
+def _soft_ce_before(drafter_logits, target_logits, vocab_size):
+    """The soft CE as written before its passes were cut (TP 1): mask both sides, max, exp, separate argmaxes."""
+    valid = torch.arange(drafter_logits.shape[-1]) < vocab_size
+    dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
+    q_logits = drafter_logits.to(dtype).masked_fill(~valid, float("-inf"))
+    t_logits = target_logits.to(dtype).masked_fill(~valid, float("-inf"))
+    t_exp = torch.exp(t_logits - t_logits.max(dim=-1).values[:, None])
+    p = t_exp / t_exp.sum(dim=-1)[:, None]
+    q_shift = q_logits - q_logits.max(dim=-1).values.detach()[:, None]
+    log_z = torch.log(torch.exp(q_shift).sum(dim=-1))
+    loss = log_z - (p * q_shift.masked_fill(~valid, 0.0)).sum(dim=-1)
+    with torch.no_grad():
+        accept = torch.minimum(p, torch.exp(q_shift - log_z[:, None])).sum(dim=-1)
+        agree = vocab_parallel_argmax(drafter_logits.detach(), vocab_size) == vocab_parallel_argmax(
+            target_logits.detach(), vocab_size
+        )
+    return loss, agree, accept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padding", [0, 5], ids=["no_padding", "padding_columns"])
+def test_soft_cross_entropy_is_bitwise_what_it_was(dtype, padding):
+    """Fewer passes over the vocabulary, the same bits: loss, its gradient, agreement and acceptance."""
+    from megatron_osprey.losses.ttt import vocab_parallel_soft_cross_entropy
+
+    torch.manual_seed(0)
+    rows, vocab = 37, 300
+    target_logits = (torch.randn(rows, vocab + padding) * 3).to(dtype)
+    target_logits[:4, 7] = target_logits[:4, 11] = 50.0  # ties: the lower id wins on both paths
+    drafter_logits = (torch.randn(rows, vocab + padding) * 3).to(dtype)
+    ours_in, ref_in = drafter_logits.clone().requires_grad_(), drafter_logits.clone().requires_grad_()
+    ours = vocab_parallel_soft_cross_entropy(ours_in, target_logits, vocab)
+    loss, agree, accept = _soft_ce_before(ref_in, target_logits, vocab)
+    weights = torch.randn(rows)
+    (ours.loss * weights).sum().backward()
+    (loss * weights).sum().backward()
+    assert torch.equal(ours.loss, loss) and torch.equal(ours.accept, accept) and torch.equal(ours.agree, agree)
+    assert torch.equal(ours_in.grad, ref_in.grad)
+
+
+def test_counted_rows_read_the_same_target_rows_as_the_shifted_batch():
+    """ttt_step_terms on counted rows only (gathered from the unshifted target) equals it on every row."""
+    from megatron_osprey.losses.ttt import ttt_step_terms
+
+    torch.manual_seed(1)
+    b, s, vocab, steps = 3, 12, 50, 5
+    target_logits = torch.randn(b, s, vocab)
+    loss_mask = torch.rand(b, s) > 0.3
+    in_draft = torch.rand(b, s) > 0.2
+    every_row = [torch.randn(b, s, vocab) for _ in range(steps)]
+    masks = step_masks(loss_mask, in_draft, steps)
+    counted = [logits[mask] for logits, mask in zip(every_row, masks)]
+    full = ttt_step_terms(every_row, target_logits, loss_mask, in_draft, vocab)
+    rows = ttt_step_terms(counted, target_logits, loss_mask, in_draft, vocab)
+    for a, c in zip(full, rows):
+        assert int(a.count) == int(c.count) > 0
+        assert torch.allclose(a.sample_loss, c.sample_loss) and torch.allclose(a.accept_sum, c.accept_sum)
+        assert int(a.agree_sum) == int(c.agree_sum)
