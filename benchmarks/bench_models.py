@@ -118,9 +118,13 @@ def extraction_pair(workdir: Path, samples: int, micro_batch: int) -> Pair:
     return Pair(
         stage=f"hidden-state extraction ({samples} conversations, batch {micro_batch}, bf16 store)",
         ours=ours,
-        peer=lambda: hf_extract_loop(target, batches, aux_ids, workdir / "hf_store"),
+        # the peer starts from the same conversations file as ours: its tokenization is inside its timed run
+        peer=lambda: hf_extract_loop(
+            target, _tokenized_batches(target, data, micro_batch), aux_ids, workdir / "hf_store"
+        ),
         limit=bare_forward,
-        peer_name="a plain HF output_hidden_states loop saving aux + final in bf16 to safetensors (written here)",
+        peer_name="a plain HF loop (chat-template tokenization of the same file, output_hidden_states, aux + final "
+        "saved in bf16 to safetensors; written here)",
         limit_name="a bare decoder forward of the loaded target over the same batches",
     )
 

@@ -15,18 +15,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_osprey.base.atomic_io import make_staging_dir, publish_dir, write_json_atomic
+from megatron_osprey.base.cache_dir import osprey_cache_dir
 
 from .sources import Distribution
 
 SOURCE_RECORD_FILE = "source.json"
 SOURCES_SUBDIR = "_sources"  # downloaded distributions, beside what is built from them
-
-
-def osprey_cache_dir(kind: str) -> Path:
-    """$OSPREY_CACHE/<kind> if OSPREY_CACHE is set, else ~/.cache/megatron_osprey/<kind>."""
-    root = os.environ.get("OSPREY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "megatron_osprey"
-    return base / kind
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None, kind: str) -> Path:

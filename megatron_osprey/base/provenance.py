@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.cache_dir import osprey_cache_dir
 from megatron_osprey.base.checksums import file_sha256
 from megatron_osprey.base.redact import redact_urls
 
@@ -50,6 +51,34 @@ def _recorded_in_manifest(directory: Path) -> dict[str, str]:
         return {}
 
 
+# Files this large have their sha256 remembered by stat (a model's weights read as a tokenizer directory's).
+REMEMBER_FROM_BYTES = 16 << 20
+
+
+def remembered_sha256(file: Path) -> str:
+    """file_sha256, remembered in $OSPREY_CACHE/sha256 for large files under their path, device, inode, size,
+    mtime and ctime (ns): a file written since has another stat, ctime included, so it is hashed again, as make
+    and git's index decide what changed."""
+    st = file.stat()
+    if st.st_size < REMEMBER_FROM_BYTES:
+        return file_sha256(file)
+    key = f"{file.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    entry = osprey_cache_dir("sha256") / hashlib.sha256(key.encode()).hexdigest()
+    try:
+        known = entry.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    sha = file_sha256(file)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(entry, sha + "\n")
+    except OSError:  # a read-only cache only costs the hash next time
+        pass
+    return sha
+
+
 def digest(path: str | Path) -> str:
     """sha256 of a file, or of a directory's files in sorted order (see the module docstring)."""
     path = Path(path)
@@ -66,7 +95,7 @@ def digest(path: str | Path) -> str:
                 continue
             file = Path(root) / name
             relative = file.relative_to(path).as_posix()
-            lines.append(f"{relative}\t{recorded.get(relative) or file_sha256(file)}\n")
+            lines.append(f"{relative}\t{recorded.get(relative) or remembered_sha256(file)}\n")
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 

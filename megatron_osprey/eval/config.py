@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+TARGET_BACKENDS = ("hf", "megatron")  # how evaluation and Draft-OPD rollouts run the target
 
 
 @dataclass

@@ -27,11 +27,10 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
-from megatron_osprey.eval.config import DTYPE_NAMES, DrafterSpec
+from megatron_osprey.eval.config import DTYPE_NAMES, TARGET_BACKENDS, DrafterSpec
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 PROMPT_MESSAGES = ("first_user", "before_assistant")
-TARGET_BACKENDS = ("hf", "megatron")
 
 
 @dataclasses.dataclass

@@ -29,11 +29,11 @@ from pathlib import Path
 from megatron_osprey.base.outputs import check_output, prepare_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
+from megatron_osprey.eval.config import TARGET_BACKENDS
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
-TARGET_BACKENDS = ("hf", "megatron")
 
 
 @dataclasses.dataclass
