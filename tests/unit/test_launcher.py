@@ -424,3 +424,12 @@ def test_every_megatron_stage_of_a_gpu_recipe_trains_with_one_cuda_connection(na
         assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", (stage, env)
         # The training process itself, past srun and the task wrapper: its rank and its stage's module.
         assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and f"megatron_osprey.stages.{stage}" in args, args
+
+
+def test_osprey_demo_runs_the_demo_with_its_own_flags():
+    script = "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = [sys.executable, "-c", script, "demo"]
+    shown = subprocess.run([*run, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "--arms" in shown.stdout and "--full" in shown.stdout, shown.stderr
+    refused = subprocess.run([*run, "--arms", "bogus"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--arms bogus" in refused.stderr
