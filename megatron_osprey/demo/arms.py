@@ -199,6 +199,11 @@ def regenerate_and_extract(
     return regenerated, stores
 
 
+def drafter_name(method: str, domain: str, seed: int, cfg: DemoConfig) -> str:
+    """A drafter's name (and its directory under drafters/): method, training domain and, with seeds, the seed."""
+    return f"{method}_{domain}" + (f"_s{seed}" if len(cfg.seeds) > 1 else "")
+
+
 def distill_drafters(
     steps: StepRunner,
     cfg: DemoConfig,
@@ -217,7 +222,7 @@ def distill_drafters(
     for seed in cfg.seeds:
         for domain in cfg.train_domains:
             for method, init in [*((m, inits[m]) for m, _ in arms), ("eagle3", None)]:
-                name = f"{method}_{domain}" + (f"_s{seed}" if len(cfg.seeds) > 1 else "")
+                name = drafter_name(method, domain, seed, cfg)
                 save = output / "drafters" / name
                 steps.run(
                     f"distill_{name}",

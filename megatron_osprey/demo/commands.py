@@ -141,6 +141,20 @@ def distill_argv(
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
+def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, store: Path, save: Path, seed: int) -> list:
+    """Draft-OPD's training: `distill --mode on-policy` from the SFT checkpoint `sft` on the rollout `store`, two
+    epochs of cfg.opd_prompts at a tenth of the SFT lr (its final one; chosen before any eval)."""
+    iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
+    lr = cfg.distill_lr / 10
+    argv = ["-m", "megatron_osprey.stages.distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
+    argv += ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
+    argv += ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
+    argv += ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
+    argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
+    argv += ["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []
+    return argv + (["--bf16"] if cfg.bf16 else [])
+
+
 def eval_argv(
     cfg: DemoConfig,
     target: Path,

@@ -12,12 +12,11 @@ regenerated data, hidden-state store, optimizer, tokens and seeds, changing one 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
-from megatron_osprey.demo.arms import backbone_steps, preprocess_general
-from megatron_osprey.demo.commands import distill_argv
+from megatron_osprey.demo.arms import backbone_steps, drafter_name, preprocess_general
+from megatron_osprey.demo.commands import distill_argv, on_policy_argv
 from megatron_osprey.demo.sizes import DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
@@ -85,16 +84,12 @@ def extra_backbones(
     return inits
 
 
-def _name(arm: str, domain: str, seed: int, cfg: DemoConfig) -> str:
-    return f"{arm}_{domain}" + (f"_s{seed}" if len(cfg.seeds) > 1 else "")
-
-
 def _on_policy(
     steps: StepRunner, cfg: DemoConfig, output: Path, target: Path, data: dict, domain: str, seed: int, sft: Path
 ) -> dict:
     """Draft-OPD: the SFT Osprey drafter and the target roll out on the domain's first training prompts (one
     round), then on-policy distillation from the SFT checkpoint on the recorded rounds."""
-    name = _name("osprey_opd", domain, seed, cfg)
+    name = drafter_name("osprey_opd", domain, seed, cfg)
     store = output / "rollouts" / name
     steps.run(
         f"rollout_{name}",
@@ -103,20 +98,8 @@ def _on_policy(
         + ["--max-new-tokens", str(cfg.regenerate_tokens), "--limit", str(cfg.opd_prompts)]
         + ["--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"],
     )
-    iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
     save = output / "drafters" / name
-    lr = cfg.distill_lr / 10  # continued training starts at the SFT schedule's final lr (chosen before any eval)
-    steps.run(
-        f"distill_{name}",
-        ["-m", "megatron_osprey.stages.distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
-        + ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
-        + ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
-        + ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
-        + ["--transformer-impl", "local", "--save", save, "--save-interval", str(iters)]
-        + ["--log-interval", str(max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
-        + (["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else [])
-        + (["--bf16"] if cfg.bf16 else []),
-    )
+    steps.run(f"distill_{name}", on_policy_argv(cfg, sft, target, domain, store, save, seed))
     return {"name": name, "method": "osprey_opd", "domain": domain, "seed": seed, "path": save}
 
 
@@ -151,7 +134,7 @@ def extra_drafters(
         for domain in cfg.train_domains:
             for arm in (a for a in cfg.arms if a in OFFLINE_ARMS):
                 init_name, extra = OFFLINE_ARMS[arm]
-                name = _name(arm, domain, seed, cfg)
+                name = drafter_name(arm, domain, seed, cfg)
                 save = output / "drafters" / name
                 init = inits[init_name] if init_name else None
                 argv = distill_argv(
@@ -160,7 +143,7 @@ def extra_drafters(
                 steps.run(f"distill_{name}", argv)
                 drafters.append({"name": name, "method": arm, "domain": domain, "seed": seed, "path": save})
             if "osprey_opd" in cfg.arms:
-                sft = output / "drafters" / _name("osprey", domain, seed, cfg)
+                sft = output / "drafters" / drafter_name("osprey", domain, seed, cfg)
                 drafters.append(_on_policy(steps, cfg, output, target, data, domain, seed, sft))
     if "ngram" in cfg.arms:
         drafters += [_ngram(steps, output, target, "ngram", regenerated[d], d) for d in cfg.train_domains]
