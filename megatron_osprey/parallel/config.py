@@ -83,6 +83,11 @@ PARALLEL_FLAGS = [
     Flag("--distributed-timeout-minutes", "distributed_timeout_minutes", {"type": float}),
     Flag("--seed", "seed", {"type": int}),
 ]
+# Where a stage runs a mixture-of-experts target on its own (extract, rollout): its experts' layout.
+EXPERT_PARALLEL_FLAGS = [
+    Flag("--expert-model-parallel-size", "expert_model_parallel_size", {"type": int}),
+    Flag("--expert-tensor-parallel-size", "expert_tensor_parallel_size", {"type": int}),
+]
 # Where a stage loads a target (distill, extract): how long ranks wait for each other after the load.
 LOADING_TIMEOUT_FLAG = Flag(
     "--loading-timeout-minutes",

@@ -202,17 +202,18 @@ def target_states(model, input_ids: torch.Tensor, aux_layer_ids: list[int]) -> t
 
 @torch.no_grad()
 def megatron_target_states(target, input_ids: torch.Tensor, final_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_states for a MegatronTargetModel (one rank or a tensor-parallel group): one causal forward over
-    `input_ids` [T]; the final state is decoder layer `final_layer`'s output (the last layer, before the norm)."""
+    """target_states for a MegatronTargetModel (one rank or a tensor-parallel group, with or without sequence
+    parallelism): one causal forward over `input_ids` [T]; the final state is decoder layer `final_layer`'s
+    output (the last layer, before the norm)."""
     from megatron_osprey.models.target.pipeline_stage import LayerCapture
 
     capture = LayerCapture(target.model, [final_layer])
     try:
         _, aux = target.prefill(input_ids)
-        final = capture.outputs[final_layer][:, 0]
+        final = target.rows(capture.outputs[final_layer], input_ids.numel())
     finally:
         capture.remove()
-    return aux, final.reshape(input_ids.numel(), -1)
+    return aux, final
 
 
 @torch.no_grad()

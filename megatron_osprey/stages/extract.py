@@ -19,7 +19,12 @@ from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
 from megatron_osprey.data.hidden_state_store.config import ENCODINGS, HiddenStateStoreConfig
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS
 from megatron_osprey.models.target.config import TARGET_FLAGS, TargetConfig
-from megatron_osprey.parallel.config import LOADING_TIMEOUT_FLAG, PARALLEL_FLAGS, ParallelConfig
+from megatron_osprey.parallel.config import (
+    EXPERT_PARALLEL_FLAGS,
+    LOADING_TIMEOUT_FLAG,
+    PARALLEL_FLAGS,
+    ParallelConfig,
+)
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, in_process_groups, is_rank0, parse_config
 
 PARAMS_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -115,7 +120,9 @@ FLAGS = {
             {**STORE_TRUE, "help": "delete a store made from other data, another target or other settings"},
         ),
     ],
-    "distributed": under("parallel", [*(f for f in PARALLEL_FLAGS if f.flag in _LAYOUT), LOADING_TIMEOUT_FLAG]),
+    "distributed": under(
+        "parallel", [*(f for f in PARALLEL_FLAGS + EXPERT_PARALLEL_FLAGS if f.flag in _LAYOUT), LOADING_TIMEOUT_FLAG]
+    ),
 }
 
 

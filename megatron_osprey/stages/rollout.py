@@ -5,18 +5,23 @@
         [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
     torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ... --target-backend megatron \\
         --tensor-model-parallel-size T   (N / T data-parallel replicas, each rolling out its slice of the prompts)
+        [--sequence-parallel] [--expert-model-parallel-size E --expert-tensor-parallel-size 1]   (MoE targets)
 
 Greedy chain speculative decoding through the reference engine (speculative/rollout.py) with the HF target
 (--target-backend hf, one process) or the Megatron-Core target (megatron: the evaluate stage's exact-recompute
-target, sharded over a tensor-parallel group); the continuation is the target's own, verified output.
+target, sharded over a tensor-parallel group, with sequence parallelism, and a mixture-of-experts target's
+experts over an expert-parallel group: a MoE target at TP > 1 needs --sequence-parallel, as in Megatron-Core);
+the continuation is the target's own, verified output.
 ROLLOUT_STORE is a hidden-state store (the extract stage's format) with the rollout feature: each sample is one
 prompt plus its verified continuation (loss mask on the continuation), the target's aux and final hidden states
 over it, and its verify rounds: the root row, the drafted tokens, the number accepted (the rejection position)
 and the target's top-k probabilities at every drafted position (data/hidden_state_store/rollout.py). Unless
 --no-replay, each round rejected after a >= 1 accepted drafts adds a replayed round from its rejection position
-(root row t + a, drafted from the verified prefix). As the extract stage, one writer per data-parallel replica
-(its tensor-parallel rank 0) writes its slice; rank 0 finalizes. `distill --mode on-policy --hidden-states
-ROLLOUT_STORE` trains on it; rollout -> train rounds can repeat with the new checkpoint as --drafter.
+(root row t + a, drafted from the verified prefix). One writer per decoding replica (its first rank) writes its
+slice; rank 0 finalizes. A replica is a tensor-parallel group, or, where an expert-parallel group reaches across
+data-parallel ranks (E > T), every group it links: those ranks decode the same prompts in step.
+`distill --mode on-policy --hidden-states ROLLOUT_STORE` trains on it; rollout -> train rounds can repeat with
+the new checkpoint as --drafter.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from megatron_osprey.base.outputs import check_output, prepare_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
 from megatron_osprey.eval.config import TARGET_BACKENDS
-from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
+from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
@@ -81,8 +86,15 @@ class RolloutConfig:
             raise ValueError(f"--dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}.")
         if self.target_backend not in TARGET_BACKENDS:
             raise ValueError(f"--target-backend must be one of {TARGET_BACKENDS}, got {self.target_backend!r}.")
-        if self.target_backend == "hf" and self.parallel.tensor_model_parallel_size != 1:
-            raise ValueError("--tensor-model-parallel-size shards the Megatron target: add --target-backend megatron.")
+        if self.target_backend == "hf":
+            p = self.parallel
+            for flag, value in (
+                ("--tensor-model-parallel-size", p.tensor_model_parallel_size != 1),
+                ("--expert-model-parallel-size", p.expert_model_parallel_size != 1),
+                ("--sequence-parallel", p.sequence_parallel),
+            ):
+                if value:
+                    raise ValueError(f"{flag} shards the Megatron target: add --target-backend megatron.")
         check_output(self.output, self.paths_read(), PROVENANCE_FILE, self.overwrite, stage="rollout")
 
     def paths_read(self) -> dict[str, str | None]:
@@ -115,7 +127,13 @@ FLAGS = {
         ),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace this stage's earlier output in --output"}),
     ],
-    "distributed": under("parallel", [f for f in PARALLEL_FLAGS if f.flag == "--tensor-model-parallel-size"]),
+    "distributed": under(
+        "parallel",
+        [
+            *(f for f in PARALLEL_FLAGS if f.flag in ("--tensor-model-parallel-size", "--sequence-parallel")),
+            *EXPERT_PARALLEL_FLAGS,
+        ],
+    ),
 }
 
 
@@ -217,22 +235,23 @@ def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
 
 
 def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
-    """Every rank of the job: the Megatron-Core target over each tensor-parallel group, one writer per
-    data-parallel replica (tensor-parallel rank 0) on its contiguous slice of the prompts; rank 0 finalizes."""
+    """Every rank of the job: the Megatron-Core target over each decoding replica (a tensor-parallel group, or
+    the groups an expert-parallel group links), one writer per replica on its contiguous slice of the prompts;
+    rank 0 finalizes."""
     import torch
-    from megatron.core import parallel_state as mpu
 
     from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
     from megatron_osprey.models.target.pipeline_stage import load_target
     from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.parallel.replicas import decoding_replica
     from megatron_osprey.speculative.rollout import megatron_target_states
 
-    tp = config.parallel.tensor_model_parallel_size
-    arch.validate_parallel(tp, 1, 1)
-    if arch.is_moe and tp > 1:
-        raise ValueError("--target-backend megatron rolls out dense targets only at --tensor-model-parallel-size > 1.")
+    p = config.parallel
+    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
+    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
     dtype, output = getattr(torch, config.dtype), Path(config.output)
     # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
     drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
@@ -245,12 +264,13 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
         stage = load_target(
             config.target, state.config, state.device, params_dtype=dtype, with_lm_head=True, transformer_impl="local"
         )
-        target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size)
-        dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        replica = decoding_replica()
+        target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
         prompts = prompts_of()
-        mine = [prompts[i] for i in contiguous_slice(len(prompts), dp_rank, dp_size)]
-        is_writer = mpu.get_tensor_model_parallel_rank() == 0
-        writer = _open_writer(config, output, arch, aux_ids, dp_rank, dp_size) if is_writer else None
+        mine = [prompts[i] for i in contiguous_slice(len(prompts), replica.index, replica.count)]
+        writer = None
+        if replica.is_writer:
+            writer = _open_writer(config, output, arch, aux_ids, replica.index, replica.count)
         states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
         with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
             results = _roll_out(config, target, states, drafter, mine, writer)

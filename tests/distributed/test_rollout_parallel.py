@@ -1,17 +1,22 @@
-"""The Draft-OPD rollout on the Megatron-Core target at TP=2 and at DP=2 (torchrun, gloo) equals the
-single-process HF rollout: the same tokens, rounds, replays and accepted counts, the same target distributions."""
+"""The Draft-OPD rollout on the Megatron-Core target at TP=2 and at DP=2 (torchrun, gloo), and on a
+mixture-of-experts target at TP=2 + SP, TP=2 + SP + EP=2 and EP=2, equals the single-process HF rollout: the same
+tokens, rounds, replays and accepted counts, the same target distributions."""
 
 import pytest
 
 from megatron_osprey.parallel import parallel_context
+from megatron_osprey.stages import adapt
+from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.rollout import run
 from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
+from megatron_osprey.testing.tiny_models import write_chat_target
 from megatron_osprey.training.distillation import run_distill
 from tests.distributed.launch import run_torchrun
 from tests.distributed.scripts.check_rollout import rollout_config
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = ["tp2", "dp2"]
+MOE_LAYOUTS = ["moe_tp2_sp", "moe_tp2_sp_ep2", "moe_ep2"]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +28,17 @@ def figures(tmp_path_factory):
         run_distill(sft, state)
     extra = [str(setup["target"]), str(setup["root"] / "sft"), str(setup["data"]), str(setup["root"] / "hf")]
     reference = run(rollout_config(*extra[:3], setup["root"] / "hf"))  # one process, the HF target
+    # A random Qwen3-MoE target (8 experts, top 2) and the pruned backbone adapted to it (not distilled).
+    moe, root = setup["root"] / "moe", setup["root"]
+    write_chat_target(moe, "qwen3_moe")
+    adapt.run(
+        AdaptConfig(
+            backbone=str(root / "backbone"), target=str(moe), output=str(root / "moe_drafter"), aux_layer_ids=[1, 3, 4]
+        )
+    )
+    moe_extra = [str(moe), str(root / "moe_drafter"), str(root / "moe_hf")]
+    run(rollout_config(moe_extra[0], moe_extra[1], extra[2], root / "moe_hf"))
+    extra += moe_extra
     figures = run_torchrun("check_rollout.py", tmp_path_factory.mktemp("rollout"), timeout=400, extra=extra)
     return figures | {"hf_replays": sum(reference.replays)}
 
@@ -52,3 +68,20 @@ def test_one_writer_per_data_parallel_replica(figures):
     assert figures["tp2_writers"] == 1 and figures["dp2_writers"] == 2
     assert figures["tp2_rank0_prompts"] == figures["tp2_rank1_prompts"] == 6  # a TP group rolls out every prompt
     assert figures["dp2_rank0_prompts"] == figures["dp2_rank1_prompts"] == 3  # each replica its half
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_megatron_moe_rollout_records_the_hf_rollout(figures, layout):
+    print(
+        f"{layout}: {figures[f'{layout}_rounds']} rounds ({figures['moe_hf_accepted']} drafts accepted by HF), "
+        f"max |p_megatron - p_hf| {figures[f'{layout}_probs_max_abs']:.2e}, "
+        f"states {figures[f'{layout}_states_quanta']:.2f} bf16 quanta off"
+    )
+    assert figures[f"{layout}_samples"] == figures["hf_samples"]
+    assert figures[f"{layout}_exact"] is True
+    assert figures[f"{layout}_rounds"] == figures["moe_hf_rounds"]
+    assert figures[f"{layout}_probs_max_abs"] < 1e-6
+    assert figures[f"{layout}_states_quanta"] <= 1.0
+    # One replica in every layout: TP=2 links both ranks, and so does EP=2 across the two data-parallel ranks.
+    assert figures[f"{layout}_writers"] == 1
+    assert figures[f"{layout}_rank0_prompts"] == figures[f"{layout}_rank1_prompts"] == 6

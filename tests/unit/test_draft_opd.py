@@ -251,14 +251,16 @@ def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_pa
     "change,message",
     [
         ({"target_backend": "vllm"}, "--target-backend must be one of"),
-        ({"parallel": "TP2"}, "--tensor-model-parallel-size shards the Megatron target"),
+        ({"parallel": {"tensor_model_parallel_size": 2}}, "--tensor-model-parallel-size shards the Megatron target"),
+        ({"parallel": {"expert_model_parallel_size": 2}}, "--expert-model-parallel-size shards the Megatron target"),
+        ({"parallel": {"sequence_parallel": True}}, "--sequence-parallel shards the Megatron target"),
     ],
 )
 def test_rollout_bad_backend_flags_name_the_flag(opd, tmp_path, change, message):
     from megatron_osprey.parallel.config import ParallelConfig
 
-    if change.get("parallel") == "TP2":
-        change = {"parallel": ParallelConfig(tensor_model_parallel_size=2)}
+    if "parallel" in change:
+        change = {"parallel": ParallelConfig(**change["parallel"])}
     config = RolloutConfig(
         target=str(opd["target"]), drafter=str(opd["sft"]), data_path=str(opd["data"]), output=str(tmp_path / "o")
     )
@@ -266,3 +268,34 @@ def test_rollout_bad_backend_flags_name_the_flag(opd, tmp_path, change, message)
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         config.validate()
+
+
+def test_rollout_and_extract_take_the_expert_layout_flags():
+    """Megatron-LM's names, as the stages' docstrings show them (extract's had no such flag before)."""
+    from megatron_osprey.stages.cli import parse_config
+    from megatron_osprey.stages.extract import FLAGS as EXTRACT_FLAGS
+    from megatron_osprey.stages.extract import ExtractConfig
+    from megatron_osprey.stages.rollout import FLAGS as ROLLOUT_FLAGS
+
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+    layout += ["--expert-tensor-parallel-size", "1"]
+    for name, cls, flags in (("rollout", RolloutConfig, ROLLOUT_FLAGS), ("extract", ExtractConfig, EXTRACT_FLAGS)):
+        config, _ = parse_config(layout, name, cls, flags, "", None)
+        p = config.parallel
+        assert (p.tensor_model_parallel_size, p.sequence_parallel) == (2, True)
+        assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (2, 1)
+
+
+def test_a_moe_rollout_at_tp2_needs_sequence_parallel(tmp_path):
+    from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.parallel.config import ParallelConfig
+    from megatron_osprey.stages.rollout import _run_megatron
+    from megatron_osprey.testing.tiny_models import write_chat_target
+
+    write_chat_target(tmp_path / "moe", "qwen3_moe")
+    config = RolloutConfig(parallel=ParallelConfig(tensor_model_parallel_size=2), target_backend="megatron")
+    with pytest.raises(ValueError, match="needs --sequence-parallel"):
+        _run_megatron(config, ModelArch.from_hf_config(tmp_path / "moe"), None)
+    config.parallel = ParallelConfig(expert_model_parallel_size=3)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide"):
+        _run_megatron(config, ModelArch.from_hf_config(tmp_path / "moe"), None)

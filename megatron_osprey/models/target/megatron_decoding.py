@@ -22,9 +22,14 @@ from megatron_osprey.models.target.decoding import TargetModel
 
 class MegatronTargetModel(TargetModel):
     """TargetModel over a Megatron-Core GPTModel (with its LM head) and layer hooks: one rank, or one
-    tensor-parallel group (no sequence or pipeline parallelism), where every rank gets the full logits."""
+    tensor-parallel group, with or without sequence parallelism, dense or mixture-of-experts (experts over an
+    expert-parallel group); no pipeline parallelism. Every rank gets the full logits and aux rows.
 
-    def __init__(self, model, aux_layer_ids: list[int], vocab_size: int):
+    `sync_group`: a group of ranks that decode the same sequence in step without sharing a tensor-parallel group
+    (data-parallel ranks of one expert-parallel group); its first rank's logits and aux rows are broadcast to
+    the others, so that every rank takes the same greedy decisions and runs the same number of forwards."""
+
+    def __init__(self, model, aux_layer_ids: list[int], vocab_size: int, sync_group=None):
         from megatron_osprey.models.target.pipeline_stage import LayerCapture
 
         self.model = model
@@ -34,6 +39,8 @@ class MegatronTargetModel(TargetModel):
         self._committed = torch.zeros(0, dtype=torch.long)
         self._pending: torch.Tensor | None = None
         self.tp_size = 1
+        self.sequence_parallel = bool(getattr(model.config, "sequence_parallel", False))
+        self.sync_group = sync_group
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state as mpu
 
@@ -59,27 +66,52 @@ class MegatronTargetModel(TargetModel):
     def cache_length(self) -> int:
         return int(self._committed.numel())
 
+    def _padded(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
+        """Under sequence parallelism the length must divide over the tensor-parallel ranks: pad rows at the end
+        (token 0, position 0) that see only themselves and that no real row sees."""
+        pad = -ids.numel() % self.tp_size if self.sequence_parallel else 0
+        if not pad:
+            return ids, positions, visible
+        n = ids.numel()
+        grown = torch.eye(n + pad, dtype=torch.bool)
+        grown[:n, :n] = visible
+        return torch.cat([ids, ids.new_zeros(pad)]), torch.cat([positions, positions.new_zeros(pad)]), grown
+
+    def rows(self, hidden: torch.Tensor, length: int) -> torch.Tensor:
+        """A captured layer output ([s, 1, h], or its [s/TP, 1, h] shard under sequence parallelism) as the
+        sequence's first `length` rows, [length, h]."""
+        if self.sequence_parallel:
+            from megatron_osprey.models.target.pipeline_stage import gather_sequence
+
+            hidden = gather_sequence(hidden)
+        return hidden[:length, 0]
+
     @torch.no_grad()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, new: int):
         """Logits and aux rows of the last `new` tokens; visible[i, j]: token i attends to token j."""
-        model = self.model
+        model, n = self.model, ids.numel()
         # The committed sequence is kept on the CPU; the model may sit on a GPU.
         device = next(model.parameters()).device
         length = int(positions.max()) + 1
-        ids, positions, visible = ids.to(device), positions.to(device), visible.to(device)
-        hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])
+        ids, positions, visible = (t.to(device) for t in self._padded(ids, positions, visible))
+        hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])  # scattered under SP
         rotary = model.rotary_pos_emb(length)[positions]
         self.capture.clear()
         hidden = model.decoder(hidden_states=hidden, attention_mask=~visible[None, None], rotary_pos_emb=rotary)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        logits, _ = model.output_layer(hidden, weight=weight)
+        logits, _ = model.output_layer(hidden, weight=weight)  # the LM head gathers the sequence under SP
         if self.tp_size > 1:  # each tensor-parallel rank holds a vocabulary slice: every rank gets all of it
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
             logits = gather_from_tensor_model_parallel_region(logits)
-        aux = torch.cat([self.capture.outputs[i][-new:, 0] for i in self.aux_layer_ids], dim=-1)
+        aux = torch.cat([self.rows(self.capture.outputs[i], n)[-new:] for i in self.aux_layer_ids], dim=-1)
         self.capture.clear()
-        return logits[-new:, 0, : self.vocab_size].float(), aux.float()
+        logits, aux = logits[n - new : n, 0, : self.vocab_size].float().contiguous(), aux.float().contiguous()
+        if self.sync_group is not None:
+            source = torch.distributed.get_process_group_ranks(self.sync_group)[0]
+            for tensor in (logits, aux):
+                torch.distributed.broadcast(tensor, source, group=self.sync_group)
+        return logits, aux
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._committed = input_ids.detach().cpu().long()

@@ -1,7 +1,10 @@
 """Run under `torchrun --nproc_per_node=2`: the Draft-OPD rollout on the Megatron target at TP=2 and at DP=2 (two
-writers) against the single-process HF rollout (REFERENCE, written by the pytest process with the same settings).
+writers) against the single-process HF rollout (REFERENCE, written by the pytest process with the same settings);
+then a mixture-of-experts target (MOE_TARGET, its drafter MOE_DRAFTER) at TP=2 + SP (experts tensor-parallel), TP=2
++ SP + EP=2, and EP=2 across the two data-parallel ranks (one replica), against its HF rollout MOE_REFERENCE.
 
-argv: WORK RESULT TARGET DRAFTER DATA REFERENCE. Rank 0 writes a JSON of measured figures to RESULT.
+argv: WORK RESULT TARGET DRAFTER DATA REFERENCE MOE_TARGET MOE_DRAFTER MOE_REFERENCE. Rank 0 writes a JSON of
+measured figures to RESULT.
 """
 
 import json
@@ -17,6 +20,16 @@ from tests.store_quanta import error_in_quanta
 
 STEPS, TOP_K, LIMIT = 3, 16, 6
 LAYOUTS = {"tp2": ParallelConfig(tensor_model_parallel_size=2), "dp2": ParallelConfig()}
+MOE_LAYOUTS = {
+    "moe_tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    "moe_tp2_sp_ep2": ParallelConfig(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    ),
+    "moe_ep2": ParallelConfig(expert_model_parallel_size=2),
+}
 
 
 def compare(reference: HiddenStateStore, store: HiddenStateStore, label: str) -> dict:
@@ -59,10 +72,13 @@ def rollout_config(target: str, drafter: str, data: str, output: Path, **changes
     )
 
 
-def main(work: Path, result_path: Path, target: str, drafter: str, data: str, reference: str) -> None:
+def main(work: Path, result_path: Path, target: str, drafter: str, data: str, reference: str, *moe: str) -> None:
     rank, results = torch.distributed.get_rank(), {}
-    for label, layout in LAYOUTS.items():
-        config = rollout_config(target, drafter, data, work / label, target_backend="megatron", parallel=layout)
+    moe_target, moe_drafter, moe_reference = moe
+    runs = [(label, layout, target, drafter) for label, layout in LAYOUTS.items()]
+    runs += [(label, layout, moe_target, moe_drafter) for label, layout in MOE_LAYOUTS.items()]
+    for label, layout, model, draft in runs:
+        config = rollout_config(model, draft, data, work / label, target_backend="megatron", parallel=layout)
         results[f"{label}_rank{rank}_prompts"] = len(run(config).results)
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
@@ -78,12 +94,17 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
         )
         for label in LAYOUTS:
             merged |= compare(reference, HiddenStateStore(work / label, dtype=torch.float32), label)
+        moe_reference = HiddenStateStore(moe_reference, dtype=torch.float32)
+        merged["moe_hf_rounds"] = sum(len(moe_reference[i]["rollout"]) for i in range(len(moe_reference)))
+        merged["moe_hf_accepted"] = sum(int(s["rollout"].accepted.sum()) for s in moe_reference)
+        for label in MOE_LAYOUTS:
+            merged |= compare(moe_reference, HiddenStateStore(work / label, dtype=torch.float32), label)
         result_path.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":
     torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
     try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:7])
+        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:10])
     finally:
         torch.distributed.destroy_process_group()
