@@ -1,10 +1,11 @@
-"""The Draft-OPD rollout on the Megatron-Core target at TP=2 and at DP=2 (torchrun, gloo), and on a
+"""Draft-OPD under torchrun (gloo). The rollout on the Megatron-Core target at TP=2 and at DP=2, and on a
 mixture-of-experts target at TP=2 + SP, TP=2 + SP + EP=2 and EP=2, equals the single-process HF rollout: the same
-tokens, rounds, replays and accepted counts, the same target distributions."""
+tokens, rounds, replays and accepted counts, the same target distributions. On-policy distillation on that store
+at TP=2, TP=2 + SP and DP=2 takes the single-process run's updates: the same losses and gradient norms."""
 
 import pytest
 
-from megatron_osprey.parallel import parallel_context
+from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages import adapt
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.rollout import run
@@ -12,6 +13,8 @@ from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_dist
 from megatron_osprey.testing.tiny_models import write_chat_target
 from megatron_osprey.training.distillation import run_distill
 from tests.distributed.launch import run_torchrun
+from tests.distributed.scripts.check_on_policy import LAYOUTS as ON_POLICY_LAYOUTS
+from tests.distributed.scripts.check_on_policy import history, on_policy_config
 from tests.distributed.scripts.check_rollout import rollout_config
 
 pytestmark = pytest.mark.distributed
@@ -20,27 +23,46 @@ MOE_LAYOUTS = ["moe_tp2_sp", "moe_tp2_sp_ep2", "moe_ep2"]
 
 
 @pytest.fixture(scope="module")
-def figures(tmp_path_factory):
-    """An SFT-distilled drafter (so that rounds accept some drafts and reject others), then the torchrun check."""
+def opd_setup(tmp_path_factory):
+    """An SFT-distilled drafter (so that rounds accept some drafts and reject others) and its single-process HF
+    rollout; a random Qwen3-MoE target (8 experts, top 2) with the pruned backbone adapted to it (not distilled)
+    and its HF rollout."""
     setup = build_distill_setup(tmp_path_factory.mktemp("rollout_setup"))
-    sft = tiny_distill_config(setup, checkpoint__save=str(setup["root"] / "sft"), training__train_iters=20)
+    root = setup["root"]
+    sft = tiny_distill_config(setup, checkpoint__save=str(root / "sft"), training__train_iters=20)
     with parallel_context(sft.parallel) as state:
         run_distill(sft, state)
-    extra = [str(setup["target"]), str(setup["root"] / "sft"), str(setup["data"]), str(setup["root"] / "hf")]
-    reference = run(rollout_config(*extra[:3], setup["root"] / "hf"))  # one process, the HF target
-    # A random Qwen3-MoE target (8 experts, top 2) and the pruned backbone adapted to it (not distilled).
-    moe, root = setup["root"] / "moe", setup["root"]
+    reference = run(rollout_config(str(setup["target"]), str(root / "sft"), str(setup["data"]), root / "hf"))
+    moe = root / "moe"
     write_chat_target(moe, "qwen3_moe")
     adapt.run(
         AdaptConfig(
             backbone=str(root / "backbone"), target=str(moe), output=str(root / "moe_drafter"), aux_layer_ids=[1, 3, 4]
         )
     )
-    moe_extra = [str(moe), str(root / "moe_drafter"), str(root / "moe_hf")]
-    run(rollout_config(moe_extra[0], moe_extra[1], extra[2], root / "moe_hf"))
-    extra += moe_extra
+    run(rollout_config(str(moe), str(root / "moe_drafter"), str(setup["data"]), root / "moe_hf"))
+    return setup | {"sft": root / "sft", "hf_replays": sum(reference.replays)}
+
+
+@pytest.fixture(scope="module")
+def figures(opd_setup, tmp_path_factory):
+    root = opd_setup["root"]
+    extra = [str(opd_setup["target"]), str(root / "sft"), str(opd_setup["data"]), str(root / "hf")]
+    extra += [str(root / "moe"), str(root / "moe_drafter"), str(root / "moe_hf")]
     figures = run_torchrun("check_rollout.py", tmp_path_factory.mktemp("rollout"), timeout=400, extra=extra)
-    return figures | {"hf_replays": sum(reference.replays)}
+    return figures | {"hf_replays": opd_setup["hf_replays"]}
+
+
+@pytest.fixture(scope="module")
+def on_policy(opd_setup, tmp_path_factory):
+    """On-policy distillation on the HF rollout store: one process, then TP=2, TP=2 + SP and DP=2 under torchrun."""
+    root = opd_setup["root"]
+    paths = [str(opd_setup["target"]), str(root / "sft"), str(opd_setup["data"]), str(root / "hf")]
+    cfg = on_policy_config(*paths, root / "on_policy_1proc", ParallelConfig())
+    with parallel_context(cfg.parallel) as state:
+        reference = history(run_distill(cfg, state))
+    layouts = run_torchrun("check_on_policy.py", tmp_path_factory.mktemp("on_policy"), timeout=400, extra=paths)
+    return {"1proc": reference, **layouts}
 
 
 def test_the_reference_rollout_has_rejections_and_replays(figures):
@@ -85,3 +107,16 @@ def test_megatron_moe_rollout_records_the_hf_rollout(figures, layout):
     # One replica in every layout: TP=2 links both ranks, and so does EP=2 across the two data-parallel ranks.
     assert figures[f"{layout}_writers"] == 1
     assert figures[f"{layout}_rank0_prompts"] == figures[f"{layout}_rank1_prompts"] == 6
+
+
+@pytest.mark.parametrize("layout", list(ON_POLICY_LAYOUTS))
+def test_on_policy_distillation_takes_the_same_updates_in_every_layout(on_policy, layout):
+    want, got = on_policy["1proc"], on_policy[layout]
+    loss = max(abs(a - b) for a, b in zip(want["loss/train"], got["loss/train"]))
+    norm = max(abs(a - b) / a for a, b in zip(want["optim/grad_norm"], got["optim/grad_norm"]))
+    print(f"on-policy {layout}: losses {got['loss/train']}, max |loss - 1 proc| {loss:.2e}, grad norm rel {norm:.2e}")
+    assert len(got["loss/train"]) == len(want["loss/train"]) == 4
+    # the loss moves (updates happen), and every layout follows the same trajectory
+    assert want["loss/train"][-1] != want["loss/train"][0]
+    assert loss < 1e-5 and norm < 1e-4
+    assert got["acc/0"] == pytest.approx(want["acc/0"], abs=1e-6)

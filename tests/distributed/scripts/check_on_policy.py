@@ -1,0 +1,64 @@
+"""Run under `torchrun --nproc_per_node=2`: Draft-OPD's on-policy distillation (`distill --mode on-policy`) at TP=2,
+TP=2 + SP and DP=2 from the same SFT checkpoint and rollout store as the single-process run of the pytest side.
+
+argv: WORK RESULT TARGET SFT DATA STORE. Rank 0 writes each layout's per-iteration losses, gradient norms and
+its final drafter weights' digest path to RESULT.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.testing.distill_setup import tiny_distill_config
+from megatron_osprey.training.distillation import run_distill
+
+ITERS, STEPS = 4, 3
+LAYOUTS = {
+    "tp2": ParallelConfig(tensor_model_parallel_size=2),
+    "tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    "dp2": ParallelConfig(),
+}
+
+
+def on_policy_config(target: str, sft: str, data: str, store: str, save: Path, parallel: ParallelConfig):
+    """The on-policy run of every layout: the tiny recipe's optimizer, 4 updates of 4 samples, TTT 3."""
+    setup = {"target": target, "drafter": sft, "data": data}
+    cfg = tiny_distill_config(
+        setup,
+        data__mode="on-policy",
+        data__hidden_states=store,
+        drafter__drafter_init=sft,
+        ttt__ttt_steps=STEPS,
+        training__train_iters=ITERS,
+        checkpoint__save=str(save),
+        checkpoint__save_interval=ITERS,
+    )
+    cfg.parallel = parallel
+    return cfg
+
+
+def history(result) -> dict:
+    return {key: [entry[key] for entry in result.history] for key in ("loss/train", "optim/grad_norm", "acc/0")}
+
+
+def main(work: Path, result_path: Path, target: str, sft: str, data: str, store: str) -> None:
+    results = {}
+    for label, layout in LAYOUTS.items():
+        cfg = on_policy_config(target, sft, data, store, work / label, layout)
+        with parallel_context(cfg.parallel) as state:
+            result = run_distill(cfg, state)
+        if torch.distributed.get_rank() == 0:
+            results[label] = history(result) | {"save": str(work / label)}
+    if torch.distributed.get_rank() == 0:
+        result_path.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
+    try:
+        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:7])
+    finally:
+        torch.distributed.destroy_process_group()
