@@ -1,13 +1,17 @@
-"""Target-assisted rollout for Draft-OPD: greedy chain speculative decoding that records every verify round.
+"""Target-assisted rollout for Draft-OPD: chain speculative decoding that records every verify round.
 
-The continuation is the target's own (greedy, lossless: every emitted token is verified), so the rollout
-never leaves the target's distribution; what it records is where the drafter's own proposals lead. Each
-verify round gives (data/hidden_state_store/rollout.py has the store layout):
+The continuation is the target's own (lossless: every emitted token is verified; greedy, or sampled at a
+temperature by speculative sampling, whose output is distributed as the target's), so the rollout never
+leaves the target's distribution; what it records is where the drafter's own proposals lead. Each verify
+round gives (data/hidden_state_store/rollout.py has the store layout):
 
 * the root row n - 1 (x_0..x_n verified, x_n not yet in the target's cache), the drafted d_1..d_K;
 * the target's distribution at each drafted position j = 0..K-1 (after x_0..x_n, d_1..d_j): the verify
-  forward's own logits, kept as the top-k probabilities of the full-vocabulary softmax (float32);
-* how many drafts the target accepted (the greedy chain rule: the leading drafts equal to its argmax).
+  forward's own logits, kept as the top-k probabilities of the full-vocabulary softmax at temperature 1
+  (float32), what distillation matches whatever temperature the rollout samples at;
+* how many drafts the target accepted: greedy, the leading drafts equal to its argmax; sampled, the drafts
+  the rejection-sampling rule kept (the engine's own decision, taken from its commit; a replay's, drawn by
+  the same rule).
 
 It wraps the engine's target (a TargetModel), so the engine itself is unchanged: `speculative_generate`
 drives the recording target exactly as it drives the plain one; any TargetModel serves (the HF model, or the
@@ -32,13 +36,15 @@ from .config import SpecConfig, SpecResult
 from .draft_session import DraftSession
 from .generate import speculative_generate
 from .tree import build_draft
+from .verify import accept_sampling
 
 
 class RecordingTarget(TargetModel):
-    """Passes every call to `target` and records each chain verify round (greedy acceptance)."""
+    """Passes every call to `target` and records each chain verify round: greedy acceptance (temperature 0),
+    else the number of drafts the engine keeps at its commit (None until then)."""
 
-    def __init__(self, target: TargetModel, top_k: int, steps: int):
-        self.target, self.top_k, self.steps = target, top_k, steps
+    def __init__(self, target: TargetModel, top_k: int, steps: int, temperature: float = 0.0):
+        self.target, self.top_k, self.steps, self.greedy = target, top_k, steps, temperature == 0
         self.vocab_size = target.vocab_size
         self.rounds: list[dict] = []
 
@@ -55,26 +61,31 @@ class RecordingTarget(TargetModel):
             raise ValueError("the rollout records chains only (SpecConfig.topk == 1).")
         root = self.target.cache_length  # x_root = tokens[0], the last verified token
         logits, aux = self.target.verify(tokens, depths, allowed)
-        self.rounds.append(round_record(root - 1, tokens, logits, self.top_k))
+        record = round_record(root - 1, tokens, logits, self.top_k)
+        self.rounds.append(record if self.greedy else record | {"accepted": None})
         return logits, aux
 
     def commit(self, keep: list[int]) -> None:
-        if len(keep) - 1 != self.rounds[-1]["accepted"]:
+        if not self.greedy:
+            self.rounds[-1]["accepted"] = len(keep) - 1
+        elif len(keep) - 1 != self.rounds[-1]["accepted"]:
             raise RuntimeError(
                 f"the engine kept {len(keep) - 1} drafts where greedy acceptance gives {self.rounds[-1]['accepted']}."
             )
         self.target.commit(keep)
 
 
-def round_record(root_row: int, tokens: torch.Tensor, logits: torch.Tensor, top_k: int) -> dict:
-    """One chain verify round: tokens [root, d_1..d_K], the target's logits [K + 1, V] over them."""
+def round_record(root_row: int, tokens: torch.Tensor, logits: torch.Tensor, top_k: int, accepted=None) -> dict:
+    """One chain verify round: tokens [root, d_1..d_K], the target's logits [K + 1, V] over them; `accepted`
+    (None: greedy acceptance, the leading drafts equal to the target's argmax)."""
     drafts = tokens[1:].cpu()
     probs = torch.softmax(logits[:-1].double(), dim=-1)  # position j: after the root and d_1..d_j
     top = torch.topk(probs, top_k, dim=-1)
-    agree = (torch.argmax(logits[:-1], dim=-1).cpu() == drafts).long()
+    if accepted is None:
+        accepted = int((torch.argmax(logits[:-1], dim=-1).cpu() == drafts).long().cumprod(0).sum())
     return {
         "root_row": root_row,
-        "accepted": int(agree.cumprod(0).sum()),
+        "accepted": accepted,
         "draft_tokens": drafts,
         "topk_ids": top.indices.cpu(),
         "topk_probs": top.values.float().cpu(),
@@ -116,19 +127,31 @@ def rollout(
     top_k: int,
     replay: bool = True,
 ):
-    """Greedy chain speculative decoding of one prompt, recording its verify rounds (and, with `replay`, a
-    round replayed from each rejection position: replay_rejections); a Rollout."""
-    if cfg.topk != 1 or cfg.temperature != 0:
-        raise ValueError("the rollout is greedy chain decoding: SpecConfig(topk=1, temperature=0).")
-    recording = RecordingTarget(target, top_k, cfg.steps)
+    """Chain speculative decoding of one prompt (greedy, or sampled at cfg.temperature from cfg.seed), recording
+    its verify rounds (and, with `replay`, a round replayed from each rejection position: replay_rejections);
+    a Rollout."""
+    if cfg.topk != 1:
+        raise ValueError("the rollout decodes chains: SpecConfig(topk=1).")
+    recording = RecordingTarget(target, top_k, cfg.steps, cfg.temperature)
     prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
     result = speculative_generate(recording, drafter, prompt_ids, cfg)
     input_ids = torch.cat([prompt_ids, torch.tensor(result.tokens, dtype=torch.long)])
     loss_mask = torch.arange(input_ids.numel()) >= prompt_ids.numel()
     live = recording.rounds
+    if live and live[-1]["accepted"] is None:  # the last round is not committed: its kept drafts were emitted
+        live[-1]["accepted"] = emitted_drafts(live[-1], input_ids)
     replayed = replay_rejections(target, drafter, input_ids, prompt_ids.numel(), live, cfg, top_k) if replay else []
     merged = sorted(live + replayed, key=lambda r: r["root_row"])
     return Rollout(input_ids, loss_mask, stack_rounds(merged, cfg.steps, top_k), result, len(replayed))
+
+
+def emitted_drafts(record: dict, input_ids: torch.Tensor) -> int:
+    """The leading drafts of a round that the sequence continues with (a rejected draft is never emitted: the
+    token sampled in its place has no residual mass on it)."""
+    start = record["root_row"] + 2  # x_{t+1} is the round's root token; d_1 would be x_{t+2}
+    emitted = input_ids[start : start + record["draft_tokens"].numel()]
+    drafts = record["draft_tokens"][: emitted.numel()]
+    return int((drafts == emitted).long().cumprod(0).sum())
 
 
 def rejection_rows(live: list[dict], steps: int, num_tokens: int) -> list[int]:
@@ -176,7 +199,8 @@ def replay_rejections(
         drafter.end_round()
         tokens, depths, allowed = tree.verify_inputs(int(ids[q + 1]))
         logits, aux = target.verify(tokens, depths, allowed)
-        records.append(round_record(q, tokens, logits, top_k))
+        accepted = None if cfg.temperature == 0 else len(accept_sampling(tree, logits, cfg.temperature, generator)[0])
+        records.append(round_record(q, tokens, logits, top_k, accepted))
         target.commit([0])  # x_{q+1}: the next replay lies at least two rows on
         cached, pending = q + 2, [aux[:1]]
     return records

@@ -2,16 +2,18 @@
 
     python -m megatron_osprey.stages.rollout --target TARGET_DIR --drafter DISTILL_SAVE_DIR \\
         --data CONVERSATIONS.jsonl --output ROLLOUT_STORE [--steps 5] [--top-k 32] [--max-new-tokens 256] [--limit N]
-        [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
+        [--temperature T [--seed S]] [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
     torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ... --target-backend megatron \\
         --tensor-model-parallel-size T   (N / T data-parallel replicas, each rolling out its slice of the prompts)
         [--sequence-parallel] [--expert-model-parallel-size E --expert-tensor-parallel-size 1]   (MoE targets)
 
-Greedy chain speculative decoding through the reference engine (speculative/rollout.py) with the HF target
-(--target-backend hf, one process) or the Megatron-Core target (megatron: the evaluate stage's exact-recompute
-target, sharded over a tensor-parallel group, with sequence parallelism, and a mixture-of-experts target's
-experts over an expert-parallel group: a MoE target at TP > 1 needs --sequence-parallel, as in Megatron-Core);
-the continuation is the target's own, verified output.
+Chain speculative decoding (greedy by default; --temperature T > 0: speculative sampling, each prompt from its
+own seed derived from --seed and its id, so that the layout does not change what is sampled) through the
+reference engine (speculative/rollout.py) with the HF target (--target-backend hf, one process) or the
+Megatron-Core target (megatron: the evaluate stage's exact-recompute target, sharded over a tensor-parallel
+group, with sequence parallelism, and a mixture-of-experts target's experts over an expert-parallel group: a MoE
+target at TP > 1 needs --sequence-parallel, as in Megatron-Core); the continuation is the target's own, verified
+output.
 ROLLOUT_STORE is a hidden-state store (the extract stage's format) with the rollout feature: each sample is one
 prompt plus its verified continuation (loss mask on the continuation), the target's aux and final hidden states
 over it, and its verify rounds: the root row, the drafted tokens, the number accepted (the rejection position)
@@ -58,6 +60,8 @@ class RolloutConfig:
     dtype: str = "float32"
     samples_per_shard: int = 64
     replay: bool = True  # a round replayed from each rejection position
+    temperature: float = 0.0  # 0: greedy; > 0: speculative sampling (the continuation is the target's sample)
+    seed: int = 0  # each prompt's sampling seed derives from it and the prompt's id
     target_backend: str = "hf"  # or "megatron": the Megatron-Core target (tensor-parallel under torchrun)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     overwrite: bool = False
@@ -82,6 +86,8 @@ class RolloutConfig:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}.")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}.")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"--dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}.")
         if self.target_backend not in TARGET_BACKENDS:
@@ -115,6 +121,8 @@ FLAGS = {
         Flag("--enable-thinking", "enable_thinking", {"type": boolean, "metavar": "true|false"}),
         Flag("--dtype", "dtype", {"choices": list(ROLLOUT_DTYPES)}),
         Flag("--samples-per-shard", "samples_per_shard", {"type": int}),
+        Flag("--temperature", "temperature", {"type": float, "help": "0: greedy (default); > 0: sampled rollouts"}),
+        Flag("--seed", "seed", {"type": int, "help": "per-prompt sampling seeds derive from it (sampling only)"}),
         Flag(
             "--no-replay",
             "replay",
@@ -154,7 +162,7 @@ def _load_drafter(config: RolloutConfig, vocab_size: int, device, dtype):
 
 
 def _spec(config: RolloutConfig):
-    """Greedy chains of --steps drafts, up to --max-new-tokens, stopping at the target's EOS tokens."""
+    """Chains of --steps drafts at --temperature, up to --max-new-tokens, stopping at the target's EOS tokens."""
     from transformers import AutoConfig, GenerationConfig
 
     from megatron_osprey.speculative import SpecConfig
@@ -164,7 +172,9 @@ def _spec(config: RolloutConfig):
     except OSError:  # no generation_config.json: HF's model takes it from config.json
         eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.target)).eos_token_id
     eos = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return SpecConfig(steps=config.steps, max_new_tokens=config.max_new_tokens, eos_token_ids=eos)
+    return SpecConfig(
+        steps=config.steps, max_new_tokens=config.max_new_tokens, eos_token_ids=eos, temperature=config.temperature
+    )
 
 
 @dataclasses.dataclass
@@ -177,13 +187,15 @@ class RolloutRun:
 
 def _roll_out(config: RolloutConfig, target, states, drafter, prompts, writer) -> RolloutRun:
     """Roll out `prompts` (target: a TargetModel; states(ids) -> (aux, final)); `writer` (or None) stores them."""
+    from megatron_osprey.data.regenerate.runner import turn_seed
     from megatron_osprey.speculative import ReferenceDraftSession
     from megatron_osprey.speculative.rollout import rollout
 
     spec, session, run = _spec(config), ReferenceDraftSession(drafter), RolloutRun([], [])
     top_k = min(config.top_k, target.vocab_size)
     for prompt in prompts:
-        done = rollout(target, session, prompt.input_ids, spec, top_k, replay=config.replay)
+        seeded = dataclasses.replace(spec, seed=turn_seed(config.seed, prompt.id, 0))
+        done = rollout(target, session, prompt.input_ids, seeded, top_k, replay=config.replay)
         aux, final = states(done.input_ids)
         if writer is not None:
             writer.add(prompt.id, done.input_ids, done.loss_mask, aux.float(), final.float(), rollout=done.rounds)

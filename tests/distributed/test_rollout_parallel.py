@@ -1,6 +1,7 @@
 """Draft-OPD under torchrun (gloo). The rollout on the Megatron-Core target at TP=2 and at DP=2, and on a
 mixture-of-experts target at TP=2 + SP, TP=2 + SP + EP=2 and EP=2, equals the single-process HF rollout: the same
-tokens, rounds, replays and accepted counts, the same target distributions. On-policy distillation on that store
+tokens, rounds, replays and accepted counts, the same target distributions; a sampled rollout (temperature 1)
+at DP=2 draws what the single-process one draws. On-policy distillation on that store
 at TP=2, TP=2 + SP and DP=2 takes the single-process run's updates: the same losses and gradient norms."""
 
 import pytest
@@ -15,7 +16,7 @@ from megatron_osprey.training.distillation import run_distill
 from tests.distributed.launch import run_torchrun
 from tests.distributed.scripts.check_on_policy import LAYOUTS as ON_POLICY_LAYOUTS
 from tests.distributed.scripts.check_on_policy import history, on_policy_config
-from tests.distributed.scripts.check_rollout import rollout_config
+from tests.distributed.scripts.check_rollout import SAMPLING, rollout_config
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = ["tp2", "dp2"]
@@ -41,6 +42,7 @@ def opd_setup(tmp_path_factory):
         )
     )
     run(rollout_config(str(moe), str(root / "moe_drafter"), str(setup["data"]), root / "moe_hf"))
+    run(rollout_config(str(setup["target"]), str(root / "sft"), str(setup["data"]), root / "hf_sampled", **SAMPLING))
     return setup | {"sft": root / "sft", "hf_replays": sum(reference.replays)}
 
 
@@ -48,7 +50,7 @@ def opd_setup(tmp_path_factory):
 def figures(opd_setup, tmp_path_factory):
     root = opd_setup["root"]
     extra = [str(opd_setup["target"]), str(root / "sft"), str(opd_setup["data"]), str(root / "hf")]
-    extra += [str(root / "moe"), str(root / "moe_drafter"), str(root / "moe_hf")]
+    extra += [str(root / "moe"), str(root / "moe_drafter"), str(root / "moe_hf"), str(root / "hf_sampled")]
     figures = run_torchrun("check_rollout.py", tmp_path_factory.mktemp("rollout"), timeout=400, extra=extra)
     return figures | {"hf_replays": opd_setup["hf_replays"]}
 
@@ -120,3 +122,13 @@ def test_on_policy_distillation_takes_the_same_updates_in_every_layout(on_policy
     assert want["loss/train"][-1] != want["loss/train"][0]
     assert loss < 1e-5 and norm < 1e-4
     assert got["acc/0"] == pytest.approx(want["acc/0"], abs=1e-6)
+
+
+def test_a_sampled_rollout_does_not_depend_on_the_layout(figures):
+    """Each prompt samples from its own seed: DP=2 (each replica half the prompts) draws the single-process
+    rollout's tokens, and the rounds agree as in greedy decoding."""
+    assert figures["sampled_differs_from_greedy"] is True
+    assert figures["dp2_sampled_exact"] is True
+    assert figures["dp2_sampled_rounds"] == figures["sampled_hf_rounds"]
+    assert figures["dp2_sampled_probs_max_abs"] < 1e-6
+    assert figures["dp2_sampled_writers"] == 2

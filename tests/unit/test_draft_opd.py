@@ -125,6 +125,83 @@ def test_replays_redraft_each_rejection_position_from_the_verified_prefix(opd):
     assert replays > 0
 
 
+@pytest.fixture(scope="module")
+def sampled(opd, tmp_path_factory):
+    """The SFT drafter's rollouts at temperature 1.0 (speculative sampling): twice from seed 7, once from seed 8."""
+    root = tmp_path_factory.mktemp("sampled")
+
+    def roll(seed: int, name: str):
+        config = RolloutConfig(
+            target=str(opd["target"]),
+            drafter=str(opd["sft"]),
+            data_path=str(opd["data"]),
+            output=str(root / name),
+            steps=STEPS,
+            top_k=TOP_K,
+            max_new_tokens=24,
+            limit=8,
+            temperature=1.0,
+            seed=seed,
+        )
+        return run_rollout(config)
+
+    return {"runs": {"a": roll(7, "a"), "b": roll(7, "b"), "c": roll(8, "c")}, "root": root}
+
+
+def test_sampled_rollouts_record_the_engines_decisions(opd, sampled):
+    """Each live round's accepted drafts are the ones the sequence continues with, the next token is not the
+    rejected draft, the distributions are a fresh target forward's, and replays sit at the rejection rows."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_osprey.speculative.rollout import fresh_target_distributions
+
+    model = AutoModelForCausalLM.from_pretrained(str(opd["target"]), dtype=torch.float32).eval()
+    store, run = HiddenStateStore(sampled["root"] / "a"), sampled["runs"]["a"]
+    worst, accepted, rejected, replays = 0.0, 0, 0, 0
+    for i in range(len(store)):
+        sample = store[i]
+        ids, rounds = sample["input_ids"], sample["rollout"]
+        live, replayed = _live_and_replayed(rounds, int((~sample["loss_mask"]).sum()))
+        assert len(live) == run.results[i].verify_count and len(replayed) == run.replays[i]
+        for r in live:
+            t, a, drafts = int(rounds.root_rows[r]), int(rounds.accepted[r]), rounds.draft_tokens[r]
+            following = ids[t + 2 : t + 2 + STEPS]
+            assert torch.equal(drafts[: min(a, following.numel())], following[:a])
+            if a < min(STEPS, following.numel()):
+                assert int(following[a]) != int(drafts[a])  # the token drawn in its place has no mass on it
+            accepted += a
+            rejected += a < STEPS
+        expected = [
+            int(rounds.root_rows[r] + rounds.accepted[r])
+            for r in live
+            if 0 < int(rounds.accepted[r]) < STEPS and int(rounds.root_rows[r] + rounds.accepted[r]) + 1 < ids.numel()
+        ]
+        assert [int(rounds.root_rows[r]) for r in replayed] == expected
+        replays += len(replayed)
+        for r in range(len(rounds)):
+            top = torch.topk(fresh_target_distributions(model, ids, rounds, r), TOP_K, dim=-1)
+            assert torch.equal(top.indices, rounds.topk_ids[r])
+            worst = max(worst, float((top.values - rounds.topk_probs[r].double()).abs().max()))
+    assert worst < 1e-5, worst
+    assert accepted > 0 and rejected > 0 and replays > 0
+
+
+def test_sampled_rollouts_follow_their_seed(opd, sampled):
+    """The same seed gives the same store; another seed, or greedy decoding, another continuation."""
+    stores = {name: HiddenStateStore(sampled["root"] / name) for name in "abc"}
+    greedy = HiddenStateStore(opd["store"])
+
+    def sequences(store):
+        return [store[i]["input_ids"].tolist() for i in range(len(store))]
+
+    assert sequences(stores["a"]) == sequences(stores["b"])
+    for i in range(len(stores["a"])):
+        for field in ("root_rows", "accepted", "draft_tokens", "topk_ids", "topk_probs"):
+            assert torch.equal(getattr(stores["a"][i]["rollout"], field), getattr(stores["b"][i]["rollout"], field))
+    assert sequences(stores["a"]) != sequences(stores["c"])
+    assert sequences(stores["a"]) != sequences(greedy)
+
+
 def test_rollout_sequence_is_the_target_greedy_output_with_its_states(opd):
     from transformers import AutoModelForCausalLM
 

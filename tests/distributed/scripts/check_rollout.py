@@ -1,10 +1,11 @@
 """Run under `torchrun --nproc_per_node=2`: the Draft-OPD rollout on the Megatron target at TP=2 and at DP=2 (two
 writers) against the single-process HF rollout (REFERENCE, written by the pytest process with the same settings);
 then a mixture-of-experts target (MOE_TARGET, its drafter MOE_DRAFTER) at TP=2 + SP (experts tensor-parallel), TP=2
-+ SP + EP=2, and EP=2 across the two data-parallel ranks (one replica), against its HF rollout MOE_REFERENCE.
++ SP + EP=2, and EP=2 across the two data-parallel ranks (one replica), against its HF rollout MOE_REFERENCE;
+and a sampled rollout (temperature 1, seed 7) at DP=2 against the single-process one, SAMPLED_REFERENCE.
 
-argv: WORK RESULT TARGET DRAFTER DATA REFERENCE MOE_TARGET MOE_DRAFTER MOE_REFERENCE. Rank 0 writes a JSON of
-measured figures to RESULT.
+argv: WORK RESULT TARGET DRAFTER DATA REFERENCE MOE_TARGET MOE_DRAFTER MOE_REFERENCE SAMPLED_REFERENCE. Rank 0
+writes a JSON of measured figures to RESULT.
 """
 
 import json
@@ -20,6 +21,7 @@ from tests.store_quanta import error_in_quanta
 
 STEPS, TOP_K, LIMIT = 3, 16, 6
 LAYOUTS = {"tp2": ParallelConfig(tensor_model_parallel_size=2), "dp2": ParallelConfig()}
+SAMPLING = {"temperature": 1.0, "seed": 7}
 MOE_LAYOUTS = {
     "moe_tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
     "moe_tp2_sp_ep2": ParallelConfig(
@@ -72,13 +74,16 @@ def rollout_config(target: str, drafter: str, data: str, output: Path, **changes
     )
 
 
-def main(work: Path, result_path: Path, target: str, drafter: str, data: str, reference: str, *moe: str) -> None:
+def main(work: Path, result_path: Path, target: str, drafter: str, data: str, reference: str, *more: str) -> None:
     rank, results = torch.distributed.get_rank(), {}
-    moe_target, moe_drafter, moe_reference = moe
-    runs = [(label, layout, target, drafter) for label, layout in LAYOUTS.items()]
-    runs += [(label, layout, moe_target, moe_drafter) for label, layout in MOE_LAYOUTS.items()]
-    for label, layout, model, draft in runs:
-        config = rollout_config(model, draft, data, work / label, target_backend="megatron", parallel=layout)
+    moe_target, moe_drafter, moe_reference, sampled_reference = more
+    runs = [(label, layout, target, drafter, {}) for label, layout in LAYOUTS.items()]
+    runs += [(label, layout, moe_target, moe_drafter, {}) for label, layout in MOE_LAYOUTS.items()]
+    runs += [("dp2_sampled", ParallelConfig(), target, drafter, SAMPLING)]
+    for label, layout, model, draft, sampling in runs:
+        config = rollout_config(
+            model, draft, data, work / label, target_backend="megatron", parallel=layout, **sampling
+        )
         results[f"{label}_rank{rank}_prompts"] = len(run(config).results)
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
@@ -99,12 +104,18 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
         merged["moe_hf_accepted"] = sum(int(s["rollout"].accepted.sum()) for s in moe_reference)
         for label in MOE_LAYOUTS:
             merged |= compare(moe_reference, HiddenStateStore(work / label, dtype=torch.float32), label)
+        sampled_reference = HiddenStateStore(sampled_reference, dtype=torch.float32)
+        merged["sampled_hf_rounds"] = sum(len(sampled_reference[i]["rollout"]) for i in range(len(sampled_reference)))
+        merged["sampled_differs_from_greedy"] = any(
+            not torch.equal(sampled_reference[i]["input_ids"], reference[i]["input_ids"]) for i in range(len(reference))
+        )
+        merged |= compare(sampled_reference, HiddenStateStore(work / "dp2_sampled", dtype=torch.float32), "dp2_sampled")
         result_path.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":
     torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
     try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:10])
+        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:11])
     finally:
         torch.distributed.destroy_process_group()
