@@ -37,6 +37,16 @@ def model_fingerprint(directory: str | Path) -> dict:
     return {"path": str(directory.resolve()), "files_sha256": small, "weights_bytes": weights}
 
 
+def directory_fingerprint(directory: str | Path, small_bytes: int = 1 << 20) -> dict:
+    """Any directory's identity (a drafter checkpoint, an export): its path, every file below it by size, the files
+    under `small_bytes` (metadata, configs, the latest-iteration marker) also by hash."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    sizes = {str(p.relative_to(directory)): p.stat().st_size for p in files}
+    small = {name: file_sha256(directory / name) for name, size in sizes.items() if size < small_bytes}
+    return {"path": str(directory.resolve()), "files_bytes": sizes, "small_files_sha256": small}
+
+
 def settings_differences(record: Path, settings: dict) -> list[str]:
     """'key: recorded -> now' for every top-level setting that differs from the record (none when absent)."""
     if not record.is_file():

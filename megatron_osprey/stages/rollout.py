@@ -33,7 +33,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from megatron_osprey.base.outputs import check_output, prepare_output
+from megatron_osprey.base.outputs import check_disjoint, prepare_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
 from megatron_osprey.eval.config import TARGET_BACKENDS
@@ -41,6 +41,7 @@ from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAG
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
+SETTINGS_NAME = "rollout_settings.json"  # what the store was made from: a rerun with the same resumes
 
 
 @dataclasses.dataclass
@@ -101,7 +102,9 @@ class RolloutConfig:
             ):
                 if value:
                     raise ValueError(f"{flag} shards the Megatron target: add --target-backend megatron.")
-        check_output(self.output, self.paths_read(), PROVENANCE_FILE, self.overwrite, stage="rollout")
+        check_disjoint(self.output, self.paths_read())
+        if Path(self.output).exists() and not Path(self.output).is_dir():
+            raise FileExistsError(f"--output {self.output} is a file, not a directory; choose another --output.")
 
     def paths_read(self) -> dict[str, str | None]:
         return {"--target": self.target, "--drafter": self.drafter, "--data": self.data_path}
@@ -133,7 +136,11 @@ FLAGS = {
             "target_backend",
             {"choices": list(TARGET_BACKENDS), "help": "HF model (default) or Megatron-Core (tensor-parallel)"},
         ),
-        Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace this stage's earlier output in --output"}),
+        Flag(
+            "--overwrite",
+            "overwrite",
+            {**STORE_TRUE, "help": "delete a store made from other inputs or settings (the same ones resume)"},
+        ),
     ],
     "distributed": under(
         "parallel",
@@ -177,16 +184,55 @@ def _spec(config: RolloutConfig):
     )
 
 
+def store_settings(config: RolloutConfig) -> dict:
+    """Everything a stored rollout depends on besides its prompt's id: the data, the models and the decoding."""
+    from megatron_osprey.data.fingerprint import directory_fingerprint, file_sha256, model_fingerprint
+
+    fields = ("steps", "top_k", "max_new_tokens", "limit", "prompt_messages", "enable_thinking", "dtype", "replay")
+    fields += ("temperature", "seed", "samples_per_shard", "target_backend")
+    return {
+        "data_sha256": file_sha256(config.data_path),
+        "target": model_fingerprint(config.target),
+        "drafter": directory_fingerprint(config.drafter),
+        **{name: getattr(config, name) for name in fields},
+    }
+
+
+def claim_store(config: RolloutConfig, say=print) -> Path:
+    """Run by one process before any writer opens the store: a store from other inputs or settings is refused
+    (--overwrite: deleted), one from the same is resumed; the settings are recorded. Returns the store."""
+    from megatron_osprey.data.fingerprint import claim_output
+
+    store = Path(config.output)
+
+    def delete(reasons: str) -> None:
+        say(f"rollout: --overwrite: deleting {store} ({reasons})")
+        marker = SETTINGS_NAME if (store / SETTINGS_NAME).is_file() else PROVENANCE_FILE  # a store of before
+        prepare_output(store, config.paths_read(), marker, overwrite=True, stage="rollout")
+
+    foreign = store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir())
+    unrecorded = f"{store} is not empty and has no {SETTINGS_NAME}" if foreign else None
+    settings = store_settings(config)
+    claim_output(
+        store, store / SETTINGS_NAME, settings, overwrite=config.overwrite, holds="rollouts", unrecorded=unrecorded,
+        delete=delete,
+    )  # fmt: skip
+    return store
+
+
 @dataclasses.dataclass
 class RolloutRun:
-    """This rank's rollout: each prompt's SpecResult and how many rounds it replayed from rejection positions."""
+    """This rank's rollout: each prompt's SpecResult, how many rounds it replayed from rejection positions, and
+    how many of its prompts an earlier, interrupted run had stored already (skipped)."""
 
     results: list
     replays: list[int]
+    skipped: int = 0
 
 
-def _roll_out(config: RolloutConfig, target, states, drafter, prompts, writer) -> RolloutRun:
-    """Roll out `prompts` (target: a TargetModel; states(ids) -> (aux, final)); `writer` (or None) stores them."""
+def _roll_out(config: RolloutConfig, target, states, drafter, prompts, writer, stored=frozenset()) -> RolloutRun:
+    """Roll out `prompts` but those whose id is in `stored` (target: a TargetModel; states(ids) -> (aux, final));
+    `writer` (or None) stores them."""
     from megatron_osprey.data.regenerate.runner import turn_seed
     from megatron_osprey.speculative import ReferenceDraftSession
     from megatron_osprey.speculative.rollout import rollout
@@ -194,6 +240,9 @@ def _roll_out(config: RolloutConfig, target, states, drafter, prompts, writer) -
     spec, session, run = _spec(config), ReferenceDraftSession(drafter), RolloutRun([], [])
     top_k = min(config.top_k, target.vocab_size)
     for prompt in prompts:
+        if prompt.id in stored:
+            run.skipped += 1
+            continue
         seeded = dataclasses.replace(spec, seed=turn_seed(config.seed, prompt.id, 0))
         done = rollout(target, session, prompt.input_ids, seeded, top_k, replay=config.replay)
         aux, final = states(done.input_ids)
@@ -238,10 +287,11 @@ def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
     drafter = _load_drafter(config, model.config.vocab_size, device, dtype)
     aux_ids = list(drafter.config.aux_layer_ids)
     prompts = prompts_of()
-    output = prepare_output(config.output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
+    output = claim_store(config)
     target = HFTargetModel(model, aux_ids)
+    states = lambda ids: target_states(model, ids, aux_ids)  # noqa: E731
     with _open_writer(config, output, arch, aux_ids) as writer:
-        results = _roll_out(config, target, lambda ids: target_states(model, ids, aux_ids), drafter, prompts, writer)
+        results = _roll_out(config, target, states, drafter, prompts, writer, writer.completed_sample_ids())
     finalize_store(output)
     return results, output
 
@@ -270,7 +320,7 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
     aux_ids = list(drafter.config.aux_layer_ids)
     with parallel_context(config.parallel) as state:
         if state.rank == 0:
-            prepare_output(output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="rollout")
+            claim_store(config)
         torch.distributed.barrier()
         drafter = drafter.to(state.device)
         stage = load_target(
@@ -283,9 +333,13 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
         writer = None
         if replica.is_writer:
             writer = _open_writer(config, output, arch, aux_ids, replica.index, replica.count)
+        # Every rank of a replica skips the prompts its writer has stored (a resumed run).
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, writer.completed_sample_ids() if writer is not None else None)
+        stored = gathered[replica.ranks[0]]
         states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
         with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
-            results = _roll_out(config, target, states, drafter, mine, writer)
+            results = _roll_out(config, target, states, drafter, mine, writer, stored)
         target.capture.remove()
         torch.distributed.barrier()
         if state.rank == 0:
@@ -328,13 +382,18 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
         from megatron_osprey.speculative import acceptance_summary
 
         done = run(config, invocation)
+        if not is_rank0():  # under torchrun: rank 0's share
+            return
+        resumed = f" ({done.skipped} stored by an earlier run)" if done.skipped else ""
+        if not done.results:
+            print(f"rollout: nothing to roll out{resumed} -> {config.output}")
+            return
         summary = acceptance_summary(done.results)
-        if is_rank0():  # under torchrun: rank 0's share
-            print(
-                f"rollout: {summary['requests']} prompts, {summary['verify_count']} verify rounds and "
-                f"{sum(done.replays)} replays stored, mean acceptance length "
-                f"{summary['mean_acceptance_length']:.2f} -> {config.output}"
-            )
+        print(
+            f"rollout: {summary['requests']} prompts{resumed}, {summary['verify_count']} verify rounds and "
+            f"{sum(done.replays)} replays stored, mean acceptance length "
+            f"{summary['mean_acceptance_length']:.2f} -> {config.output}"
+        )
 
     return exit_code(roll_and_report)
 

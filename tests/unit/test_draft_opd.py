@@ -376,3 +376,70 @@ def test_a_moe_rollout_at_tp2_needs_sequence_parallel(tmp_path):
     config.parallel = ParallelConfig(expert_model_parallel_size=3)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide"):
         _run_megatron(config, ModelArch.from_hf_config(tmp_path / "moe"), None)
+
+
+def _resumable(opd, output, **changes) -> RolloutConfig:
+    config = RolloutConfig(
+        target=str(opd["target"]),
+        drafter=str(opd["sft"]),
+        data_path=str(opd["data"]),
+        output=str(output),
+        steps=STEPS,
+        top_k=TOP_K,
+        max_new_tokens=24,
+        limit=8,
+        samples_per_shard=3,
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_an_interrupted_rollout_resumes_to_the_uninterrupted_store(opd, tmp_path, monkeypatch):
+    """Killed at the fifth prompt, the rerun keeps the complete shard (3 prompts), rolls out the other 5, and the
+    store equals the uninterrupted one (opd's, same settings but the shard size) sample by sample."""
+    import megatron_osprey.speculative.rollout as engine
+
+    real, calls = engine.rollout, []
+
+    def killed_at_the_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "rollout", killed_at_the_fifth)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_rollout(_resumable(opd, tmp_path / "r"))
+    monkeypatch.setattr(engine, "rollout", real)
+    resumed = run_rollout(_resumable(opd, tmp_path / "r"))
+    assert resumed.skipped == 3 and len(resumed.results) == 5
+    store, whole = HiddenStateStore(tmp_path / "r"), HiddenStateStore(opd["store"])
+    by_id = {whole[i]["sample_id"]: whole[i] for i in range(len(whole))}
+    assert len(store) == len(whole) == 8
+    for i in range(len(store)):
+        got = store[i]
+        want = by_id[got["sample_id"]]
+        for key in ("input_ids", "loss_mask", "aux_hidden", "final_hidden"):
+            assert torch.equal(got[key], want[key]), key
+        for field in ("root_rows", "accepted", "draft_tokens", "topk_ids", "topk_probs"):
+            assert torch.equal(getattr(got["rollout"], field), getattr(want["rollout"], field)), field
+
+
+def test_a_rollout_store_from_other_settings_is_refused_or_replaced(opd, tmp_path, capsys):
+    run_rollout(_resumable(opd, tmp_path / "r", limit=3))
+    again = run_rollout(_resumable(opd, tmp_path / "r", limit=3))  # the same settings: everything is stored
+    assert again.skipped == 3 and again.results == []
+    with pytest.raises(
+        ValueError, match=r"holds rollouts from other inputs or settings \(steps: 3 -> 2\).*--overwrite"
+    ):
+        run_rollout(_resumable(opd, tmp_path / "r", limit=3, steps=2))
+    fresh = run_rollout(_resumable(opd, tmp_path / "r", limit=3, steps=2, overwrite=True))
+    assert fresh.skipped == 0 and len(fresh.results) == 3
+    assert "rollout: --overwrite: deleting" in capsys.readouterr().out
+    assert HiddenStateStore(tmp_path / "r").header.rollout_steps == 2
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a rollout")
+    with pytest.raises(ValueError, match="so this stage did not write it"):
+        run_rollout(_resumable(opd, tmp_path / "mine", limit=3, overwrite=True))
+    assert (tmp_path / "mine" / "notes.txt").is_file()
