@@ -3,17 +3,18 @@
     python -m megatron_osprey.stages.rollout --target TARGET_DIR --drafter DISTILL_SAVE_DIR \\
         --data CONVERSATIONS.jsonl --output ROLLOUT_STORE [--steps 5] [--top-k 32] [--max-new-tokens 256] [--limit N]
         [--temperature T [--seed S]] [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
+    torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ...   (HF: N replicas, each its slice)
     torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ... --target-backend megatron \\
         --tensor-model-parallel-size T   (N / T data-parallel replicas, each rolling out its slice of the prompts)
         [--sequence-parallel] [--expert-model-parallel-size E --expert-tensor-parallel-size 1]   (MoE targets)
 
 Chain speculative decoding (greedy by default; --temperature T > 0: speculative sampling, each prompt from its
 own seed derived from --seed and its id, so that the layout does not change what is sampled) through the
-reference engine (speculative/rollout.py) with the HF target (--target-backend hf, one process) or the
-Megatron-Core target (megatron: the evaluate stage's exact-recompute target, sharded over a tensor-parallel
-group, with sequence parallelism, and a mixture-of-experts target's experts over an expert-parallel group: a MoE
-target at TP > 1 needs --sequence-parallel, as in Megatron-Core); the continuation is the target's own, verified
-output.
+reference engine (speculative/rollout.py) with the HF target and its KV cache (--target-backend hf: one process,
+or under torchrun one per device, each with the whole target and its slice of the prompts) or the Megatron-Core
+target (megatron: the evaluate stage's exact-recompute target, sharded over a tensor-parallel group, with
+sequence parallelism, and a mixture-of-experts target's experts over an expert-parallel group: a MoE target at
+TP > 1 needs --sequence-parallel, as in Megatron-Core); the continuation is the target's own, verified output.
 ROLLOUT_STORE is a hidden-state store (the extract stage's format) with the rollout feature: each sample is one
 prompt plus its verified continuation (loss mask on the continuation), the target's aux and final hidden states
 over it, and its verify rounds: the root row, the drafted tokens, the number accepted (the rejection position)
@@ -273,26 +274,52 @@ def _open_writer(config: RolloutConfig, output: Path, arch, aux_ids: list[int], 
 
 
 def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
-    """One process, the HF target."""
+    """The HF target with its KV cache: one process, or under torchrun one per device, each loading the whole
+    target and rolling out its contiguous slice of the prompts into its own writer; rank 0 finalizes."""
+    import os
+
+    import torch
+
+    # Before any process group: a Megatron drafter checkpoint loads in its own (every rank a replica).
+    drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _roll_out_hf(config, arch, prompts_of, drafter, None)
+    from megatron_osprey.parallel import parallel_context
+
+    with parallel_context(config.parallel) as state:
+        return _roll_out_hf(config, arch, prompts_of, drafter, state)
+
+
+def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tuple[RolloutRun, Path]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.speculative import HFTargetModel
     from megatron_osprey.speculative.rollout import target_states
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = (state.rank, state.world_size) if state is not None else (0, 1)
+    device = state.device if state is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    barrier = torch.distributed.barrier if state is not None else (lambda: None)
     dtype = getattr(torch, config.dtype)
     model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype).to(device).eval()
-    drafter = _load_drafter(config, model.config.vocab_size, device, dtype)
+    drafter = drafter.to(device)
     aux_ids = list(drafter.config.aux_layer_ids)
     prompts = prompts_of()
-    output = claim_store(config)
+    mine = [prompts[i] for i in contiguous_slice(len(prompts), rank, world)]
+    output = Path(config.output)
+    if rank == 0:
+        claim_store(config)
+    barrier()
     target = HFTargetModel(model, aux_ids)
     states = lambda ids: target_states(model, ids, aux_ids)  # noqa: E731
-    with _open_writer(config, output, arch, aux_ids) as writer:
-        results = _roll_out(config, target, states, drafter, prompts, writer, writer.completed_sample_ids())
-    finalize_store(output)
+    with _open_writer(config, output, arch, aux_ids, rank, world) as writer:
+        results = _roll_out(config, target, states, drafter, mine, writer, writer.completed_sample_ids())
+    barrier()
+    if rank == 0:
+        finalize_store(output)
+    barrier()
     return results, output
 
 

@@ -132,3 +132,10 @@ def test_a_sampled_rollout_does_not_depend_on_the_layout(figures):
     assert figures["dp2_sampled_rounds"] == figures["sampled_hf_rounds"]
     assert figures["dp2_sampled_probs_max_abs"] < 1e-6
     assert figures["dp2_sampled_writers"] == 2
+
+
+def test_the_hf_target_under_torchrun_rolls_out_one_slice_per_rank(figures):
+    """Each rank loads the HF target and rolls out half the prompts: the same store as one process, bit for bit."""
+    assert figures["hf_dp2_exact"] is True and figures["hf_dp2_writers"] == 2
+    assert figures["hf_dp2_probs_max_abs"] == 0.0 and figures["hf_dp2_states_quanta"] == 0.0
+    assert figures["hf_dp2_rank0_prompts"] == figures["hf_dp2_rank1_prompts"] == 3

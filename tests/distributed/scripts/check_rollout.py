@@ -2,7 +2,8 @@
 writers) against the single-process HF rollout (REFERENCE, written by the pytest process with the same settings);
 then a mixture-of-experts target (MOE_TARGET, its drafter MOE_DRAFTER) at TP=2 + SP (experts tensor-parallel), TP=2
 + SP + EP=2, and EP=2 across the two data-parallel ranks (one replica), against its HF rollout MOE_REFERENCE;
-and a sampled rollout (temperature 1, seed 7) at DP=2 against the single-process one, SAMPLED_REFERENCE.
+a sampled rollout (temperature 1, seed 7) at DP=2 against the single-process one, SAMPLED_REFERENCE; and the HF
+target under torchrun (one replica per rank) against REFERENCE.
 
 argv: WORK RESULT TARGET DRAFTER DATA REFERENCE MOE_TARGET MOE_DRAFTER MOE_REFERENCE SAMPLED_REFERENCE. Rank 0
 writes a JSON of measured figures to RESULT.
@@ -80,10 +81,10 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
     runs = [(label, layout, target, drafter, {}) for label, layout in LAYOUTS.items()]
     runs += [(label, layout, moe_target, moe_drafter, {}) for label, layout in MOE_LAYOUTS.items()]
     runs += [("dp2_sampled", ParallelConfig(), target, drafter, SAMPLING)]
-    for label, layout, model, draft, sampling in runs:
-        config = rollout_config(
-            model, draft, data, work / label, target_backend="megatron", parallel=layout, **sampling
-        )
+    runs += [("hf_dp2", ParallelConfig(), target, drafter, {"target_backend": "hf"})]
+    for label, layout, model, draft, changes in runs:
+        changes = {"target_backend": "megatron", **changes}
+        config = rollout_config(model, draft, data, work / label, parallel=layout, **changes)
         results[f"{label}_rank{rank}_prompts"] = len(run(config).results)
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, results)
@@ -110,6 +111,7 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
             not torch.equal(sampled_reference[i]["input_ids"], reference[i]["input_ids"]) for i in range(len(reference))
         )
         merged |= compare(sampled_reference, HiddenStateStore(work / "dp2_sampled", dtype=torch.float32), "dp2_sampled")
+        merged |= compare(reference, HiddenStateStore(work / "hf_dp2", dtype=torch.float32), "hf_dp2")
         result_path.write_text(json.dumps(merged, indent=2))
 
 
