@@ -39,6 +39,7 @@ STAGE_HELP = {
     "adapt": "Stage 3: adapt the pretrained backbone to a target",
     "regenerate": "regenerate the training conversations with the target's servers",
     "extract": "extract the target's hidden states for offline distillation (torchrun)",
+    "rollout": "Draft-OPD: roll out the SFT drafter with the target, recording every verify round (torchrun)",
     "distill": "Stage 4: distill the drafter (torchrun)",
     "evaluate": "acceptance length and tokens/s, train x eval matrix",
     "export": "export a checkpoint for SGLang / HF / speculators",

@@ -31,7 +31,8 @@ READS = {
     "adapt": ("pretrain", "prune"),
     "regenerate": (),
     "extract": ("regenerate",),
-    "distill": ("adapt", "regenerate", "extract"),
+    "rollout": ("regenerate",),
+    "distill": ("adapt", "regenerate", "extract", "rollout"),
     "export": ("distill",),
     "evaluate": ("distill", "export"),
 }

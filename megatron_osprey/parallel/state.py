@@ -147,6 +147,18 @@ def destroy_parallel(state: ParallelState) -> None:
 
 
 @contextlib.contextmanager
+def process_group(config: ParallelConfig | None = None) -> Iterator[None]:
+    """torch.distributed's default group held across several parallel_context()s: one rendezvous per job. Under srun
+    a second init at the same MASTER_PORT can meet the first store's stale keys before rank 0 has torn it down."""
+    owns = _init_process_group(config or ParallelConfig())
+    try:
+        yield
+    finally:
+        if owns and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
 def loading_window(config: ParallelConfig) -> Iterator[None]:
     """Ranks load at their own pace inside; on leaving, they wait for each other under --loading-timeout-minutes.
 

@@ -1,5 +1,5 @@
-"""CPU recipes: the toy models (tests, benchmarks, laptops), the SmolLM2 smoke chain (the local Slurm cluster) and
-SmolLM2's Stage 2 on a monolingual corpus.
+"""CPU recipes: the toy models (tests, benchmarks, laptops), the SmolLM2 smoke chain and its Draft-OPD round (the local
+Slurm cluster) and SmolLM2's Stage 2 on a monolingual corpus.
 
 All run on gloo with the local (non-TE) spec in float32. Their numbers are sized for 2 cores, not taken from the
 paper; the shapes of their chains are the GPU recipes'.
@@ -179,6 +179,29 @@ def smollm2_smoke() -> Recipe:
         export=ExportConfig(format="sglang"),
         evaluate=evaluate,
     )
+
+
+def smollm2_opd_smoke() -> Recipe:
+    """Draft-OPD after the smoke chain: its distilled drafter (paths.sft) rolls out 4 of its regenerated prompts on
+    the Megatron-Core target over 2 gloo ranks, then 2 on-policy updates over 2 ranks, export and evaluation."""
+    from megatron_osprey.stages.rollout import RolloutConfig
+
+    recipe = smollm2_smoke()
+    smoke_run = "{root}/smollm2_cpu_smoke_chat"  # the smoke recipe's run directory under the same root
+    recipe.paths.sft = f"{smoke_run}/distill"
+    recipe.paths.conversations = f"{smoke_run}/regenerate/conversations.jsonl"
+    steps = 3
+    recipe.rollout = RolloutConfig(
+        steps=steps, top_k=16, max_new_tokens=16, limit=4, samples_per_shard=2, target_backend="megatron"
+    )
+    recipe.distill.data = DistillDataConfig(mode="on-policy")
+    recipe.distill.ttt.ttt_steps = steps
+    recipe.distill.training.train_iters = 2
+    recipe.distill.optimizer.lr /= 10
+    recipe.resources["rollout"] = recipe.resources["distill"]
+    recipe.chain, recipe.budget = ("rollout", "distill", "export", "evaluate"), "smoke: 4 rollouts, 2 on-policy steps"
+    recipe.prune = recipe.preprocess = recipe.pretrain = recipe.adapt = recipe.regenerate = recipe.extract = None
+    return recipe
 
 
 # --- Stage 2 on one language's text: the monolingual fine-tuning strategy for multilingual drafting ---

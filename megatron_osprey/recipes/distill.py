@@ -22,6 +22,7 @@ the recipes are BF16 only; the drafter's GEMMs are BF16 too.
 
 from __future__ import annotations
 
+import copy
 import math
 
 from megatron_osprey.data.config import DistillDataConfig
@@ -162,3 +163,50 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
 
 
 PIPELINE_OSPREY = ("adapt", "regenerate", "distill", "export", "evaluate")
+PIPELINE_OPD = ("rollout", "distill", "export", "evaluate")
+
+# Draft-OPD, one round after the Osprey recipe's SFT distillation. Neither the paper nor the release fixes its
+# budget; these are this project's choices, the demo's osprey_opd arm's rule at scale: rollouts on a tenth of the
+# SFT examples (the first ones of the regenerated data), chains of 5 drafts (the TTT depth), sampled at the
+# regeneration's temperature 1.0 up to its 4,096 new tokens; then 2 epochs over them at a tenth of the SFT lr.
+OPD_PROMPT_SHARE, OPD_EPOCHS, OPD_LR_SHARE, OPD_STEPS = 10, 2, 10, 5
+
+
+def opd_recipe(target: str, hardware: str, domain: str | None) -> Recipe:
+    """Osprey + Draft-OPD for `target`: rollout of the SFT drafter (paths.sft, by default the Osprey recipe's run
+    under the same root) on its regenerated prompts, on-policy distillation from it, export, evaluate."""
+    from megatron_osprey.stages.rollout import RolloutConfig
+
+    lay = LAYOUTS[(target, hardware)]
+    recipe = target_recipe(target, "osprey", hardware, domain)
+    sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus}gpu_{hardware}_bf16_{{domain}}"
+    recipe.paths.sft = f"{sft_run}/distill"
+    recipe.paths.conversations = f"{sft_run}/regenerate/conversations.jsonl"
+    prompts = lay.examples // OPD_PROMPT_SHARE
+    sft = recipe.distill
+    # A dense target that fits one GPU rolls out with the HF model and its KV cache, one replica per GPU; the others
+    # on the Megatron-Core target at the distillation's layout, which recomputes each sequence at every verify.
+    hf = lay.tp == 1
+    recipe.rollout = RolloutConfig(
+        steps=OPD_STEPS,
+        top_k=32,
+        max_new_tokens=REGENERATE_MAX_TOKENS,
+        limit=prompts,
+        dtype="bfloat16",
+        temperature=1.0,
+        target_backend="hf" if hf else "megatron",
+        parallel=copy.deepcopy(sft.parallel) if not hf else ParallelConfig(),
+    )
+    sft.data = DistillDataConfig(mode="on-policy")
+    sft.ttt.ttt_steps = OPD_STEPS
+    sft.training.train_iters = adaptation_steps(prompts, lay.global_batch, OPD_EPOCHS)
+    sft.optimizer.lr /= OPD_LR_SHARE
+    sft.checkpoint.save_interval = 500
+    recipe.chain, recipe.adapt, recipe.regenerate = PIPELINE_OPD, None, None
+    recipe.budget = (
+        f"this project's choice (neither the paper nor the release fixes Draft-OPD's): rollouts on {prompts:,} prompts "
+        f"(a tenth of {lay.examples:,}), {OPD_EPOCHS} epochs at global batch {lay.global_batch} = "
+        f"{sft.training.train_iters:,} updates at a tenth of the SFT lr"
+    )
+    recipe.resources["rollout"] = Resources(gpus_per_node=lay.gpus, time="48:00:00")
+    return recipe

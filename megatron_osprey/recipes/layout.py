@@ -6,6 +6,7 @@
     RUN_DIR/adapt/        megatron/, hf/, tokenizer_alignment.json  (Stage 3: the drafter init distill reads)
     RUN_DIR/regenerate/   conversations.jsonl                       (target-regenerated training data)
     RUN_DIR/extract/      the hidden-state store                    (offline distillation)
+    RUN_DIR/rollout/      the rollout store                         (Draft-OPD: on-policy distillation)
     RUN_DIR/distill/      iter_*/, run_config.yaml                  (Stage 4: what export and evaluate read)
     RUN_DIR/export/       the serving export
     RUN_DIR/evaluate/     results.json, matrix.md, matrix.png
@@ -84,13 +85,20 @@ def wire_paths(recipe, stage: str, config, run_dir: str) -> None:
     elif stage == "extract":
         config.target.path, config.data_path = recipe.path("target"), conversations(recipe, run_dir)
         config.store.store_dir = out
+    elif stage == "rollout":
+        config.target, config.drafter = recipe.path("target"), recipe.path("sft")
+        config.data_path, config.output = conversations(recipe, run_dir), out
     elif stage == "distill":
         config.target.path = recipe.path("target")
-        if not config.drafter.baseline:
+        if config.data.mode == "on-policy":  # Draft-OPD: from the SFT-distilled drafter, on the chain's rollouts
+            config.drafter.drafter_init = recipe.path("sft")
+        elif not config.drafter.baseline:
             config.drafter.drafter_init = stage_dir(run_dir, "adapt")
         config.data.data_path = [conversations(recipe, run_dir)]
         if config.data.mode == "offline":
             config.data.hidden_states = stage_dir(run_dir, "extract")
+        elif config.data.mode == "on-policy":
+            config.data.hidden_states = stage_dir(run_dir, "rollout")
         config.data.domain = recipe.domain
         _training_outputs(recipe, config, out)
     elif stage == "export":

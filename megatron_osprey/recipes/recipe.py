@@ -23,9 +23,12 @@ from megatron_osprey.stages.preprocess import PreprocessConfig
 from megatron_osprey.stages.pretrain import PretrainConfig
 from megatron_osprey.stages.prune import PruneConfig
 from megatron_osprey.stages.regenerate import RegenerateConfig
+from megatron_osprey.stages.rollout import RolloutConfig
 
 # The pipeline's stages in chain order.
-STAGES = ("prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "distill", "export", "evaluate")
+STAGES = (
+    "prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "rollout", "distill", "export", "evaluate"
+)  # fmt: skip
 HARDWARE = ("h100", "b200", "cpu")
 # Usable memory per device in GiB as the driver reports it (H100 SXM 80 GB, B200 192 GB).
 GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
@@ -33,7 +36,7 @@ GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
 # configured with 4 TB; this assumes the base figure).
 NODE_MEMORY_GIB = {"h100": 2048, "b200": 2048}
 # Stages that run one process per GPU (or per CPU task) with torch.distributed.
-DISTRIBUTED_STAGES = ("prune", "pretrain", "adapt", "extract", "distill")
+DISTRIBUTED_STAGES = ("prune", "pretrain", "adapt", "extract", "rollout", "distill")
 
 
 def whole_node_mem(hardware: str) -> str:
@@ -100,6 +103,7 @@ class Paths:
     conversations: str = "{root}/data/{target}/{domain}.jsonl"  # when the chain has no regenerate
     eval_data: str = "{root}/data/eval/{domain}.jsonl"  # one split per eval domain
     token_counts: str | None = None  # adapt's reduced draft vocabulary (osprey data writes it)
+    sft: str = "{root}/sft/{target}_{domain}"  # Draft-OPD's start: an SFT-distilled drafter (a distill run's output)
 
 
 @dataclasses.dataclass
@@ -125,6 +129,7 @@ class Recipe:
     adapt: AdaptConfig | None = None
     regenerate: RegenerateConfig | None = None
     extract: ExtractConfig | None = None
+    rollout: RolloutConfig | None = None
     distill: DistillConfig | None = None
     export: ExportConfig | None = None
     evaluate: EvaluateConfig | None = None

@@ -72,6 +72,15 @@ def _distill_recipes() -> dict[str, Callable[..., Recipe]]:
             doc = f"{what} for {target}, {layout.gpus} x {hardware.upper()} (target TP {layout.tp}, EP {layout.ep})."
             out[name] = _registered(name, build, doc)
 
+    for (target, hardware), layout in distill.LAYOUTS.items():
+        name = f"{target}_osprey_opd_distill_{layout.gpus}gpu_{hardware}_bf16"
+
+        def build_opd(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
+            return distill.opd_recipe(_t, _h, domain)
+
+        doc = f"Osprey + Draft-OPD for {target} (one rollout + on-policy round from paths.sft), {layout.gpus} x "
+        out[name] = _registered(name, build_opd, doc + f"{hardware.upper()}.")
+
     def eagle3_ttt7(domain: str | None = None) -> Recipe:
         recipe = distill.target_recipe("qwen3_8b", "eagle3", "h100", domain)
         recipe.distill.ttt.ttt_steps = 7
@@ -100,6 +109,7 @@ def _cpu_recipes() -> dict[str, Callable[..., Recipe]]:
             "Stage 4 at toy scale in one process: 128 tokens, 100 steps at lr 3e-3.",
         ),
         "smollm2_cpu_smoke": (cpu.smollm2_smoke, "Every stage on SmolLM2-135M-Instruct at smoke size (CPU, gloo)."),
+        "smollm2_cpu_opd_smoke": (cpu.smollm2_opd_smoke, "Draft-OPD from the smoke chain's drafter (CPU, gloo)."),
     }
     for language in cpu.MONOLINGUAL_LANGUAGES:
         table[f"smollm2_cpu_monolingual_{language}_pretrain"] = (

@@ -42,7 +42,7 @@ from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAG
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
-SETTINGS_NAME = "rollout_settings.json"  # what the store was made from: a rerun with the same resumes
+ROLLOUT_SETTINGS = "rollout_settings.json"  # what the store was made from: a rerun with the same resumes
 
 
 @dataclasses.dataclass
@@ -208,14 +208,14 @@ def claim_store(config: RolloutConfig, say=print) -> Path:
 
     def delete(reasons: str) -> None:
         say(f"rollout: --overwrite: deleting {store} ({reasons})")
-        marker = SETTINGS_NAME if (store / SETTINGS_NAME).is_file() else PROVENANCE_FILE  # a store of before
+        marker = ROLLOUT_SETTINGS if (store / ROLLOUT_SETTINGS).is_file() else PROVENANCE_FILE  # a store of before
         prepare_output(store, config.paths_read(), marker, overwrite=True, stage="rollout")
 
-    foreign = store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir())
-    unrecorded = f"{store} is not empty and has no {SETTINGS_NAME}" if foreign else None
+    foreign = store.is_dir() and any(p.name != ROLLOUT_SETTINGS for p in store.iterdir())
+    unrecorded = f"{store} is not empty and has no {ROLLOUT_SETTINGS}" if foreign else None
     settings = store_settings(config)
     claim_output(
-        store, store / SETTINGS_NAME, settings, overwrite=config.overwrite, holds="rollouts", unrecorded=unrecorded,
+        store, store / ROLLOUT_SETTINGS, settings, overwrite=config.overwrite, holds="rollouts", unrecorded=unrecorded,
         delete=delete,
     )  # fmt: skip
     return store
@@ -280,14 +280,16 @@ def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
 
     import torch
 
-    # Before any process group: a Megatron drafter checkpoint loads in its own (every rank a replica).
-    drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
         return _roll_out_hf(config, arch, prompts_of, drafter, None)
-    from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.parallel import parallel_context, process_group
 
-    with parallel_context(config.parallel) as state:
-        return _roll_out_hf(config, arch, prompts_of, drafter, state)
+    with process_group(config.parallel):  # one rendezvous for the drafter's load and the rollout
+        # Before the rollout's groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
+        drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
+        with parallel_context(config.parallel) as state:
+            return _roll_out_hf(config, arch, prompts_of, drafter, state)
 
 
 def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tuple[RolloutRun, Path]:
@@ -329,6 +331,23 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
     rank 0 finalizes."""
     import torch
 
+    from megatron_osprey.parallel import process_group
+
+    p = config.parallel
+    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
+    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
+    dtype, output = getattr(torch, config.dtype), Path(config.output)
+    with process_group(config.parallel):  # one rendezvous for the drafter's load and the rollout
+        # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
+        drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
+        return _roll_out_megatron(config, arch, prompts_of, drafter, dtype, output)
+
+
+def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, dtype, output: Path):
+    """_run_megatron inside the job's process group, the drafter loaded."""
+    import torch
+
     from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
@@ -337,13 +356,6 @@ def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, 
     from megatron_osprey.parallel.replicas import decoding_replica
     from megatron_osprey.speculative.rollout import megatron_target_states
 
-    p = config.parallel
-    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
-    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
-    dtype, output = getattr(torch, config.dtype), Path(config.output)
-    # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
-    drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
     aux_ids = list(drafter.config.aux_layer_ids)
     with parallel_context(config.parallel) as state:
         if state.rank == 0:
@@ -385,7 +397,11 @@ def run(config: RolloutConfig, invocation: Invocation = Invocation("rollout")):
 
     config.validate()
     rank0 = is_rank0()
-    inputs = check_inputs({"target": config.target, "conversations": config.data_path}) if rank0 else {}
+    inputs = (
+        check_inputs({"target": config.target, "drafter": config.drafter, "conversations": config.data_path})
+        if rank0
+        else {}
+    )
     arch = ModelArch.from_hf_config(config.target)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
 

@@ -113,3 +113,52 @@ def test_a_resubmitted_stage_is_refused_when_its_input_changed(chain, slurm_clus
     code = osprey(["adapt", RECIPE, "--run-dir", str(run_dir), "--set", f"paths.root={chain['root']}",
                    "--", "--overwrite"])  # fmt: skip
     assert code == 1  # the stage's error, through `osprey adapt`'s local run
+
+
+@pytest.fixture(scope="module")
+def opd_chain(chain, slurm_cluster):
+    """`osprey pipeline smollm2_cpu_opd_smoke`: Draft-OPD from the smoke chain's distilled drafter and prompts."""
+    root, run_dir = chain["root"], chain["run_dir"]
+    opd_dir = root / "opd"
+    sets = [f"paths.root={root}", f"paths.sft={run_dir / 'distill'}"]
+    sets += [f"paths.conversations={run_dir / 'regenerate' / 'conversations.jsonl'}"]
+    argv = ["pipeline", "smollm2_cpu_opd_smoke", "--run-dir", str(opd_dir), "--python", sys.executable]
+    argv += [item for text in sets for item in ("--set", text)]
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert osprey(argv) == 0
+    jobs = dict(line.split() for line in buffer.getvalue().splitlines() if line.strip())
+    states = wait_for_jobs(list(jobs.values()), slurm_cluster["env"], timeout=900)
+    return {"run_dir": opd_dir, "sft": run_dir / "distill", "jobs": jobs, "states": states}
+
+
+def test_draft_opd_runs_as_rollout_then_on_policy_jobs(opd_chain):
+    jobs, states = opd_chain["jobs"], opd_chain["states"]
+    assert list(jobs) == ["rollout", "distill", "export", "evaluate"]
+    summary = {stage: (jobs[stage], states[jobs[stage]].state, states[jobs[stage]].run_time_s) for stage in jobs}
+    print(json.dumps(summary, indent=1))
+    bad = {s: v for s, v in summary.items() if v[1] != "COMPLETED"}
+    assert not bad, f"{bad}\n{_log_tail(opd_chain['run_dir'])}"
+    run_dir = opd_chain["run_dir"]
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    for stage in ("rollout", "distill"):
+        text = next(t for name, t in logs.items() if name.startswith(f"osprey-{stage}-"))
+        assert sorted(set(re.findall(r"osprey-task: rank (\d) of 2", text))) == ["0", "1"], (stage, text[-2000:])
+    from megatron_osprey.data.hidden_state_store import HiddenStateStore
+
+    store = HiddenStateStore(run_dir / "rollout")
+    assert len(store) == 4 and store.header.rollout_steps == 3
+    assert len(store.manifest["writers"]) == 2  # the Megatron-Core target, one replica per rank
+    assert sum(len(store[i]["rollout"]) for i in range(len(store))) > 4
+    # each job read what the one before it wrote, by provenance hash
+    rollout, distill = read_provenance(run_dir / "rollout"), read_provenance(run_dir / "distill")
+    assert (
+        rollout["inputs"]["drafter"]["sha256"] == read_provenance(opd_chain["sft"])["outputs"]["checkpoint"]["sha256"]
+    )
+    assert distill["inputs"]["hidden_states"]["path"] == str((run_dir / "rollout").resolve())
+    assert distill["config"]["data"]["mode"] == "on-policy"
+    results = json.loads((run_dir / "evaluate" / "results.json").read_text())
+    assert results["lossless"] == {"checked": True, "mismatches": []}

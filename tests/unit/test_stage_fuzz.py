@@ -61,6 +61,7 @@ def _base(stage: str, tmp_path) -> list[str]:
         "adapt": ["--backbone", missing, "--target", missing, "--output", str(tmp_path / "out")],
         "regenerate": ["--input", missing, "--output", str(tmp_path / "o.jsonl"), "--server-url", "http://127.0.0.1:9"],
         "extract": ["--target", missing, "--data", missing, "--output", str(tmp_path / "store")],
+        "rollout": ["--target", missing, "--drafter", missing, "--data", missing, "--output", str(tmp_path / "out")],
         "distill": ["--drafter-init", missing, "--target", missing, "--data-path", missing, "--train-iters", "2"],
         "export": ["--checkpoint", missing, "--output", str(tmp_path / "out")],
         "evaluate": ["--target", missing, "--drafter", f"d={missing}", "--data", missing, "--output", missing],
