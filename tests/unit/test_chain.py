@@ -77,6 +77,14 @@ def test_from_and_until_submit_a_part_of_the_chain_waiting_only_on_what_it_submi
     assert (job.stage, sbatch) == ("export", [("export", None)])
 
 
+def test_the_draft_opd_chain_trains_on_policy_after_its_rollout_job(sbatch, tmp_path):
+    name = "qwen3_8b_osprey_opd_distill_2gpu_h100_bf16"  # rollout, distill (on-policy), export, evaluate
+    jobs = _pipeline(name, tmp_path)
+    assert [job.stage for job in jobs] == ["rollout", "distill", "export", "evaluate"]
+    assert _waits(jobs, sbatch) == {"rollout": [], "distill": ["rollout"], "export": ["distill"],
+                                    "evaluate": ["distill", "export"]}  # fmt: skip
+
+
 def test_chain_stages_checks_from_and_until_against_the_chain():
     recipe = get_recipe(DISTILL)
     assert submit.chain_stages(recipe) == list(recipe.chain)

@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from launcher import submit
 from launcher.plan import make_plan
 from megatron_osprey.recipes import RECIPES, get_recipe
 from megatron_osprey.recipes.distill import LAYOUTS, OPD_EPOCHS, OPD_STEPS, PIPELINE_OPD
@@ -44,23 +43,3 @@ def test_an_opd_recipe_rolls_out_the_sft_drafter_and_trains_on_its_rounds(name):
     assert recipe.stage_resources("rollout").gpus_per_node == sft.stage_resources("distill").gpus_per_node
     plan = make_plan(recipe, "distill", "RUN")
     assert plan.train_iters == distill.training.train_iters
-
-
-def test_the_on_policy_job_waits_for_the_rollout_job(monkeypatch, tmp_path):
-    calls = []
-
-    def run(argv, **kwargs):
-        dependency = [a.removeprefix("--dependency=afterok:") for a in argv if a.startswith("--dependency=")]
-        calls.append((argv[-1].rsplit("/", 1)[-1].split("-")[0], dependency[0] if dependency else None))
-        import subprocess
-
-        return subprocess.CompletedProcess(argv, 0, stdout=f"Submitted batch job {100 + len(calls)}\n", stderr="")
-
-    monkeypatch.setattr(submit, "_sbatch", lambda: "sbatch")
-    monkeypatch.setattr(submit.subprocess, "run", run)
-    name = "qwen3_8b_osprey_opd_distill_2gpu_h100_bf16"
-    jobs = submit.pipeline(get_recipe(name), name, tmp_path / "run", say=lambda line: None)
-    ids = {job.stage: job.job_id for job in jobs}
-    assert [job.stage for job in jobs] == list(PIPELINE_OPD)
-    waits = dict(calls)
-    assert waits["rollout"] is None and waits["distill"] == ids["rollout"]

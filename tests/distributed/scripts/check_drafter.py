@@ -3,9 +3,7 @@
 argv: work_dir result_json adapted_drafter_dir
 """
 
-import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ from megatron_osprey.models.drafter.model import DrafterArch, build_drafter_mode
 from megatron_osprey.models.drafter.reference import ReferenceDrafter
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.training.checkpointing import load_checkpoint
+from tests.distributed.scripts.ranks import run_script
 
 
 def gather_vocab(logits):
@@ -27,7 +26,8 @@ def gather_vocab(logits):
     return torch.cat(parts, dim=-1)
 
 
-def main(work: Path, result_path: Path, drafter_dir: Path) -> None:
+def main(work: Path, result_path: Path, drafter: str) -> None:
+    drafter_dir = Path(drafter)
     arch = DrafterArch.from_dict(load_run_config(drafter_dir)["drafter"])
     reference = ReferenceDrafter.from_pretrained(drafter_dir / "hf").eval()
     generator = torch.Generator().manual_seed(0)
@@ -68,8 +68,4 @@ def main(work: Path, result_path: Path, drafter_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main)

@@ -4,7 +4,6 @@ Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts the
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from megatron_osprey.testing.tiny_models import (
     truncated_logits,
 )
 from megatron_osprey.training.checkpointing import load_checkpoint
+from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 
 
 def gather_vocab(logits):
@@ -150,21 +150,11 @@ def main(work: Path, result_path: Path) -> None:
         if logits is not None:
             results["prune_tp2_reload_pp2_max_abs"] = (logits[..., :VOCAB] - truncated).abs().max().item()
 
-    gathered = [None, None]
-    with parallel_context(ParallelConfig()) as state:
-        torch.distributed.all_gather_object(gathered, results)
-        if state.rank == 0:
-            merged = {}
-            for part in gathered:
-                merged.update(part)
+    with parallel_context(ParallelConfig()):
+        merged = merged_on_rank0(results)
+        if merged is not None:
             result_path.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":
-    # One process group for the whole script; each layout below re-initializes only
-    # Megatron-Core's model-parallel groups on top of it.
-    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main)

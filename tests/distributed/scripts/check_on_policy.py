@@ -6,7 +6,6 @@ its final drafter weights' digest path to RESULT.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.distill_setup import tiny_distill_config
 from megatron_osprey.training.distillation import run_distill
+from tests.distributed.scripts.ranks import run_script
 
 ITERS, STEPS = 4, 3
 LAYOUTS = {
@@ -57,8 +57,4 @@ def main(work: Path, result_path: Path, target: str, sft: str, data: str, store:
 
 
 if __name__ == "__main__":
-    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:7])
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main, timeout_s=300)

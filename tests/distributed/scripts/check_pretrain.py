@@ -3,9 +3,7 @@
 Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts them.
 """
 
-import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from megatron_osprey.training import data
 from megatron_osprey.training.gpt_step import gpt_forward_step
 from megatron_osprey.training.pretraining import run_pretrain
 from tests.distributed.scripts.check_pretrain_fixtures import EOD, make_corpus, plain_pytorch_run
+from tests.distributed.scripts.ranks import run_script
 
 ITERS = 30
 RESHARD_AT = 25  # the TP=2 run saves here; resharded runs continue to ITERS
@@ -172,9 +171,4 @@ def main(work: Path, result_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    # One process group for the whole script; each run re-initializes only Megatron-Core's groups.
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main)

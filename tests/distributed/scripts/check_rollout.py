@@ -10,7 +10,6 @@ writes a JSON of measured figures to RESULT.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from megatron_osprey.data.hidden_state_store import HiddenStateStore
 from megatron_osprey.parallel import ParallelConfig
 from megatron_osprey.stages.rollout import RolloutConfig, run
+from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 from tests.store_quanta import error_in_quanta
 
 STEPS, TOP_K, LIMIT = 3, 16, 6
@@ -86,12 +86,8 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
         changes = {"target_backend": "megatron", **changes}
         config = rollout_config(model, draft, data, work / label, parallel=layout, **changes)
         results[f"{label}_rank{rank}_prompts"] = len(run(config).results)
-    gathered = [None, None]
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {}
-        for part in gathered:
-            merged.update(part)
+    merged = merged_on_rank0(results)
+    if merged is not None:
         reference = HiddenStateStore(reference, dtype=torch.float32)
         merged["hf_samples"] = len(reference)
         merged["hf_rounds"] = sum(len(reference[i]["rollout"]) for i in range(len(reference)))
@@ -116,8 +112,4 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
 
 
 if __name__ == "__main__":
-    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:11])
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main, timeout_s=300)

@@ -11,7 +11,6 @@ RESULT_JSON, and the pytest side asserts them.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from megatron_osprey.models.backbone.gpt import build_gpt_model
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.testing.tiny_models import causal_logits
 from tests.distributed.scripts.check_foundation import gather_vocab, pp_forward, same_files
+from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 from tests.real_model import PROMPTS, chat_ids
 
 SIZE = 3
@@ -50,7 +50,8 @@ def reference(model_dir: Path, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, logits
 
 
-def main(work: Path, result_path: Path, model_dir: Path) -> None:
+def main(work: Path, result_path: Path, model: str) -> None:
+    model_dir = Path(model)
     rank = torch.distributed.get_rank()
     ids, expected = reference(model_dir, rank)
     arch = ModelArch.from_hf_config(model_dir)
@@ -83,12 +84,8 @@ def main(work: Path, result_path: Path, model_dir: Path) -> None:
         export_to_hf([model], arch, work / "export_pp3")
         del model
 
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {}
-        for part in gathered:
-            merged.update(part)
+    merged = merged_on_rank0(results)
+    if merged is not None:
         # Bit-identical exports, compared once on rank 0 (each side is the whole 540 MB model).
         for layout in ("tp3", "pp3"):
             merged[f"{layout}_export_identical"] = same_files(model_dir, work / f"export_{layout}")
@@ -96,9 +93,4 @@ def main(work: Path, result_path: Path, model_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    # One process group for the whole script; each layout re-initializes only Megatron-Core's groups.
-    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=600))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main, timeout_s=600)

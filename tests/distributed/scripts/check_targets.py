@@ -4,7 +4,6 @@ Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts the
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from megatron_osprey.models.target.pipeline_stage import PrefillCapture, load_ta
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages.extract import ExtractConfig
 from megatron_osprey.testing.tiny_models import write_chat_target, write_conversations_jsonl
+from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 from tests.store_quanta import error_in_quanta
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "minimax_m2")
@@ -125,18 +125,10 @@ def main(work: Path, result_path: Path) -> None:
             results[f"extract_{family}_{label}_writers"] = len(store.manifest["writers"])
             results[f"extract_{family}_{label}_quanta"] = worst
 
-    gathered = [None, None]
-    torch.distributed.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {}
-        for part in gathered:
-            merged.update(part)
+    merged = merged_on_rank0(results)
+    if merged is not None:
         result_path.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":
-    torch.distributed.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main)

@@ -1,8 +1,6 @@
 """torchrun --nproc_per_node=2: the TTT loss (and the fusion_fc gradient) at TP=2 / TP=2+SP equals TP=1."""
 
-import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +10,7 @@ from megatron_osprey.models.drafter.convert import load_reference_state
 from megatron_osprey.models.drafter.model import build_drafter_model
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from tests.distributed.scripts.ranks import run_script
 from tests.ttt_fixtures import make_batch, make_drafter, make_target
 
 
@@ -58,8 +57,4 @@ def main(work: Path, result_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    try:
-        main(Path(sys.argv[1]), Path(sys.argv[2]))
-    finally:
-        torch.distributed.destroy_process_group()
+    run_script(main)
