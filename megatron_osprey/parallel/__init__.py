@@ -7,7 +7,8 @@ recipes and `osprey plan` import this package on a machine without torch.
 from megatron_osprey.parallel.config import ParallelConfig
 
 _STATE_NAMES = (
-    "ParallelState", "destroy_parallel", "initialize_parallel", "loading_window", "parallel_context", "process_group"
+    "ParallelState", "destroy_parallel", "initialize_parallel", "loading_window", "parallel_context", "process_group",
+    "waiting_window",
 )  # fmt: skip
 
 __all__ = ["ParallelConfig", *_STATE_NAMES]

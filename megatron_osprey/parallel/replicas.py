@@ -1,8 +1,9 @@
 """Decoding replicas: the ranks that must run the same sequence through the target in step.
 
 A tensor-parallel group decodes one sequence together. A mixture-of-experts layer exchanges tokens over its
-expert-parallel group, so when that group reaches past the tensor-parallel group (--expert-model-parallel-size
-larger than --tensor-model-parallel-size) its data-parallel ranks must also run every forward together. A
+expert tensor- and model-parallel group, so when that group reaches past the tensor-parallel group
+(--expert-model-parallel-size x --expert-tensor-parallel-size larger than --tensor-model-parallel-size) its
+data-parallel ranks must also run every forward together. A
 replica is a connected set of ranks under both relations: each replica decodes its own slice of the prompts.
 """
 
@@ -54,8 +55,9 @@ def decoding_replica() -> Replica:
     from megatron.core import parallel_state as mpu
 
     ranks = set(torch.distributed.get_process_group_ranks(mpu.get_tensor_model_parallel_group()))
-    if mpu.get_expert_model_parallel_world_size() > 1:
-        ranks |= set(torch.distributed.get_process_group_ranks(mpu.get_expert_model_parallel_group()))
+    if mpu.get_expert_model_parallel_world_size() > 1 or mpu.get_expert_tensor_parallel_world_size() > 1:
+        # The MoE dispatcher exchanges tokens over the expert tensor- and model-parallel group (ETP x EP).
+        ranks |= set(torch.distributed.get_process_group_ranks(mpu.get_expert_tensor_and_model_parallel_group()))
     linked: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(linked, sorted(ranks))
     replicas = components(linked)

@@ -166,11 +166,18 @@ def loading_window(config: ParallelConfig) -> Iterator[None]:
     made after the load would meet the slow rank under the default timeout), so the process group's timeout
     (--distributed-timeout-minutes) stays the training collectives'.
     """
+    with waiting_window(config.loading_timeout_minutes):
+        yield
+
+
+@contextlib.contextmanager
+def waiting_window(minutes: float) -> Iterator[None]:
+    """Ranks work at their own pace inside (uneven work: loading, rollouts of uneven lengths); on leaving they wait
+    for each other up to `minutes`, on a gloo group made on entry while they are still in step."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         yield
         return
-    timeout = datetime.timedelta(minutes=config.loading_timeout_minutes)
-    group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
     try:
         yield
         torch.distributed.barrier(group=group)

@@ -7,6 +7,7 @@ paper; the shapes of their chains are the GPU recipes'.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megatron_osprey.data.config import DistillDataConfig, IndexedDataConfig
@@ -198,7 +199,7 @@ def smollm2_opd_smoke() -> Recipe:
     recipe.distill.ttt.ttt_steps = steps
     recipe.distill.training.train_iters = 2
     recipe.distill.optimizer.lr /= 10
-    recipe.resources["rollout"] = recipe.resources["distill"]
+    recipe.resources["rollout"] = dataclasses.replace(recipe.resources["distill"])  # its own, for --set
     recipe.chain, recipe.budget = ("rollout", "distill", "export", "evaluate"), "smoke: 4 rollouts, 2 on-policy steps"
     recipe.prune = recipe.preprocess = recipe.pretrain = recipe.adapt = recipe.regenerate = recipe.extract = None
     return recipe

@@ -18,7 +18,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) 
     if temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    return int(torch.multinomial(probs.float(), 1, generator=generator))
+    # The generator lives on the CPU: draw there, whatever the logits' device (the same draws on CPU and GPU).
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
 def emit_tokens(out: list[int], new: list[int], cfg: SpecConfig) -> tuple[int, bool]:

@@ -26,6 +26,7 @@ What no live round shows is the drafter re-drafting the rejected position itself
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import torch
 
@@ -154,6 +155,11 @@ def emitted_drafts(record: dict, input_ids: torch.Tensor) -> int:
     return int((drafts == emitted).long().cumprod(0).sum())
 
 
+def replay_seed(seed: int) -> int:
+    """The replays' sampling seed: a stream of its own, not the live decode's draws again."""
+    return int.from_bytes(hashlib.sha256(f"replay\0{seed}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
 def rejection_rows(live: list[dict], steps: int, num_tokens: int) -> list[int]:
     """The root rows of the replays: t + a for each live round (root row t) whose draft d_{a+1} was rejected
     after a >= 1 accepted drafts (a = 0: the round itself drafted from there), inside the sequence."""
@@ -181,7 +187,7 @@ def replay_rejections(
         return records
     _, aux = target.prefill(ids[:prompt_length])
     cached, drafted, pending = prompt_length, 0, [aux]  # target cache x_0..x_{cached-1}; drafter rows < drafted
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(replay_seed(cfg.seed))
     for q in rows:
         if q + 1 > cached:  # the verified tokens up to x_q join the target's cache, their features the drafter's
             n = q + 1 - cached

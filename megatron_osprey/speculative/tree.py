@@ -73,7 +73,7 @@ def build_chain(session: DraftSession, root_logits: torch.Tensor, cfg: SpecConfi
             if bool(torch.isneginf(logits).all()):
                 break
             probs = _proposal_probs(logits, cfg.temperature)
-            token = int(torch.multinomial(probs.float(), 1, generator=generator))
+            token = int(torch.multinomial(probs.float().cpu(), 1, generator=generator))  # the CPU generator's draw
             tree.add(token, level - 1, probs)
         else:
             token = int(torch.argmax(logits))

@@ -49,6 +49,6 @@ def accept_sampling(
             # p == q up to rounding leaves no residual mass; p itself is then the exact answer.
             p = residual / residual.sum() if residual.sum() > 0 else p
         if accepted is None:
-            return path, int(torch.multinomial(p.float(), 1, generator=generator))
+            return path, int(torch.multinomial(p.float().cpu(), 1, generator=generator))  # the CPU generator's draw
         path.append(accepted)
         node = accepted

@@ -42,6 +42,7 @@ from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAG
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
 ROLLOUT_DTYPES = ("float32", "bfloat16")
+_LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--sequence-parallel", "--distributed-timeout-minutes")
 ROLLOUT_SETTINGS = "rollout_settings.json"  # what the store was made from: a rerun with the same resumes
 
 
@@ -64,6 +65,8 @@ class RolloutConfig:
     replay: bool = True  # a round replayed from each rejection position
     temperature: float = 0.0  # 0: greedy; > 0: speculative sampling (the continuation is the target's sample)
     seed: int = 0  # each prompt's sampling seed derives from it and the prompt's id
+    # Replicas roll out slices of uneven length: how long one that finished waits for the slowest (48 h).
+    replica_timeout_minutes: float = 2880.0
     target_backend: str = "hf"  # or "megatron": the Megatron-Core target (tensor-parallel under torchrun)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     overwrite: bool = False
@@ -90,6 +93,8 @@ class RolloutConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}.")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}.")
+        if not self.replica_timeout_minutes > 0:
+            raise ValueError(f"--replica-timeout-minutes must be > 0, got {self.replica_timeout_minutes}.")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"--dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}.")
         if self.target_backend not in TARGET_BACKENDS:
@@ -128,6 +133,11 @@ FLAGS = {
         Flag("--temperature", "temperature", {"type": float, "help": "0: greedy (default); > 0: sampled rollouts"}),
         Flag("--seed", "seed", {"type": int, "help": "per-prompt sampling seeds derive from it (sampling only)"}),
         Flag(
+            "--replica-timeout-minutes",
+            "replica_timeout_minutes",
+            {"type": float, "help": "how long a replica that finished waits for the slowest (2880)"},
+        ),
+        Flag(
             "--no-replay",
             "replay",
             {"action": "store_false", "help": "record the live rounds only (no replays from rejection positions)"},
@@ -146,7 +156,7 @@ FLAGS = {
     "distributed": under(
         "parallel",
         [
-            *(f for f in PARALLEL_FLAGS if f.flag in ("--tensor-model-parallel-size", "--sequence-parallel")),
+            *(f for f in PARALLEL_FLAGS if f.flag in _LAYOUT_FLAGS),
             *EXPERT_PARALLEL_FLAGS,
         ],
     ),
@@ -199,7 +209,7 @@ def store_settings(config: RolloutConfig) -> dict:
     }
 
 
-def claim_store(config: RolloutConfig, say=print) -> Path:
+def claim_store(config: RolloutConfig, replicas: int = 1, say=print) -> Path:
     """Run by one process before any writer opens the store: a store from other inputs or settings is refused
     (--overwrite: deleted), one from the same is resumed; the settings are recorded. Returns the store."""
     from megatron_osprey.data.fingerprint import claim_output
@@ -213,7 +223,8 @@ def claim_store(config: RolloutConfig, say=print) -> Path:
 
     foreign = store.is_dir() and any(p.name != ROLLOUT_SETTINGS for p in store.iterdir())
     unrecorded = f"{store} is not empty and has no {ROLLOUT_SETTINGS}" if foreign else None
-    settings = store_settings(config)
+    # Each replica writes its own part: a store resumes only with as many (the same GPUs and layout).
+    settings = store_settings(config) | {"writers (data-parallel replicas)": replicas}
     claim_output(
         store, store / ROLLOUT_SETTINGS, settings, overwrite=config.overwrite, holds="rollouts", unrecorded=unrecorded,
         delete=delete,
@@ -298,6 +309,7 @@ def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tup
 
     from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
+    from megatron_osprey.parallel import waiting_window
     from megatron_osprey.speculative import HFTargetModel
     from megatron_osprey.speculative.rollout import target_states
 
@@ -312,13 +324,13 @@ def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tup
     mine = [prompts[i] for i in contiguous_slice(len(prompts), rank, world)]
     output = Path(config.output)
     if rank == 0:
-        claim_store(config)
+        claim_store(config, replicas=world)
     barrier()
     target = HFTargetModel(model, aux_ids)
     states = lambda ids: target_states(model, ids, aux_ids)  # noqa: E731
-    with _open_writer(config, output, arch, aux_ids, rank, world) as writer:
-        results = _roll_out(config, target, states, drafter, mine, writer, writer.completed_sample_ids())
-    barrier()
+    with waiting_window(config.replica_timeout_minutes):  # each rank its own slice, at its own pace
+        with _open_writer(config, output, arch, aux_ids, rank, world) as writer:
+            results = _roll_out(config, target, states, drafter, mine, writer, writer.completed_sample_ids())
     if rank == 0:
         finalize_store(output)
     barrier()
@@ -352,20 +364,20 @@ def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, dtype, 
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
     from megatron_osprey.models.target.pipeline_stage import load_target
-    from megatron_osprey.parallel import parallel_context
+    from megatron_osprey.parallel import parallel_context, waiting_window
     from megatron_osprey.parallel.replicas import decoding_replica
     from megatron_osprey.speculative.rollout import megatron_target_states
 
     aux_ids = list(drafter.config.aux_layer_ids)
     with parallel_context(config.parallel) as state:
+        replica = decoding_replica()
         if state.rank == 0:
-            claim_store(config)
+            claim_store(config, replicas=replica.count)
         torch.distributed.barrier()
         drafter = drafter.to(state.device)
         stage = load_target(
             config.target, state.config, state.device, params_dtype=dtype, with_lm_head=True, transformer_impl="local"
         )
-        replica = decoding_replica()
         target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
         prompts = prompts_of()
         mine = [prompts[i] for i in contiguous_slice(len(prompts), replica.index, replica.count)]
@@ -377,10 +389,10 @@ def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, dtype, 
         torch.distributed.all_gather_object(gathered, writer.completed_sample_ids() if writer is not None else None)
         stored = gathered[replica.ranks[0]]
         states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
-        with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
-            results = _roll_out(config, target, states, drafter, mine, writer, stored)
+        with waiting_window(config.replica_timeout_minutes):  # replicas finish their slices at their own pace
+            with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
+                results = _roll_out(config, target, states, drafter, mine, writer, stored)
         target.capture.remove()
-        torch.distributed.barrier()
         if state.rank == 0:
             finalize_store(output)
         torch.distributed.barrier()
@@ -442,7 +454,7 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door, as every stage's: the recipe registry resolves --recipe (no recipe holds this stage).
+    # The job door, as every stage's: the recipe registry resolves --recipe (the *_opd_* recipes hold this stage).
     from megatron_osprey.recipes import run_stage
 
     sys.exit(run_stage("rollout"))

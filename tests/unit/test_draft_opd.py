@@ -427,6 +427,8 @@ def test_an_interrupted_rollout_resumes_to_the_uninterrupted_store(opd, tmp_path
 
 
 def test_a_rollout_store_from_other_settings_is_refused_or_replaced(opd, tmp_path, capsys):
+    from megatron_osprey.stages.rollout import claim_store
+
     run_rollout(_resumable(opd, tmp_path / "r", limit=3))
     again = run_rollout(_resumable(opd, tmp_path / "r", limit=3))  # the same settings: everything is stored
     assert again.skipped == 3 and again.results == []
@@ -434,6 +436,8 @@ def test_a_rollout_store_from_other_settings_is_refused_or_replaced(opd, tmp_pat
         ValueError, match=r"holds rollouts from other inputs or settings \(steps: 3 -> 2\).*--overwrite"
     ):
         run_rollout(_resumable(opd, tmp_path / "r", limit=3, steps=2))
+    with pytest.raises(ValueError, match=r"writers \(data-parallel replicas\): 1 -> 2"):  # another layout
+        claim_store(_resumable(opd, tmp_path / "r", limit=3), replicas=2)
     fresh = run_rollout(_resumable(opd, tmp_path / "r", limit=3, steps=2, overwrite=True))
     assert fresh.skipped == 0 and len(fresh.results) == 3
     assert "rollout: --overwrite: deleting" in capsys.readouterr().out

@@ -156,3 +156,26 @@ def test_importance_pruning_drops_the_layers_that_do_nothing(tmp_path, parallel)
         for name, tensor in pruned.items():
             if name.startswith(f"model.layers.{new}."):
                 assert torch.equal(tensor, original[name.replace(f"layers.{new}.", f"layers.{old}.")]), name
+
+
+def test_sampling_draws_on_the_cpu_generator_whatever_the_logits_device():
+    """Sampled decoding (evaluate --temperature, sampled rollouts) with a GPU target: the engine's generator is a
+    CPU one, so every draw happens there, and the same seed draws the same tokens as on the CPU."""
+    from megatron_osprey.speculative.generate import _pick
+    from megatron_osprey.speculative.tree import DraftTree
+    from megatron_osprey.speculative.verify import accept_sampling
+
+    rng = torch.Generator().manual_seed(0)
+    logits, target = 3 * torch.randn(64, generator=rng), 3 * torch.randn(3, 64, generator=rng)
+    proposals = [torch.softmax(3 * torch.randn(64, generator=rng).double(), -1) for _ in range(2)]
+    for seed in range(8):
+        assert _pick(logits.cuda(), 1.0, torch.Generator().manual_seed(seed)) == _pick(
+            logits, 1.0, torch.Generator().manual_seed(seed)
+        )
+        outcomes = []
+        for device in ("cpu", "cuda"):
+            tree = DraftTree()
+            tree.add(int(proposals[0].argmax()), -1, proposals[0].to(device))
+            tree.add(int(proposals[1].argmax()), 0, proposals[1].to(device))
+            outcomes.append(accept_sampling(tree, target.to(device), 1.0, torch.Generator().manual_seed(seed)))
+        assert outcomes[0] == outcomes[1]

@@ -99,6 +99,8 @@ def main(work: Path, result_path: Path, target: str, drafter: str, data: str, re
         moe_reference = HiddenStateStore(moe_reference, dtype=torch.float32)
         merged["moe_hf_rounds"] = sum(len(moe_reference[i]["rollout"]) for i in range(len(moe_reference)))
         merged["moe_hf_accepted"] = sum(int(s["rollout"].accepted.sum()) for s in moe_reference)
+        # odd lengths under sequence parallelism at TP=2: the prefills that need padding rows
+        merged["moe_odd_prompts"] = sum(int((~s["loss_mask"]).sum()) % 2 for s in moe_reference)
         for label in MOE_LAYOUTS:
             merged |= compare(moe_reference, HiddenStateStore(work / label, dtype=torch.float32), label)
         sampled_reference = HiddenStateStore(sampled_reference, dtype=torch.float32)
