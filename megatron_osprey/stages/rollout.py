@@ -38,6 +38,7 @@ from megatron_osprey.base.outputs import check_disjoint, prepare_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
 from megatron_osprey.eval.config import TARGET_BACKENDS
+from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS
 from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
@@ -68,6 +69,9 @@ class RolloutConfig:
     # Replicas roll out slices of uneven length: how long one that finished waits for the slowest (48 h).
     replica_timeout_minutes: float = 2880.0
     target_backend: str = "hf"  # or "megatron": the Megatron-Core target (tensor-parallel under torchrun)
+    # The Megatron-Core target's layers: auto is Transformer Engine on CUDA (what a MoE target or sequence
+    # parallelism needs there; chains are verified with its causal mask), the local spec on the CPU.
+    transformer_impl: str = "auto"
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     overwrite: bool = False
 
@@ -97,6 +101,8 @@ class RolloutConfig:
             raise ValueError(f"--replica-timeout-minutes must be > 0, got {self.replica_timeout_minutes}.")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"--dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}.")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}.")
         if self.target_backend not in TARGET_BACKENDS:
             raise ValueError(f"--target-backend must be one of {TARGET_BACKENDS}, got {self.target_backend!r}.")
         if self.target_backend == "hf":
@@ -141,6 +147,11 @@ FLAGS = {
             "--no-replay",
             "replay",
             {"action": "store_false", "help": "record the live rounds only (no replays from rejection positions)"},
+        ),
+        Flag(
+            "--transformer-impl",
+            "transformer_impl",
+            {"choices": list(TRANSFORMER_IMPLS), "help": "the Megatron-Core target's layers (auto: TE on CUDA)"},
         ),
         Flag(
             "--target-backend",
@@ -376,7 +387,12 @@ def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, dtype, 
         torch.distributed.barrier()
         drafter = drafter.to(state.device)
         stage = load_target(
-            config.target, state.config, state.device, params_dtype=dtype, with_lm_head=True, transformer_impl="local"
+            config.target,
+            state.config,
+            state.device,
+            params_dtype=dtype,
+            with_lm_head=True,
+            transformer_impl=config.transformer_impl,
         )
         target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
         prompts = prompts_of()

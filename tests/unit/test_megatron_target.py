@@ -80,3 +80,29 @@ def test_megatron_target_feeds_the_model_on_its_own_device(target):
         rotary.inv_freq = rotary.inv_freq.to("meta")
         logits, aux = megatron.prefill(torch.arange(5))
     assert logits.device.type == "meta" and aux.device.type == "meta" and logits.shape == (5, VOCAB)
+
+
+def test_a_causal_only_target_verifies_chains_as_the_masked_one_and_refuses_trees(target):
+    """What a Transformer Engine target does (its layers' causal mask type, no explicit mask), on the local spec:
+    chain decoding gives the masked target's logits and tokens; a tree verify is refused by name."""
+    directory, hf = target
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11)]
+    spec = SpecConfig(steps=3, max_new_tokens=16)
+    with MegatronTargetModel.open(directory, AUX) as masked:
+        assert masked.causal_only is False  # the local spec: explicit masks
+        want = [speculative_generate(masked, ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
+        masked.prefill(prompts[1])
+        chain = (torch.tensor([3, 4, 5]), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril())
+        want_logits, want_aux = masked.verify(*chain)
+        causal = MegatronTargetModel(masked.model, AUX, VOCAB, causal_only=True)
+        got = [speculative_generate(causal, ReferenceDraftSession(_drafter()), p, spec) for p in prompts]
+        causal.prefill(prompts[1])
+        got_logits, got_aux = causal.verify(*chain)
+        causal.commit([0])
+        with pytest.raises(ValueError, match="verifies chains only"):
+            causal.verify(torch.tensor([7, 9]), torch.tensor([0, 0]), torch.eye(2, dtype=torch.bool))
+        causal.capture.remove()
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.accept_lengths for r in got] == [r.accept_lengths for r in want]
+    # the layers' default causal mask against the explicit one: the same masked softmax, bit for bit (measured)
+    assert torch.equal(got_logits, want_logits) and torch.equal(got_aux, want_aux)

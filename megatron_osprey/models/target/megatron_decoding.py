@@ -7,6 +7,10 @@ rows `allowed` lets them see, at positions cache_len + depth (the rotary table i
 indexed by those positions, not by sequence order). That is exact, and keeps the
 adapter small; it costs O(length) work per verify, so it is for checking a
 Megatron target's acceptance length, not for speed.
+
+A model built with Transformer Engine layers (what megatron-core needs on CUDA for a mixture-of-experts target
+or sequence parallelism) attends with its causal mask type, not an explicit mask: it verifies chains only (a
+chain's mask is the causal one, its positions the sequence's), and a tree verify is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class MegatronTargetModel(TargetModel):
     (data-parallel ranks of one expert-parallel group); its first rank's logits and aux rows are broadcast to
     the others, so that every rank takes the same greedy decisions and runs the same number of forwards."""
 
-    def __init__(self, model, aux_layer_ids: list[int], vocab_size: int, sync_group=None):
+    def __init__(self, model, aux_layer_ids: list[int], vocab_size: int, sync_group=None, causal_only=None):
         from megatron_osprey.models.target.pipeline_stage import LayerCapture
 
         self.model = model
@@ -41,6 +45,8 @@ class MegatronTargetModel(TargetModel):
         self.tp_size = 1
         self.sequence_parallel = bool(getattr(model.config, "sequence_parallel", False))
         self.sync_group = sync_group
+        # None: from the model (Transformer Engine layers attend with the causal mask type only).
+        self.causal_only = uses_transformer_engine(model) if causal_only is None else causal_only
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state as mpu
 
@@ -90,6 +96,8 @@ class MegatronTargetModel(TargetModel):
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, new: int):
         """Logits and aux rows of the last `new` tokens; visible[i, j]: token i attends to token j."""
         model, n = self.model, ids.numel()
+        if self.causal_only:
+            _check_causal(visible, positions)
         # The committed sequence is kept on the CPU; the model may sit on a GPU.
         device = next(model.parameters()).device
         length = int(positions.max()) + 1
@@ -97,7 +105,8 @@ class MegatronTargetModel(TargetModel):
         hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])  # scattered under SP
         rotary = model.rotary_pos_emb(length)[positions]
         self.capture.clear()
-        hidden = model.decoder(hidden_states=hidden, attention_mask=~visible[None, None], rotary_pos_emb=rotary)
+        mask = None if self.causal_only else ~visible[None, None]  # causal only: the layers' own causal mask
+        hidden = model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         logits, _ = model.output_layer(hidden, weight=weight)  # the LM head gathers the sequence under SP
         if self.tp_size > 1:  # each tensor-parallel rank holds a vocabulary slice: every rank gets all of it
@@ -135,3 +144,20 @@ class MegatronTargetModel(TargetModel):
         # The kept rows form one root-to-leaf path: in order they continue the committed sequence.
         self._committed = torch.cat([self._committed, self._pending[0][keep]])
         self._pending = None
+
+
+def uses_transformer_engine(model) -> bool:
+    """Whether `model` was built with Transformer Engine layers (megatron-core's TE extension)."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules())
+
+
+def _check_causal(visible: torch.Tensor, positions: torch.Tensor) -> None:
+    """Refuse what a causal-only target cannot verify: a tree (a mask other than the causal one)."""
+    n = visible.shape[0]
+    if not torch.equal(visible.cpu(), torch.ones(n, n, dtype=torch.bool).tril()) or not torch.equal(
+        positions.cpu(), torch.arange(n)
+    ):
+        raise ValueError(
+            "a Transformer Engine target verifies chains only (--topk 1): its attention takes the causal mask "
+            "type, not a tree's mask; use --transformer-impl local for draft trees."
+        )
