@@ -40,7 +40,7 @@ from megatron_osprey.recipes.targets import model_arch
 from megatron_osprey.training.config import validate_training
 
 TRAINED_STAGES = ("pretrain", "distill")
-TARGET_STAGES = ("distill", "extract")
+TARGET_STAGES = ("distill", "extract", "rollout")
 # Offline hidden-state stores in int8 take about this share of bf16 (values plus per-row scales).
 INT8_STORE_RATIO = 0.45
 
@@ -274,8 +274,8 @@ def _target_summary(recipe: Recipe, target: ModelArch, config) -> dict:
     requested = getattr(config, "aux_layer_ids", None)
     if requested is None and recipe.adapt is not None:
         requested = recipe.adapt.aux_layer_ids
-    if requested is None and getattr(config, "drafter", None) is not None:
-        requested = config.drafter.aux_layer_ids
+    if requested is None:  # a distill config's drafter section (a rollout's drafter is a path: its own taps)
+        requested = getattr(getattr(config, "drafter", None), "aux_layer_ids", None)
     return {
         "model_type": target.hf_config.get("model_type"),
         "source": _target_source(recipe),
@@ -380,6 +380,8 @@ def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
 
 def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, parallel) -> list[tuple[str, int]]:
     """A target stage's terms: the target itself when it runs online, and distillation's LM head rows."""
+    if stage == "rollout":  # the target on each replica (the HF backend: all of it per GPU), one sequence at a time
+        return _target_memory(target, parallel, _RolloutSequence(recipe, config), config.dtype == "bfloat16")
     memory = []
     bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
     online = stage == "extract" or config.data.mode == "online"
@@ -404,6 +406,20 @@ class _ExtractBatch:
     @property
     def seq_length(self) -> int:
         return self.config.max_length
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutSequence:
+    """A rollout's forward in the shape the target estimate reads: one prompt plus its continuation, as long as
+    the recipe's server context (what its regeneration allowed), else twice --max-new-tokens."""
+
+    recipe: Recipe
+    config: object
+    micro_batch_size: int = 1
+
+    @property
+    def seq_length(self) -> int:
+        return self.recipe.servers.context_length or 2 * self.config.max_new_tokens
 
 
 def _refuse_without_te(recipe: Recipe, stage: str, config, parallel, target: ModelArch | None) -> None:

@@ -43,3 +43,15 @@ def test_an_opd_recipe_rolls_out_the_sft_drafter_and_trains_on_its_rounds(name):
     assert recipe.stage_resources("rollout").gpus_per_node == sft.stage_resources("distill").gpus_per_node
     plan = make_plan(recipe, "distill", "RUN")
     assert plan.train_iters == distill.training.train_iters
+
+
+@pytest.mark.parametrize("name", OPD)
+def test_osprey_plan_sizes_the_rollout_on_its_layout(name):
+    """`osprey plan RECIPE --stage rollout`: the target's layout checked and its memory per GPU within the GPU's."""
+    recipe = get_recipe(name)
+    plan = make_plan(recipe, "rollout", "RUN")
+    rollout = recipe.config("rollout", "RUN")
+    assert plan.data_parallel_size == plan.world_size // rollout.parallel.tensor_model_parallel_size
+    assert any("target weights" == term for term, _ in plan.memory)
+    if plan.gpu_memory_gib is not None:
+        assert sum(size for _, size in plan.memory) / 2**30 < plan.gpu_memory_gib

@@ -107,20 +107,32 @@ class MegatronTargetModel(TargetModel):
         self.capture.clear()
         mask = None if self.causal_only else ~visible[None, None]  # causal only: the layers' own causal mask
         hidden = model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
-        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-        logits, _ = model.output_layer(hidden, weight=weight)  # the LM head gathers the sequence under SP
-        if self.tp_size > 1:  # each tensor-parallel rank holds a vocabulary slice: every rank gets all of it
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-            logits = gather_from_tensor_model_parallel_region(logits)
+        logits = self._new_logits(self.rows(hidden, n)[n - new :, None])
         aux = torch.cat([self.rows(self.capture.outputs[i], n)[-new:] for i in self.aux_layer_ids], dim=-1)
         self.capture.clear()
-        logits, aux = logits[n - new : n, 0, : self.vocab_size].float().contiguous(), aux.float().contiguous()
+        logits, aux = logits[:, 0, : self.vocab_size].float().contiguous(), aux.float().contiguous()
         if self.sync_group is not None:
             source = torch.distributed.get_process_group_ranks(self.sync_group)[0]
             for tensor in (logits, aux):
                 torch.distributed.broadcast(tensor, source, group=self.sync_group)
         return logits, aux
+
+    def _new_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over the new rows only ([new, 1, h], whole: no sequence shard), every rank the full
+        vocabulary: not the whole recomputed sequence's logits (a [length, vocab] tensor per verify)."""
+        model = self.model
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        head, sequence_parallel = model.output_layer, model.output_layer.sequence_parallel
+        head.sequence_parallel = False  # the rows are gathered already (as GPTModel does for last-token logits)
+        try:
+            logits, _ = head(hidden, weight=weight)
+        finally:
+            head.sequence_parallel = sequence_parallel
+        if self.tp_size > 1:  # each tensor-parallel rank holds a vocabulary slice: every rank gets all of it
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return logits
 
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._committed = input_ids.detach().cpu().long()
