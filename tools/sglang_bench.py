@@ -57,15 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
     from megatron_osprey.eval.prompts import load_prompts
     from megatron_osprey.eval.run import split_names, sweep_markdown, write_results
-    from megatron_osprey.eval.sglang_client import ServerConfig, bench_prompts, throughput, wait_for_server
+    from megatron_osprey.eval.sglang_client import wait_for_server
 
-    combos = [(t, b) for t in args.temperature for b in args.batch_size]
     try:
         if any(b < 1 for b in args.batch_size):
             raise ValueError(f"--batch-size values must be >= 1, got {args.batch_size}.")
@@ -76,54 +73,73 @@ def main(argv=None) -> int:
         }
         if args.wait:
             wait_for_server(args.url, args.wait)
-        sweep, records = [], []
-        total = len(combos) * sum(len(p) for p in prompts.values())
-        with tqdm(total=total, desc="sglang", unit="req") as progress:
-            for temperature, batch_size in combos:
-                server = ServerConfig(args.url, args.max_new_tokens, temperature)
-                cells = []
-                for split in splits:
-                    start = time.perf_counter()
-                    requests = bench_prompts(
-                        server, prompts[split], progress, batch_size=batch_size, speculative=not args.target_only
-                    )
-                    wall = time.perf_counter() - start
-                    summary = {
-                        **summarize(requests),
-                        "wall_seconds": wall,
-                        "throughput_tokens_per_s": throughput(requests, wall),
-                    }
-                    cells.append(Cell(args.drafter_name, args.method, args.train_domain, split, summary))
-                    records.append(
-                        {
-                            "drafter": args.drafter_name,
-                            "method": args.method,
-                            "train_domain": args.train_domain,
-                            "split": split,
-                            "temperature": temperature,
-                            "batch_size": batch_size,
-                            "seed": args.seed,
-                            "summary": summary,
-                            "requests": requests,
-                        }
-                    )
-                sweep.append(
-                    {
-                        "temperature": temperature,
-                        "batch_size": batch_size,
-                        "seed": args.seed,
-                        "sampling": "greedy" if temperature == 0 else "lossless rejection sampling",
-                        "matrices": build_matrices(cells, splits),
-                    }
-                )
+        sweep, records = _sweep(args, splits, prompts)
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    write_results(_results(args, splits, prompts, sweep, records), args.output)
+    for record in records:
+        s = record["summary"]
+        print(
+            f"T={record['temperature']:g} batch {record['batch_size']} {record['split']}: "
+            f"AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
+            f"{s['throughput_tokens_per_s']:.1f} tok/s over {s['requests']} requests"
+        )
+    if len(sweep) > 1:
+        print(sweep_markdown(sweep, column="batch_size"))
+    return 0
+
+
+def _sweep(args, splits: list[str], prompts: dict) -> tuple[list[dict], list[dict]]:
+    """Every (temperature, batch size) over every split against the server: the sweep rows and the cells."""
+    from tqdm import tqdm
+
+    from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
+    from megatron_osprey.eval.sglang_client import ServerConfig, bench_prompts, throughput
+
+    combos = [(t, b) for t in args.temperature for b in args.batch_size]
+    sweep, records = [], []
+    total = len(combos) * sum(len(p) for p in prompts.values())
+    with tqdm(total=total, desc="sglang", unit="req") as progress:
+        for temperature, batch_size in combos:
+            server = ServerConfig(args.url, args.max_new_tokens, temperature)
+            cells = []
+            for split in splits:
+                start = time.perf_counter()
+                requests = bench_prompts(
+                    server, prompts[split], progress, batch_size=batch_size, speculative=not args.target_only
+                )
+                wall = time.perf_counter() - start
+                summary = {
+                    **summarize(requests),
+                    "wall_seconds": wall,
+                    "throughput_tokens_per_s": throughput(requests, wall),
+                }
+                cells.append(Cell(args.drafter_name, args.method, args.train_domain, split, summary))
+                drafter = {"drafter": args.drafter_name, "method": args.method, "train_domain": args.train_domain}
+                records.append(
+                    {**drafter, "split": split, "temperature": temperature, "batch_size": batch_size, "seed": args.seed,
+                     "summary": summary, "requests": requests}
+                )  # fmt: skip
+            sweep.append(
+                {
+                    "temperature": temperature,
+                    "batch_size": batch_size,
+                    "seed": args.seed,
+                    "sampling": "greedy" if temperature == 0 else "lossless rejection sampling",
+                    "matrices": build_matrices(cells, splits),
+                }
+            )
+    return sweep, records
+
+
+def _results(args, splits: list[str], prompts: dict, sweep: list[dict], records: list[dict]) -> dict:
+    """results.json in the evaluate stage's format (the server's draft shape from --config-note)."""
     notes = dict(item.partition("=")[::2] for item in args.config_note)
     steps, topk, draft_tokens = notes.pop("steps", None), notes.pop("topk", None), notes.pop("draft_tokens", None)
     for row in sweep:  # the server's draft shape is fixed for the whole run
         row.update(steps=steps, topk=topk, draft_tokens=draft_tokens)
-    results = {
+    return {
         "format": "megatron_osprey.eval/1",
         "config": {
             "target": str(args.tokenizer),
@@ -150,17 +166,6 @@ def main(argv=None) -> int:
         "sweep": sweep,
         "lossless": {"checked": False, "mismatches": []},
     }
-    write_results(results, args.output)
-    for record in records:
-        s = record["summary"]
-        print(
-            f"T={record['temperature']:g} batch {record['batch_size']} {record['split']}: "
-            f"AL {s['mean_acceptance_length']:.3f} (pooled {s['pooled_acceptance_length']:.3f}), "
-            f"{s['throughput_tokens_per_s']:.1f} tok/s over {s['requests']} requests"
-        )
-    if len(sweep) > 1:
-        print(sweep_markdown(sweep, column="batch_size"))
-    return 0
 
 
 if __name__ == "__main__":
