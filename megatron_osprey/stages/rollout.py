@@ -211,7 +211,7 @@ def store_settings(config: RolloutConfig) -> dict:
     from megatron_osprey.data.fingerprint import directory_fingerprint, file_sha256, model_fingerprint
 
     fields = ("steps", "top_k", "max_new_tokens", "limit", "prompt_messages", "enable_thinking", "dtype", "replay")
-    fields += ("temperature", "seed", "samples_per_shard", "target_backend")
+    fields += ("temperature", "seed", "samples_per_shard", "target_backend", "transformer_impl")
     return {
         "data_sha256": file_sha256(config.data_path),
         "target": model_fingerprint(config.target),
