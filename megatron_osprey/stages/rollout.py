@@ -295,26 +295,35 @@ def _open_writer(config: RolloutConfig, output: Path, arch, aux_ids: list[int], 
     )
 
 
-def _run_hf(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
-    """The HF target with its KV cache: one process, or under torchrun one per device, each loading the whole
-    target and rolling out its contiguous slice of the prompts into its own writer; rank 0 finalizes."""
-    import os
+def _check_megatron_layout(config: RolloutConfig, arch) -> None:
+    """The Megatron-Core target's layout against its shape, before any process group exists."""
+    p = config.parallel
+    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
+    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
 
+
+def _roll_out_job(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
+    """Every rank of the job (one process, or torchrun's): one process group for the drafter's load and the
+    rollout (under srun a second rendezvous at the same MASTER_PORT can meet the first's stale keys), then the
+    backend's rollout inside the layout's process groups."""
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
-        return _roll_out_hf(config, arch, prompts_of, drafter, None)
     from megatron_osprey.parallel import parallel_context, process_group
 
-    with process_group(config.parallel):  # one rendezvous for the drafter's load and the rollout
+    if config.target_backend == "megatron":
+        _check_megatron_layout(config, arch)
+    with process_group(config.parallel):
         # Before the rollout's groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
         drafter = _load_drafter(config, arch.vocab_size, "cpu", getattr(torch, config.dtype))
+        roll_out = _roll_out_megatron if config.target_backend == "megatron" else _roll_out_hf
         with parallel_context(config.parallel) as state:
-            return _roll_out_hf(config, arch, prompts_of, drafter, state)
+            return roll_out(config, arch, prompts_of, drafter, state)
 
 
 def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tuple[RolloutRun, Path]:
+    """The HF target with its KV cache on every rank: each loads the whole target and rolls out its contiguous
+    slice of the prompts into its own writer; rank 0 finalizes."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -324,19 +333,16 @@ def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tup
     from megatron_osprey.speculative import HFTargetModel
     from megatron_osprey.speculative.rollout import target_states
 
-    rank, world = (state.rank, state.world_size) if state is not None else (0, 1)
-    device = state.device if state is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    barrier = torch.distributed.barrier if state is not None else (lambda: None)
+    rank, world, output = state.rank, state.world_size, Path(config.output)
     dtype = getattr(torch, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype).to(device).eval()
-    drafter = drafter.to(device)
+    model = AutoModelForCausalLM.from_pretrained(config.target, dtype=dtype).to(state.device).eval()
+    drafter = drafter.to(state.device)
     aux_ids = list(drafter.config.aux_layer_ids)
     prompts = prompts_of()
     mine = [prompts[i] for i in contiguous_slice(len(prompts), rank, world)]
-    output = Path(config.output)
     if rank == 0:
         claim_store(config, replicas=world)
-    barrier()
+    torch.distributed.barrier()
     target = HFTargetModel(model, aux_ids)
     states = lambda ids: target_states(model, ids, aux_ids)  # noqa: E731
     with waiting_window(config.replica_timeout_minutes):  # each rank its own slice, at its own pace
@@ -344,74 +350,56 @@ def _roll_out_hf(config: RolloutConfig, arch, prompts_of, drafter, state) -> tup
             results = _roll_out(config, target, states, drafter, mine, writer, writer.completed_sample_ids())
     if rank == 0:
         finalize_store(output)
-    barrier()
+    torch.distributed.barrier()
     return results, output
 
 
-def _run_megatron(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
-    """Every rank of the job: the Megatron-Core target over each decoding replica (a tensor-parallel group, or
-    the groups an expert-parallel group links), one writer per replica on its contiguous slice of the prompts;
-    rank 0 finalizes."""
-    import torch
-
-    from megatron_osprey.parallel import process_group
-
-    p = config.parallel
-    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
-    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
-    dtype, output = getattr(torch, config.dtype), Path(config.output)
-    with process_group(config.parallel):  # one rendezvous for the drafter's load and the rollout
-        # Before the target's process groups: a Megatron drafter checkpoint loads in its own (every rank a replica).
-        drafter = _load_drafter(config, arch.vocab_size, "cpu", dtype)
-        return _roll_out_megatron(config, arch, prompts_of, drafter, dtype, output)
-
-
-def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, dtype, output: Path):
-    """_run_megatron inside the job's process group, the drafter loaded."""
+def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, state) -> tuple[RolloutRun, Path]:
+    """The Megatron-Core target over each decoding replica (a tensor-parallel group, or the groups an
+    expert-parallel group links), one writer per replica on its contiguous slice of the prompts; rank 0
+    finalizes."""
     import torch
 
     from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
     from megatron_osprey.models.target.pipeline_stage import load_target
-    from megatron_osprey.parallel import parallel_context, waiting_window
+    from megatron_osprey.parallel import waiting_window
     from megatron_osprey.parallel.replicas import decoding_replica
     from megatron_osprey.speculative.rollout import megatron_target_states
 
-    aux_ids = list(drafter.config.aux_layer_ids)
-    with parallel_context(config.parallel) as state:
-        replica = decoding_replica()
-        if state.rank == 0:
-            claim_store(config, replicas=replica.count)
-        torch.distributed.barrier()
-        drafter = drafter.to(state.device)
-        stage = load_target(
-            config.target,
-            state.config,
-            state.device,
-            params_dtype=dtype,
-            with_lm_head=True,
-            transformer_impl=config.transformer_impl,
-        )
-        target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
-        prompts = prompts_of()
-        mine = [prompts[i] for i in contiguous_slice(len(prompts), replica.index, replica.count)]
-        writer = None
-        if replica.is_writer:
-            writer = _open_writer(config, output, arch, aux_ids, replica.index, replica.count)
-        # Every rank of a replica skips the prompts its writer has stored (a resumed run).
-        gathered: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, writer.completed_sample_ids() if writer is not None else None)
-        stored = gathered[replica.ranks[0]]
-        states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
-        with waiting_window(config.replica_timeout_minutes):  # replicas finish their slices at their own pace
-            with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
-                results = _roll_out(config, target, states, drafter, mine, writer, stored)
-        target.capture.remove()
-        if state.rank == 0:
-            finalize_store(output)
-        torch.distributed.barrier()
+    aux_ids, output = list(drafter.config.aux_layer_ids), Path(config.output)
+    replica = decoding_replica()
+    if state.rank == 0:
+        claim_store(config, replicas=replica.count)
+    torch.distributed.barrier()
+    drafter = drafter.to(state.device)
+    stage = load_target(
+        config.target,
+        state.config,
+        state.device,
+        params_dtype=getattr(torch, config.dtype),
+        with_lm_head=True,
+        transformer_impl=config.transformer_impl,
+    )
+    target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
+    prompts = prompts_of()
+    mine = [prompts[i] for i in contiguous_slice(len(prompts), replica.index, replica.count)]
+    writer = None
+    if replica.is_writer:
+        writer = _open_writer(config, output, arch, aux_ids, replica.index, replica.count)
+    # Every rank of a replica skips the prompts its writer has stored (a resumed run).
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, writer.completed_sample_ids() if writer is not None else None)
+    stored = gathered[replica.ranks[0]]
+    states = lambda ids: megatron_target_states(target, ids, arch.num_layers - 1)  # noqa: E731
+    with waiting_window(config.replica_timeout_minutes):  # replicas finish their slices at their own pace
+        with writer if writer is not None else contextlib.nullcontext():  # an error abandons its partial shard
+            results = _roll_out(config, target, states, drafter, mine, writer, stored)
+    target.capture.remove()
+    if state.rank == 0:
+        finalize_store(output)
+    torch.distributed.barrier()
     return results, output
 
 
@@ -436,10 +424,7 @@ def run(config: RolloutConfig, invocation: Invocation = Invocation("rollout")):
     def prompts_of():
         return load_prompts(config.data_path, tokenizer, config.limit, config.enable_thinking, config.prompt_messages)
 
-    if config.target_backend == "megatron":
-        results, output = _run_megatron(config, arch, prompts_of)
-    else:
-        results, output = _run_hf(config, arch, prompts_of)
+    results, output = _roll_out_job(config, arch, prompts_of)
     if rank0:
         invocation.record(output, config, inputs, {"store": output / "manifest.json"})
     return results

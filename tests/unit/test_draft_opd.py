@@ -366,16 +366,16 @@ def test_rollout_and_extract_take_the_expert_layout_flags():
 def test_a_moe_rollout_at_tp2_needs_sequence_parallel(tmp_path):
     from megatron_osprey.base.arch import ModelArch
     from megatron_osprey.parallel.config import ParallelConfig
-    from megatron_osprey.stages.rollout import _run_megatron
+    from megatron_osprey.stages.rollout import _check_megatron_layout
     from megatron_osprey.testing.tiny_models import write_chat_target
 
     write_chat_target(tmp_path / "moe", "qwen3_moe")
     config = RolloutConfig(parallel=ParallelConfig(tensor_model_parallel_size=2), target_backend="megatron")
     with pytest.raises(ValueError, match="needs --sequence-parallel"):
-        _run_megatron(config, ModelArch.from_hf_config(tmp_path / "moe"), None)
+        _check_megatron_layout(config, ModelArch.from_hf_config(tmp_path / "moe"))
     config.parallel = ParallelConfig(expert_model_parallel_size=3)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide"):
-        _run_megatron(config, ModelArch.from_hf_config(tmp_path / "moe"), None)
+        _check_megatron_layout(config, ModelArch.from_hf_config(tmp_path / "moe"))
 
 
 def _resumable(opd, output, **changes) -> RolloutConfig:
