@@ -79,27 +79,18 @@ def check_store_settings(config, settings: dict, say: Callable[[str], None]) -> 
     Run by one process per job before any writer opens the store. A store that holds or lies inside an
     input, or a non-empty directory without our settings record, is refused even with --overwrite.
     """
-    from megatron_osprey.base.outputs import check_disjoint, prepare_output
-    from megatron_osprey.data.fingerprint import claim_output
+    from megatron_osprey.data.fingerprint import claim_store_dir
 
-    store = Path(config.store.store_dir)
     inputs = {"--data": config.data_path, "--target": config.target.path}
-
-    def delete(reasons: str) -> None:
-        say(f"extract: --overwrite: deleting {store} ({reasons})")
-        prepare_output(store, inputs, SETTINGS_NAME, overwrite=True, stage="extract")
-
-    check_disjoint(store, inputs)  # before any resume or deletion
-    foreign = store.is_dir() and any(p.name != SETTINGS_NAME for p in store.iterdir())
-    unrecorded = f"{store} is not empty and has no {SETTINGS_NAME} (not made by this tool)" if foreign else None
-    claim_output(
-        store,
-        store / SETTINGS_NAME,
+    claim_store_dir(
+        config.store.store_dir,
+        SETTINGS_NAME,
         settings,
+        inputs,
         overwrite=config.overwrite,
+        stage="extract",
         holds="hidden states",
-        unrecorded=unrecorded,
-        delete=delete,
+        say=say,
     )
 
 

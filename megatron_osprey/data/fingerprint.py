@@ -98,6 +98,38 @@ def claim_output(
     write_settings(record, settings)
 
 
+def claim_store_dir(
+    store: str | Path,
+    record_name: str,
+    settings: dict,
+    inputs: dict,
+    *,
+    overwrite: bool,
+    stage: str,
+    holds: str,
+    say: Callable[[str], None] = print,
+    marker: str | None = None,
+) -> Path:
+    """claim_output for a store directory a stage resumes into (extract, rollout): refused when it is, holds or lies
+    inside one of `inputs`, or when it is not empty and has no RECORD_NAME; --overwrite empties it only where it
+    carries `marker` (default: the record) and names this stage. Run by one process per job; returns the store."""
+    from megatron_osprey.base.outputs import check_disjoint, prepare_output
+
+    store = Path(store)
+
+    def delete(reasons: str) -> None:
+        say(f"{stage}: --overwrite: deleting {store} ({reasons})")
+        prepare_output(store, inputs, marker or record_name, overwrite=True, stage=stage)
+
+    check_disjoint(store, inputs)  # before any resume or deletion
+    foreign = store.is_dir() and any(p.name != record_name for p in store.iterdir())
+    unrecorded = f"{store} is not empty and has no {record_name} (not made by this tool)" if foreign else None
+    claim_output(
+        store, store / record_name, settings, overwrite=overwrite, holds=holds, unrecorded=unrecorded, delete=delete
+    )
+    return store
+
+
 def _short(value) -> str:
     text = json.dumps(value, sort_keys=True)
     return text if len(text) <= 120 else text[:117] + "..."

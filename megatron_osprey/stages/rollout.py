@@ -34,7 +34,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from megatron_osprey.base.outputs import check_disjoint, prepare_output
+from megatron_osprey.base.outputs import check_disjoint
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
 from megatron_osprey.eval.config import TARGET_BACKENDS
@@ -223,24 +223,17 @@ def store_settings(config: RolloutConfig) -> dict:
 def claim_store(config: RolloutConfig, replicas: int = 1, say=print) -> Path:
     """Run by one process before any writer opens the store: a store from other inputs or settings is refused
     (--overwrite: deleted), one from the same is resumed; the settings are recorded. Returns the store."""
-    from megatron_osprey.data.fingerprint import claim_output
+    from megatron_osprey.data.fingerprint import claim_store_dir
 
     store = Path(config.output)
-
-    def delete(reasons: str) -> None:
-        say(f"rollout: --overwrite: deleting {store} ({reasons})")
-        marker = ROLLOUT_SETTINGS if (store / ROLLOUT_SETTINGS).is_file() else PROVENANCE_FILE  # a store of before
-        prepare_output(store, config.paths_read(), marker, overwrite=True, stage="rollout")
-
-    foreign = store.is_dir() and any(p.name != ROLLOUT_SETTINGS for p in store.iterdir())
-    unrecorded = f"{store} is not empty and has no {ROLLOUT_SETTINGS}" if foreign else None
+    # A complete store written before the settings record carries only its provenance.json.
+    marker = ROLLOUT_SETTINGS if (store / ROLLOUT_SETTINGS).is_file() else PROVENANCE_FILE
     # Each replica writes its own part: a store resumes only with as many (the same GPUs and layout).
     settings = store_settings(config) | {"writers (data-parallel replicas)": replicas}
-    claim_output(
-        store, store / ROLLOUT_SETTINGS, settings, overwrite=config.overwrite, holds="rollouts", unrecorded=unrecorded,
-        delete=delete,
+    return claim_store_dir(
+        store, ROLLOUT_SETTINGS, settings, config.paths_read(), overwrite=config.overwrite, stage="rollout",
+        holds="rollouts", say=say, marker=marker,
     )  # fmt: skip
-    return store
 
 
 @dataclasses.dataclass
