@@ -14,4 +14,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_osprey.recipes import run_stage  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_stage("preprocess"))
+    sys.exit(run_stage("preprocess", sys.argv[1:]))

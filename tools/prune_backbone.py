@@ -14,4 +14,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_osprey.recipes import run_stage  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_stage("prune"))
+    sys.exit(run_stage("prune", sys.argv[1:]))

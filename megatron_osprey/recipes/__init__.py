@@ -1,13 +1,12 @@
 """Recipes: a target x stage chain x hardware x precision, as the very configs its stages run plus a launch section.
 
 `resolve_recipe(NAME[:DOMAIN] | FILE.yaml, overrides)` gives a Recipe; `Recipe.config(stage, run_dir)` the config the
-stage runs; `run_stage(stage)` is the job door every `python -m megatron_osprey.stages.X` program goes through.
+stage runs; `run_stage(stage, argv)` is the job door every `python -m megatron_osprey.stages.X` program goes through.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 
 from megatron_osprey.recipes.recipe import STAGES, Recipe
 from megatron_osprey.recipes.registry import (
@@ -20,11 +19,11 @@ from megatron_osprey.recipes.registry import (
 )
 
 
-def run_stage(stage: str, argv: list[str] | None = None) -> int:
-    """Run `megatron_osprey.stages.<stage>`'s main with `--recipe` resolved by this registry; its exit code. `argv`
-    defaults to this program's command line: the job door is the one place that reads it."""
+def run_stage(stage: str, argv: list[str]) -> int:
+    """Run `megatron_osprey.stages.<stage>`'s main on `argv` (the entry point passes its command line) with
+    `--recipe` resolved by this registry; its exit code."""
     module = importlib.import_module(f"megatron_osprey.stages.{stage}")
-    return module.main(sys.argv[1:] if argv is None else argv, recipes=stage_resolver)
+    return module.main(list(argv), recipes=stage_resolver)
 
 
 __all__ = [

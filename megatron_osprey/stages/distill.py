@@ -157,4 +157,4 @@ if __name__ == "__main__":
     # The job door, guarded and importing the registry late for the reasons given in stages/pretrain.py.
     from megatron_osprey.recipes import run_stage
 
-    sys.exit(run_stage("distill"))
+    sys.exit(run_stage("distill", sys.argv[1:]))

@@ -115,4 +115,4 @@ if __name__ == "__main__":
     # The job door, as every stage's: the recipe registry resolves --recipe (no recipe holds this stage).
     from megatron_osprey.recipes import run_stage
 
-    sys.exit(run_stage("ngram"))
+    sys.exit(run_stage("ngram", sys.argv[1:]))

@@ -126,4 +126,4 @@ if __name__ == "__main__":
     # matters too: every checkpoint save starts a multiprocessing Manager with spawn.
     from megatron_osprey.recipes import run_stage
 
-    sys.exit(run_stage("pretrain"))
+    sys.exit(run_stage("pretrain", sys.argv[1:]))

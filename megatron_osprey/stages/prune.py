@@ -142,4 +142,4 @@ if __name__ == "__main__":
     # The job door; the recipe registry builds this module's config, so only the program imports it.
     from megatron_osprey.recipes import run_stage
 
-    sys.exit(run_stage("prune"))
+    sys.exit(run_stage("prune", sys.argv[1:]))

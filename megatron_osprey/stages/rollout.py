@@ -451,4 +451,4 @@ if __name__ == "__main__":
     # The job door, as every stage's: the recipe registry resolves --recipe (the *_opd_* recipes hold this stage).
     from megatron_osprey.recipes import run_stage
 
-    sys.exit(run_stage("rollout"))
+    sys.exit(run_stage("rollout", sys.argv[1:]))
