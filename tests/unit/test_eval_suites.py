@@ -125,3 +125,48 @@ def test_humaneval_from_the_pinned_package(tmp_path, monkeypatch):
     assert all(c.messages[0]["content"] == p["prompt"] for c, p in zip(conversations, problems))
     assert "def has_close_elements" in conversations[0].messages[0]["content"]
     assert write_suite("humaneval", "package", out, limit=5) == 5
+
+
+def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_path, capsys):
+    """`osprey suite` / `python -m megatron_osprey.stages.suite`: the eval set evaluate reads; one-line errors
+    naming the flag; an existing output kept unless --overwrite."""
+    from megatron_osprey.stages.suite import main
+
+    rows = [{**ROWS["math500"][0], "unique_id": f"test/algebra/{i}.json"} for i in range(3)]
+    source = write_jsonl(tmp_path / "math500.jsonl", rows)
+    out = tmp_path / "sets" / "math500.jsonl"
+    argv = ["--suite", "math500", "--source", str(source), "--output", str(out)]
+    assert main(argv) == 0 and "math500: 3 prompts" in capsys.readouterr().out
+    written = out.read_bytes()
+    assert [c.messages[0]["content"] for c in read_conversations(out)] == ["What is $1+1$?"] * 3
+
+    assert main([*argv, "--limit", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --output {out} exists; pass --overwrite to replace it."
+    assert out.read_bytes() == written
+    assert main([*argv, "--limit", "1", "--overwrite"]) == 0 and len(list(read_conversations(out))) == 1
+
+    refused = {
+        "--suite must be one of": ["--suite", "gsm8k", "--source", str(source), "--output", str(out)],
+        "--source": ["--suite", "math500", "--source", str(tmp_path / "missing"), "--output", str(out)],
+        "lies inside --source": ["--suite", "mgsm", "--source", str(tmp_path), "--output", str(tmp_path / "m.jsonl")],
+        "is a directory": ["--suite", "math500", "--source", str(source), "--output", str(tmp_path)],
+        "--limit must be >= 1": [*argv, "--limit", "0", "--overwrite"],
+    }
+    for message, bad in refused.items():
+        assert main(bad) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def test_osprey_suite_is_a_door_to_the_suite_stage():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    repo = Path(__file__).resolve().parents[2]
+    shown = subprocess.run(
+        [sys.executable, "-c", script, "suite", "--help"], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert shown.returncode == 0 and "python -m megatron_osprey.stages.suite" in shown.stdout, shown.stderr
+    assert "--source" in shown.stdout and "humaneval" in shown.stdout
