@@ -22,7 +22,7 @@ FP8 = {"bf16": (None, "delayed"), "fp8": ("hybrid", "delayed"), "mxfp8": ("e4m3"
 PAPER_STEPS_FULL = 55_000
 PAPER_STEPS_BUDGET = 10_000
 GLOBAL_BATCH = 2_048  # 462B tokens / 55k steps / 4,096 tokens per sequence
-PREPROCESS_FILES = 16  # FineWeb sample-100BT's Parquet shards, one preprocessing array task per list line
+PREPROCESS_FILES = 16  # preprocessing array tasks; task k of 16 tokenizes shards k, k + 16, ... of paths.pretrain_text
 
 
 def backbone_pretrain(steps: int, hardware: str, precision: str) -> Recipe:

@@ -72,7 +72,7 @@ def wire_paths(recipe, stage: str, config, run_dir: str) -> None:
         config.model.backbone = stage_dir(run_dir, "prune") if "prune" in recipe.chain else recipe.path("backbone")
         if "preprocess" in recipe.chain:
             preprocess = recipe.config("preprocess", run_dir)
-            config.data.data_path = [preprocess.output_path()]
+            config.data.data_path = preprocess.output_paths()
         _training_outputs(recipe, config, out)
     elif stage == "adapt":
         config.backbone, config.target, config.output = backbone(recipe, run_dir), recipe.path("target"), out

@@ -96,7 +96,7 @@ class Paths:
     root: str = "osprey_runs"
     run_dir: str = "{root}/{name}"
     source: str = "{root}/models/{source}"  # the HF small LM the prune stage cuts
-    pretrain_text: str = "{root}/data/pretrain_text.jsonl"  # preprocess --input
+    pretrain_text: str = "{root}/data/pretrain_text.jsonl"  # preprocess --input: a file or a directory of shards
     backbone: str = "{root}/backbone"  # adapt's input when the chain has no pretrain (a pretrained backbone)
     target: str = "{root}/models/{target}"  # the target's HF directory (config.json suffices to plan)
     prompts: str = "{root}/data/prompts/{domain}.jsonl"  # regenerate --input

@@ -3,8 +3,12 @@
     python -m megatron_osprey.stages.preprocess --input data.jsonl.zst --json-key text \\
         --tokenizer TOKENIZER_DIR --output-prefix out/fineweb --workers 16 [--partitions 8]
 
-Input: JSONL (plain, .gz or .zst), Parquet, or a `datasets` save_to_disk directory. The pipeline is
-data/preprocess.py; provenance.json is written beside the output prefix.
+Input: JSONL (plain, .gz or .zst), Parquet, a `datasets` save_to_disk directory, or a directory of such
+files (shards, e.g. FineWeb's sample/100BT/*.parquet as the Hub stores it); --input-list names inputs one per
+line. Shards and list lines are tokenized each into DIR/0000i/NAME_<key>_document (PREFIX = DIR/NAME; i: its
+place in the sorted listing or the list), with its own provenance.json; a Slurm array task takes every N-th
+of them (N: SLURM_ARRAY_TASK_COUNT), so any number of tasks covers any number of shards. Stage 2 reads them
+all as one blend (`--data-path P0 P1 ...`, weighted by token count). The pipeline is data/preprocess.py.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ def default_workers() -> int:
 class PreprocessConfig:
     """Preprocessing settings (flag names match the field names)."""
 
-    input: str | None = None
-    # A file listing inputs, one per line: array task i (SLURM_ARRAY_TASK_ID) tokenizes line i into
-    # PREFIX_0000i; outside an array every line in turn.
+    input: str | None = None  # a file, a save_to_disk directory, or a directory of shard files
+    # A file listing inputs, one per line, each tokenized into DIR/0000i/NAME (i: its line); array task k of N
+    # takes lines k, k + N, ...; outside an array every line in turn.
     input_list: str | None = None
     tokenizer: str | None = None
     output_prefix: str | None = None
@@ -49,22 +53,63 @@ class PreprocessConfig:
     progress: bool = True
 
     def output_path(self, index: int | None = None) -> str:
-        """The indexed dataset's prefix (Stage 2's --data-path): PREFIX_<key>_document, or for line `index` of
-        an input list PREFIX_0000i_<key>_document."""
-        prefix = self.output_prefix if index is None else f"{self.output_prefix}_{index:05d}"
-        return f"{prefix}_{self.json_key}_document"
+        """The indexed dataset's prefix (Stage 2's --data-path): PREFIX_<key>_document, or for shard / list line
+        `index` DIR/0000i/NAME_<key>_document (PREFIX = DIR/NAME), in a directory of its own so that its
+        provenance.json is its own."""
+        return f"{self.job_prefix(index)}_{self.json_key}_document"
+
+    def job_prefix(self, index: int | None) -> str:
+        """The --output-prefix of one job: PREFIX, or DIR/0000i/NAME for shard / list line `index`."""
+        if index is None:
+            return self.output_prefix
+        prefix = Path(self.output_prefix)
+        return str(prefix.parent / f"{index:05d}" / prefix.name)
+
+    def sources(self) -> list[str] | None:
+        """The inputs tokenized each into its own indexed prefix (list lines, or a directory's shard files in
+        sorted order); None for one input."""
+        if self.input_list:
+            lines = [line.strip() for line in Path(self.input_list).read_text().splitlines() if line.strip()]
+            if not lines:
+                raise ValueError(f"--input-list {self.input_list} names no input.")
+            return lines
+        return shard_files(self.input) if self.input else None
+
+    def output_paths(self) -> list[str]:
+        """Every indexed prefix the run writes (Stage 2's --data-path): one, or one per shard / list line."""
+        sources = self.sources()
+        return [self.output_path()] if sources is None else [self.output_path(i) for i in range(len(sources))]
 
     def jobs(self, environ) -> list[tuple[str, int | None]]:
-        """(input, list index) pairs this process tokenizes: the input, or its array task's line of the list."""
-        if not self.input_list:
-            return [(self.input, None)]
-        lines = [line.strip() for line in Path(self.input_list).read_text().splitlines() if line.strip()]
-        if "SLURM_ARRAY_TASK_ID" not in environ:
-            return [(line, i) for i, line in enumerate(lines)]
-        index = int(environ["SLURM_ARRAY_TASK_ID"]) - int(environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-        if not 0 <= index < len(lines):
-            raise ValueError(f"--input-list {self.input_list} has no line {index + 1} for array task {index}.")
-        return [(lines[index], index)]
+        """(input, index) pairs this process tokenizes: the one input (array task 0 only), or its array task's
+        share of the shards / list lines (every N-th, N the array's task count); outside an array, all."""
+        sources = self.sources()
+        if "SLURM_ARRAY_TASK_ID" in environ:
+            task = int(environ["SLURM_ARRAY_TASK_ID"]) - int(environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+            count = int(environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
+        else:
+            task, count = 0, 1
+        if sources is None:
+            return [(self.input, None)] if task == 0 else []
+        return [(source, i) for i, source in enumerate(sources) if i % count == task]
+
+
+SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json", ".zst")
+
+
+def shard_files(path: str) -> list[str] | None:
+    """A directory's shard files (sorted by name), when it is a directory of shards rather than a `datasets`
+    save_to_disk directory or a file; None otherwise. A directory holding no shard file is refused."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file():
+        return None
+    files = sorted(str(f) for f in directory.iterdir() if f.is_file() and f.name.endswith(SHARD_SUFFIXES))
+    if not files:
+        raise ValueError(
+            f"--input {path} is a directory without shard files ({', '.join(SHARD_SUFFIXES)}) and is not a "
+            "`datasets` save_to_disk directory."
+        )
+    return files
 
 
 def _megabytes(text: str) -> int:
@@ -79,9 +124,13 @@ FLAGS = {
         Flag(
             "--input",
             "input",
-            {"help": "JSONL (plain, .gz or .zst), Parquet, a datasets save_to_disk directory, or a Hub dataset name"},
+            {"help": "JSONL (.gz, .zst), Parquet, a save_to_disk directory, a directory of shards, or a Hub name"},
         ),
-        Flag("--input-list", "input_list", {"help": "a file of inputs, one per line (a Slurm array: one per task)"}),
+        Flag(
+            "--input-list",
+            "input_list",
+            {"help": "a file of inputs, one per line (a Slurm array task takes every N-th)"},
+        ),
         Flag("--json-key", "json_key", {"help": "JSON key / column holding the document text"}),
         Flag("--split", "split", {"help": "split to read from a datasets input"}),
         Flag(
@@ -115,10 +164,12 @@ def run(config: PreprocessConfig, invocation: Invocation = Invocation("preproces
         if not value:
             raise ValueError(f"{flag} is required.")
     results = []
-    for source, index in config.jobs(os.environ):
+    jobs = config.jobs(os.environ)
+    if not jobs:
+        print(f"array task {os.environ.get('SLURM_ARRAY_TASK_ID')}: no input of its share; nothing to do.")
+    for source, index in jobs:
         job = dataclasses.replace(config, input=source, input_list=None)
-        job.output_prefix = str(Path(config.output_path(index)).with_name(Path(config.output_path(index)).name))
-        job.output_prefix = config.output_prefix if index is None else f"{config.output_prefix}_{index:05d}"
+        job.output_prefix = config.job_prefix(index)
         inputs = check_inputs({"input": source if Path(source).exists() else None, "tokenizer": config.tokenizer})
         results.append(preprocess(job))
         prefix = job.output_path()

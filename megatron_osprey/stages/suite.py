@@ -58,7 +58,9 @@ class SuiteConfig:
 FLAGS = {
     "suite": [
         Flag("--suite", "suite", {"help": "humaneval, math500, livecodebench, mtbench, mgsm, global_mmlu(_native)"}),
-        Flag("--source", "source", {"help": "a JSONL/Parquet file, a save_to_disk or per-language directory, or package"}),
+        Flag(
+            "--source", "source", {"help": "a JSONL/Parquet file, a save_to_disk or per-language directory, or package"}
+        ),
         Flag("--output", "output", {"help": "the eval set to write (conversations JSONL)"}),
         Flag("--limit", "limit", {"type": int, "help": "only the first N prompts"}),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an existing --output"}),

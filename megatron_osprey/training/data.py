@@ -46,12 +46,15 @@ def eod_token_id(hf_config: dict, override: int | None) -> int:
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
-    """`--data-path PREFIX` or `--data-path W1 P1 W2 P2 ...` -> (prefixes, weights or None)."""
+    """`--data-path PREFIX`, `--data-path W1 P1 W2 P2 ...`, or `--data-path P1 P2 ...` (no weights: the
+    prefixes are blended by their token counts, `token_weights`) -> (prefixes, weights or None)."""
     if len(data_path) == 1:
         return [data_path[0]], None
+    if not any(_is_number(value) for value in data_path):
+        return list(data_path), None
     if len(data_path) % 2:
         raise ValueError(
-            f"--data-path {' '.join(data_path)}: expected one PREFIX or WEIGHT PREFIX pairs "
+            f"--data-path {' '.join(data_path)}: expected one PREFIX, PREFIX PREFIX ... or WEIGHT PREFIX pairs "
             f"(an even count), got {len(data_path)} values."
         )
     weights, prefixes = [], []
@@ -64,6 +67,31 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
             raise ValueError(f"--data-path: blend weight {weight} for {prefix} must be > 0.")
         prefixes.append(prefix)
     return prefixes, weights
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def token_weights(prefixes: list[str]) -> list[float]:
+    """Each prefix's token count (PREFIX.bin's size over its token width), the weights of an unweighted blend:
+    every token is as likely to be drawn as in one dataset of them all, and Megatron builds as many samples
+    of each as the run needs (an unweighted blend would stop at one pass over each)."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    weights = []
+    for prefix in prefixes:
+        with open(prefix + ".idx", "rb") as stream:
+            code = stream.read(18)[17]
+        tokens = Path(prefix + ".bin").stat().st_size // DType.size(DType.dtype_from_code(code))
+        if tokens == 0:
+            raise ValueError(f"--data-path {prefix}: {prefix}.bin holds no tokens.")
+        weights.append(float(tokens))
+    return weights
 
 
 def check_prefixes(prefixes: list[str]) -> None:
@@ -223,6 +251,8 @@ def build_gpt_datasets(
 
     prefixes, weights = parse_blend(data.data_path)
     check_prefixes(prefixes)
+    if weights is None and len(prefixes) > 1:
+        weights = token_weights(prefixes)
     matrix = plan_splits(data, prefixes, sizes)
     config = GPTDatasetConfig(
         random_seed=seed,

@@ -351,3 +351,86 @@ def test_cli_exits_non_zero_on_an_empty_result(tmp_path, tokenizer_dir, capsys):
     assert _tool_main(argv) == 2
     err = capsys.readouterr().err
     assert "all 3 records were skipped (missing key: 3)" in err and "in.jsonl line 1" in err
+
+
+def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share_them(tmp_path, tokenizer_dir):
+    """FineWeb's Hub layout (a directory of shard files): each shard into DIR/0000i/; array task k of N takes
+    shards k, k + N, ...; together the tasks write exactly what one process writes; Stage 2 blends the prefixes
+    by token count."""
+    from megatron_osprey.stages.preprocess import run
+    from megatron_osprey.training.data import parse_blend, token_weights
+
+    shards = tmp_path / "sample" / "100BT"
+    shards.mkdir(parents=True)
+    for i in range(5):
+        _write_jsonl(shards / f"{i:03d}_00000.jsonl", DOCS[i : i + 3])
+    (shards / "README.md").write_text("not a shard")
+
+    def config(prefix):
+        return PreprocessConfig(
+            input=str(shards), tokenizer=str(tokenizer_dir), output_prefix=str(prefix), progress=False, workers=1
+        )
+
+    one = config(tmp_path / "one" / "text")
+    assert [index for _, index in one.jobs({})] == [0, 1, 2, 3, 4]
+    array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2"}
+    assert [Path(s).name for s, _ in one.jobs(array)] == ["001_00000.jsonl", "003_00000.jsonl"]
+    run(one)
+    tasks = config(tmp_path / "tasks" / "text")
+    for task in ("2", "3", "4"):  # an array of 3 tasks numbered from 2
+        run_env = {"SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_COUNT": "3"}
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in run_env.items():
+                patch.setenv(key, value)
+            run(tasks)
+    assert len(one.output_paths()) == 5
+    tokenizer = _tok(tokenizer_dir)
+    lengths = []  # per shard, read while its dataset (whose memory map the array views) is alive
+    for i, (mine, theirs) in enumerate(zip(one.output_paths(), tasks.output_paths())):
+        assert _bytes(mine) == _bytes(theirs)
+        record = json.loads((Path(theirs).parent / "provenance.json").read_text())  # each shard's own
+        assert record["inputs"]["input"]["path"] == str(shards / f"{i:03d}_00000.jsonl")
+        dataset = IndexedDataset(mine)
+        lengths.append(dataset.sequence_lengths.tolist())
+        del dataset
+        assert lengths[-1] == [len(tokenizer.encode(d).ids) + 1 for d in DOCS[i : i + 3]]
+
+    prefixes, weights = parse_blend(one.output_paths())
+    assert prefixes == one.output_paths() and weights is None
+    assert token_weights(prefixes) == [float(sum(n)) for n in lengths]
+    with pytest.raises(ValueError, match="WEIGHT PREFIX pairs"):
+        parse_blend(["0.5", *prefixes[:2]])
+
+
+def test_one_input_is_tokenized_by_the_first_array_task_only_and_an_empty_shard_directory_is_refused(tmp_path):
+    single = PreprocessConfig(input=str(tmp_path / "fineweb.jsonl"), output_prefix=str(tmp_path / "text"))
+    first = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "16"}
+    assert single.jobs(first) == [(single.input, None)] and single.jobs({**first, "SLURM_ARRAY_TASK_ID": "7"}) == []
+    assert single.output_paths() == [f"{tmp_path}/text_text_document"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is a directory without shard files"):
+        PreprocessConfig(input=str(tmp_path / "empty")).jobs({})
+    listed = tmp_path / "files.txt"
+    listed.write_text("a.parquet\n\nb.parquet\nc.parquet\n")
+    by_list = PreprocessConfig(input_list=str(listed), output_prefix=str(tmp_path / "text"))
+    assert by_list.jobs({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}) == [
+        ("a.parquet", 0),
+        ("c.parquet", 2),
+    ]
+    assert by_list.output_paths()[2] == f"{tmp_path}/00002/text_text_document"
+
+
+def test_the_backbone_recipe_pretrains_on_every_shard_its_preprocessing_array_writes(tmp_path):
+    from megatron_osprey.recipes import resolve_recipe
+
+    shards = tmp_path / "fineweb"
+    shards.mkdir()
+    for i in range(3):
+        _write_jsonl(shards / f"{i:03d}_00000.jsonl", DOCS[:2])
+    recipe = resolve_recipe("qwen3_4b_backbone_pretrain_10k_64gpu_h100_bf16", [f"paths.pretrain_text={shards}"])
+    run_dir = str(tmp_path / "run")
+    preprocess = recipe.config("preprocess", run_dir)
+    assert preprocess.input == str(shards) and recipe.resources["preprocess"].array_tasks == 16
+    assert recipe.config("pretrain", run_dir).data.data_path == [
+        f"{run_dir}/preprocess/{i:05d}/text_text_document" for i in range(3)
+    ]

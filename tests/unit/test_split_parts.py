@@ -78,3 +78,25 @@ def test_a_split_that_cannot_train_is_refused_with_its_own_message(tmp_path, spl
     prefix = corpus(tmp_path, 10)
     with pytest.raises(ValueError, match=message):
         plan(prefix, split, [8, 0, 0])
+
+
+def test_prefixes_without_weights_are_blended_by_token_count_past_one_pass(tmp_path):
+    """`--data-path P1 P2` (the shards of a preprocessing array): weighted by tokens (2:1 here), so Megatron
+    builds as many samples as training asks for, more than one pass over both (an unweighted Megatron blend
+    would stop at one)."""
+    from megatron_osprey.training.data import parse_blend, token_weights
+
+    small, large = corpus(tmp_path, 20), corpus(tmp_path, 40)
+    assert parse_blend([small, large]) == ([small, large], None)
+    assert token_weights([small, large]) == [20 * 13.0, 40 * 13.0]
+    sizes = [400, 0, 0]  # 400 samples of 8 tokens: about 6 passes over the 780 tokens
+    config = IndexedDataConfig(data_path=[small, large], split="100,0,0", data_cache_path=str(tmp_path / "cache"))
+    # Megatron's blend index is built on rank 0 of the default group: a group of one, as in a 1-GPU run.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        train, _, _ = build_gpt_datasets(config, DatasetTokenizer(128, 99), 8, 1, sizes)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(train) >= 400
+    drawn = np.bincount(np.asarray(train.dataset_index[:400]), minlength=2)
+    assert abs(drawn[1] / drawn.sum() - 2 / 3) < 0.02, drawn
