@@ -466,3 +466,48 @@ def test_a_non_utf8_input_names_the_file_and_line(tmp_path):
         timeout=120,
     )
     assert done.returncode == 2 and "latin1.jsonl:2 is not UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_server_request_and_the_recipes_sample_as_the_release_regenerates():
+    """The release's regenerate_train_data.py (run by regenerate_data.sh) sends temperature 1.0 and max_tokens
+    4,096 and no top_p / top_k / presence_penalty (its defaults, None, are left out of the request); it keeps
+    the system prompt; its servers run a reasoning parser (qwen3; minimax-append-think for MiniMax-M2.5) with a
+    context of 2 x max tokens + 2,048, and the reasoning comes back beside the content."""
+    import httpx
+
+    from megatron_osprey.data.conversations import Conversation
+    from megatron_osprey.data.regenerate.backends import ServerBackend, ServerBackendConfig
+    from megatron_osprey.recipes import get_recipe
+
+    bodies = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"data": [{"id": "served"}]})
+        bodies.append(json.loads(request.content))
+        message = {"role": "assistant", "content": "\n\nAnswer.", "reasoning_content": "Think."}
+        return httpx.Response(200, json={"choices": [{"message": message}]})
+
+    backend = ServerBackend(ServerBackendConfig(urls=("http://pool:30000",), retries=0))
+    backend._client = httpx.Client(transport=httpx.MockTransport(answer))
+    for name, parser in (
+        ("qwen3_8b_osprey_distill_2gpu_h100_bf16:chat", "qwen3"),
+        ("minimax_m25_osprey_distill_8gpu_h100_bf16", "minimax-append-think"),
+    ):
+        recipe = get_recipe(name)
+        sampling = recipe.regenerate.sampling
+        assert (sampling.temperature, sampling.max_tokens) == (1.0, 4096)
+        assert recipe.servers.reasoning_parser == parser and recipe.servers.context_length == 2 * 4096 + 2048
+    system = {"role": "system", "content": "Be brief."}
+    source = Conversation(id="x", messages=(system, {"role": "user", "content": "Q?"}))
+    result = regenerate_conversation(source, backend, sampling)
+    assert bodies == [
+        {
+            "model": "served",
+            "messages": [system, {"role": "user", "content": "Q?"}],
+            "temperature": 1.0,
+            "max_tokens": 4096,
+            "stream": False,
+        }
+    ]
+    assert result.messages[-1]["content"] == merge_reasoning("\n\nAnswer.", "Think.")
