@@ -176,9 +176,11 @@ def evaluate_extra(
     extra: list[dict],
     data: dict,
     harder: list[Path],
+    suites: list[Path],
 ) -> Path:
     """The extra neural arms on the eval domains (their own steps, merged with the base arms' results into
-    eval_dir/combined, which it returns); the harder sets for seed 0's drafters (system prompts sent); and the
+    eval_dir/combined, which it returns); the harder sets for seed 0's drafters (system prompts sent) and the
+    offline benchmark suites; and the
     n-gram drafters at batch 1 (their engine: the reference chain decoder) on the eval domains and the harder
     sets, lossless-checked."""
     import dataclasses
@@ -195,6 +197,8 @@ def evaluate_extra(
     seed0 = [d for d in base + neural if d["seed"] == cfg.seeds[0]]
     replay = cfg.eval_replay
     steps.run("eval_harder", eval_argv(cfg, target, eval_dir / "harder", seed0, data, replay, None, harder, SENT))
+    if suites:  # the paper's public benchmarks that ship offline, first user turn as the paper sends it
+        steps.run("eval_suites", eval_argv(cfg, target, eval_dir / "suites", seed0, data, replay, None, suites))
     if ngrams:
         batch1 = dataclasses.replace(cfg, eval_batch=1)
         limit = cfg.live_check_prompts if cfg.eval_replay else None  # live decoding at batch 1 costs the most

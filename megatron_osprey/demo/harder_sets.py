@@ -65,3 +65,20 @@ def build_harder_sets(steps: StepRunner, cfg: DemoConfig, output: Path, data: di
     tasks = write_task_sets(cfg, source, out_dir)
     steps.timed("task_prompts", time.time() - began)
     return [out_dir / f"{domain}.perturbed.jsonl", out_dir / f"{domain}.long_context.jsonl", *tasks]
+
+
+# The paper's public benchmarks a registry package ships (the others need their files): evaluated beside the
+# demo's own domains, on seed 0's drafters.
+OFFLINE_SUITES = ("humaneval",)
+
+
+def build_suite_sets(steps: StepRunner, cfg: DemoConfig, output: Path) -> list[Path]:
+    """The offline benchmark suites as eval sets (`osprey suite`), their first n_eval prompts each."""
+    out_dir = output / "data" / "suites"
+    paths = []
+    for suite in OFFLINE_SUITES:
+        path = out_dir / f"{suite}.jsonl"
+        argv = ["-m", "megatron_osprey.stages.suite", "--suite", suite, "--source", "package", "--output", path]
+        steps.run(f"suite_{suite}", argv + ["--limit", str(cfg.n_eval), "--overwrite"])
+        paths.append(path)
+    return paths

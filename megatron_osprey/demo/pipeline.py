@@ -30,7 +30,7 @@ from pathlib import Path
 from megatron_osprey.demo.arms import build_backbones, distill_drafters, evaluate_drafters, regenerate_and_extract
 from megatron_osprey.demo.commands import user_data_argv
 from megatron_osprey.demo.extra_arms import evaluate_extra, extra_backbones, extra_drafters
-from megatron_osprey.demo.harder_sets import build_harder_sets
+from megatron_osprey.demo.harder_sets import build_harder_sets, build_suite_sets
 from megatron_osprey.demo.sizes import ARM_FIELDS, TARGET_MODEL, DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
@@ -171,7 +171,8 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
     evaluate_drafters(steps, cfg, target, eval_dir, drafters, data)
     if cfg.arms:  # the extra arms in steps of their own (the base arms' results stay as they are), then merged
         harder = build_harder_sets(steps, cfg, output, data, target)
-        results_dir = evaluate_extra(steps, cfg, target, eval_dir, drafters, extra, data, harder)
+        suites = build_suite_sets(steps, cfg, output)
+        results_dir = evaluate_extra(steps, cfg, target, eval_dir, drafters, extra, data, harder, suites)
 
     steps.header("report")
     from megatron_osprey.demo.report import write_report

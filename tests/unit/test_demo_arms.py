@@ -208,3 +208,27 @@ def test_at_full_size_the_extra_arms_train_and_evaluate_seed_0_only(tmp_path):
     with pytest.raises(FileNotFoundError, match="seed0"):  # no step ran: the merge finds no results to read
         evaluate_drafters(steps, cfg, target, tmp_path / "arms", neural, data, name="eval_arms")
     assert {n for n in steps.commands if n.startswith("eval_arms")} == {"eval_arms_s0"}  # seeds 1, 2: nothing
+
+
+def test_the_offline_benchmark_suite_is_written_by_osprey_suite_and_evaluated_on_seed_0s_drafters(tmp_path):
+    """HumanEval (the suite a pinned package ships): `osprey suite`'s stage writes the demo's first n_eval
+    prompts, and one eval step runs seed 0's base and extra drafters on it, after the harder sets."""
+    from megatron_osprey.demo.extra_arms import evaluate_extra
+    from megatron_osprey.demo.harder_sets import OFFLINE_SUITES, build_suite_sets
+
+    cfg = DemoConfig.full()
+    steps = RecordingSteps()
+    suites = build_suite_sets(steps, cfg, tmp_path)
+    assert OFFLINE_SUITES == ("humaneval",) and suites == [tmp_path / "data" / "suites" / "humaneval.jsonl"]
+    written = steps.commands["suite_humaneval"]
+    assert written[:2] == ["-m", "megatron_osprey.stages.suite"] and written[written.index("--limit") + 1] == "32"
+    assert written[written.index("--source") + 1] == "package"
+    base = [{"name": f"{m}_chat_s{s}", "method": m, "domain": "chat", "seed": s, "path": tmp_path} for m in
+            ("osprey", "eagle3") for s in (0, 1)]  # fmt: skip
+    data = {"splits": {d: {"eval": tmp_path / f"e_{d}.jsonl"} for d in cfg.domains()}}
+    evaluate_extra(steps, cfg, tmp_path, tmp_path / "eval", base, [], data, [tmp_path / "h.jsonl"], suites)
+    command = steps.commands["eval_suites"]
+    assert command[command.index("--data") + 1] == str(suites[0]) and command.count("--data") == 1
+    named = [command[i + 1] for i, w in enumerate(command) if w == "--drafter"]
+    assert [n.split("=")[0] for n in named] == ["osprey_chat_s0", "eagle3_chat_s0"]
+    assert list(steps.commands).index("eval_suites") == list(steps.commands).index("eval_harder") + 1
