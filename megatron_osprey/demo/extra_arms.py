@@ -3,7 +3,8 @@ regenerated data, hidden-state store, optimizer, tokens and seeds, changing one 
 
 - the paper's ablation: a parameter-matched 2-layer EAGLE-3 from scratch, and Osprey with 0 Stage-2 steps;
 - the loss: Osprey trained with SpecForge's per-sample normalisation (`--ttt-normalization reference`);
-- attention drift: post-norm hidden states and per-hidden-state RMSNorm, for Osprey and for EAGLE-3;
+- attention drift: post-norm hidden states and per-hidden-state RMSNorm, for Osprey and for EAGLE-3, and
+  EAGLE-3 with and without them trained with 3 TTT steps where it drafts chains of 5;
 - Draft-OPD: one rollout round of the SFT Osprey drafter on the training prompts, then on-policy distillation;
 - n-gram drafters: on the training domain's regenerated conversations, and on the monolingual corpora;
 - Osprey after a monolingual Stage-2 pass over the monolingual corpora' languages.
@@ -28,9 +29,16 @@ OFFLINE_ARMS = {
     "osprey_ttt_reference": ("osprey", ("--ttt-normalization", "reference")),
     "osprey_drift": ("osprey", ("--hidden-post-norm", "--aux-hidden-norm")),
     "eagle3_drift": (None, ("--hidden-post-norm", "--aux-hidden-norm")),
+    "eagle3_ttt3": (None, ("--ttt-steps", "3")),
+    "eagle3_drift_ttt3": (None, ("--hidden-post-norm", "--aux-hidden-norm", "--ttt-steps", "3")),
     "osprey_monolingual": ("osprey_monolingual", ()),
     "osprey_stage2_more": ("osprey_stage2_more", ()),
 }
+# The neural arms are evaluated in groups, one set of steps each (eval_dir/<group>), so that a group added to
+# a finished run leaves the evaluations of the others as they were; the harder sets and the benchmark suites
+# take the first group's arms (the TTT-depth arms test chains longer than training, on the eval domains).
+EVAL_GROUPS = {"arms_ttt_depth": ("eagle3_ttt3", "eagle3_drift_ttt3")}
+FIRST_GROUP = "arms"
 NGRAM_ORDER = 4
 SENT = "before_assistant"  # the harder sets' prompts: every message before the first reply (system prompts too)
 
@@ -152,8 +160,13 @@ def extra_drafters(
     return drafters
 
 
-def combine_evaluations(cfg: DemoConfig, eval_dir: Path, arms_dir: Path, out_dir: Path) -> Path:
-    """One results.json (and live check) in out_dir from the base arms' evaluation and the extra arms'."""
+def eval_group(method: str) -> str:
+    """The evaluation group (eval_dir/<group>, steps eval_<group>*) of an extra neural arm."""
+    return next((group for group, methods in EVAL_GROUPS.items() if method in methods), FIRST_GROUP)
+
+
+def combine_evaluations(cfg: DemoConfig, dirs: list[Path], out_dir: Path) -> Path:
+    """One results.json (and live check) in out_dir from the base arms' evaluation and the extra arms' groups."""
     import json
 
     from megatron_osprey.eval.run import merge_results
@@ -161,9 +174,9 @@ def combine_evaluations(cfg: DemoConfig, eval_dir: Path, arms_dir: Path, out_dir
     def load(d: Path) -> dict:
         return json.loads((d / "results.json").read_text())
 
-    merge_results([load(eval_dir), load(arms_dir)], out_dir)
+    merge_results([load(d) for d in dirs], out_dir)
     if cfg.eval_replay:
-        merge_results([load(eval_dir / "live_check"), load(arms_dir / "live_check")], out_dir / "live_check")
+        merge_results([load(d / "live_check") for d in dirs], out_dir / "live_check")
     return out_dir
 
 
@@ -178,11 +191,10 @@ def evaluate_extra(
     harder: list[Path],
     suites: list[Path],
 ) -> Path:
-    """The extra neural arms on the eval domains (their own steps, merged with the base arms' results into
-    eval_dir/combined, which it returns); the harder sets for seed 0's drafters (system prompts sent) and the
-    offline benchmark suites; and the
-    n-gram drafters at batch 1 (their engine: the reference chain decoder) on the eval domains and the harder
-    sets, lossless-checked."""
+    """The extra neural arms on the eval domains (their own steps per EVAL_GROUPS group, merged with the base
+    arms' results into eval_dir/combined, which it returns); seed 0's drafters of the first group on the harder
+    sets (system prompts sent) and on the offline benchmark suites; and the n-gram drafters at batch 1 (their
+    engine: the reference chain decoder) on the eval domains and the harder sets, lossless-checked."""
     import dataclasses
 
     from megatron_osprey.demo.arms import evaluate_drafters
@@ -190,11 +202,14 @@ def evaluate_extra(
 
     neural = [d for d in extra if not d.get("ngram")]
     ngrams = [d for d in extra if d.get("ngram")]
-    results_dir = eval_dir
-    if neural:
-        evaluate_drafters(steps, cfg, target, eval_dir / "arms", neural, data, name="eval_arms")
-        results_dir = combine_evaluations(cfg, eval_dir, eval_dir / "arms", eval_dir / "combined")
-    seed0 = [d for d in base + neural if d["seed"] == cfg.seeds[0]]
+    results_dir, groups = eval_dir, {}
+    for drafter in neural:
+        groups.setdefault(eval_group(drafter["method"]), []).append(drafter)
+    for group, drafters in groups.items():
+        evaluate_drafters(steps, cfg, target, eval_dir / group, drafters, data, name=f"eval_{group}")
+    if groups:
+        results_dir = combine_evaluations(cfg, [eval_dir, *(eval_dir / g for g in groups)], eval_dir / "combined")
+    seed0 = [d for d in base + groups.get(FIRST_GROUP, []) if d["seed"] == cfg.seeds[0]]
     replay = cfg.eval_replay
     steps.run("eval_harder", eval_argv(cfg, target, eval_dir / "harder", seed0, data, replay, None, harder, SENT))
     if suites:  # the paper's public benchmarks that ship offline, first user turn as the paper sends it

@@ -18,6 +18,8 @@ COMPARISONS = (
     ("osprey_ttt_reference", "osprey", "loss normalisation: SpecForge's per-sample vs the default (tokens)"),
     ("osprey_drift", "osprey", "post-norm + aux norm on Osprey"),
     ("eagle3_drift", "eagle3", "post-norm + aux norm on EAGLE-3"),
+    ("eagle3_ttt3", "eagle3", "3 TTT steps vs 5, chains of 5: EAGLE-3"),
+    ("eagle3_drift_ttt3", "eagle3_drift", "3 TTT steps vs 5, chains of 5: EAGLE-3 + post-norm + aux norm"),
     ("osprey_opd", "osprey", "Draft-OPD after SFT (extra on-policy updates) vs SFT alone"),
     ("osprey_monolingual", "osprey_stage2_more", "more Stage-2 steps on the languages' text vs on the general mix"),
     ("osprey_stage2_more", "osprey", "more Stage-2 steps on the general mix"),

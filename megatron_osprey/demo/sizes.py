@@ -14,6 +14,8 @@ EXTRA_ARMS = {
     "osprey_ttt_reference": "Osprey trained with --ttt-normalization reference (SpecForge's per-sample loss)",
     "osprey_drift": "Osprey + post-norm hidden states + per-hidden-state RMSNorm",
     "eagle3_drift": "EAGLE-3 + post-norm hidden states + per-hidden-state RMSNorm",
+    "eagle3_ttt3": "EAGLE-3 trained with 3 TTT steps, drafting chains of 5",
+    "eagle3_drift_ttt3": "EAGLE-3 + post-norm + per-hidden-state RMSNorm, trained with 3 TTT steps, chains of 5",
     "osprey_opd": "Osprey SFT + Draft-OPD (one rollout round, then extra on-policy updates at a tenth of the lr)",
     "ngram": "n-gram drafter (order 4) on the training domain's regenerated conversations",
     "ngram_monolingual": "n-gram drafter (order 4) on the monolingual corpora",

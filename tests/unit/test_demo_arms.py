@@ -232,3 +232,31 @@ def test_the_offline_benchmark_suite_is_written_by_osprey_suite_and_evaluated_on
     named = [command[i + 1] for i, w in enumerate(command) if w == "--drafter"]
     assert [n.split("=")[0] for n in named] == ["osprey_chat_s0", "eagle3_chat_s0"]
     assert list(steps.commands).index("eval_suites") == list(steps.commands).index("eval_harder") + 1
+
+
+def test_the_ttt_depth_arms_are_evaluated_in_a_group_of_their_own(tmp_path, monkeypatch):
+    """Adding a group of arms to a finished run leaves the other groups' eval steps (and the harder sets') as
+    they were; every group is merged with the base arms' results."""
+    from megatron_osprey.demo import arms as base_arms
+    from megatron_osprey.demo import extra_arms
+
+    groups, merged = {}, []
+    monkeypatch.setattr(base_arms, "evaluate_drafters", lambda s, c, t, d, drafters, data, name: groups.update(
+        {name: (d.name, sorted(x["method"] for x in drafters))}))  # fmt: skip
+    monkeypatch.setattr(extra_arms, "combine_evaluations", lambda cfg, dirs, out: merged.append(dirs) or out)
+    cfg = DemoConfig.quick()
+    made = [{"name": f"{m}_chat", "method": m, "domain": "chat", "seed": 0, "path": tmp_path} for m in OFFLINE_ARMS]
+    steps = RecordingSteps()
+    data = {"splits": {d: {"eval": tmp_path / f"e_{d}.jsonl"} for d in cfg.domains()}}
+    out = extra_arms.evaluate_extra(steps, cfg, tmp_path, tmp_path / "eval", [], made, data, [tmp_path / "h"], [])
+    ttt = ["eagle3_drift_ttt3", "eagle3_ttt3"]
+    assert groups == {
+        "eval_arms": ("arms", sorted(set(OFFLINE_ARMS) - set(ttt))),
+        "eval_arms_ttt_depth": ("arms_ttt_depth", ttt),
+    }
+    assert merged == [[tmp_path / "eval", tmp_path / "eval" / "arms", tmp_path / "eval" / "arms_ttt_depth"]]
+    assert out == tmp_path / "eval" / "combined"
+    harder = steps.commands["eval_harder"]
+    assert not any(w.startswith(("eagle3_ttt3", "eagle3_drift_ttt3")) for w in harder)
+    for arm in ttt:  # trained with 3 TTT steps; every eval drafts chains of 5
+        assert OFFLINE_ARMS[arm][1][-2:] == ("--ttt-steps", "3") and arm in EXTRA_ARMS
