@@ -67,11 +67,12 @@ def _base(stage: str, tmp_path) -> list[str]:
         "evaluate": ["--target", missing, "--drafter", f"d={missing}", "--data", missing, "--output", missing],
         "data": ["--input", f"code={missing}", "--target", missing, "--output", str(tmp_path / "out")],
         "ngram": ["--input", missing, "--tokenizer", missing, "--output", str(tmp_path / "out")],
+        "suite": ["--suite", "humaneval", "--source", missing, "--output", str(tmp_path / "o.jsonl")],
     }[stage]
 
 
-# The chain's stages, and the stages no recipe chain runs (osprey data, the n-gram drafter).
-@pytest.mark.parametrize("stage", [*STAGES, "data", "ngram"])
+# The chain's stages, and the stages no recipe chain runs (osprey data, the n-gram drafter, osprey suite).
+@pytest.mark.parametrize("stage", [*STAGES, "data", "ngram", "suite"])
 def test_hostile_flags_exit_2_with_one_error_line(stage, tmp_path, capsys):
     module = importlib.import_module(f"megatron_osprey.stages.{stage}")
     rng = random.Random(f"fuzz:{stage}")
