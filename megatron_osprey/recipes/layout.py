@@ -1,7 +1,8 @@
 """The one run-directory layout: where every stage of a chain writes, and so what the next one reads.
 
     RUN_DIR/prune/        megatron/, hf/, run_config.yaml           (Stage 1)
-    RUN_DIR/preprocess/   text_<key>_document.bin/.idx              (Stage 2's data)
+    RUN_DIR/preprocess/   text_<key>_document.bin/.idx              (Stage 2's data; from a directory of
+                          or 0000i/text_<key>_document.bin/.idx    shards, one subdirectory per shard)
     RUN_DIR/pretrain/     iter_*/, hf/, run_config.yaml             (Stage 2: the backbone adapt reads)
     RUN_DIR/adapt/        megatron/, hf/, tokenizer_alignment.json  (Stage 3: the drafter init distill reads)
     RUN_DIR/regenerate/   conversations.jsonl                       (target-regenerated training data)
@@ -12,7 +13,7 @@
     RUN_DIR/evaluate/     results.json, matrix.md, matrix.png
     RUN_DIR/logs/         job logs and rendered sbatch scripts
 
-Every stage also writes its provenance.json there. A stage whose producer is not in the recipe's chain reads
+Every stage also writes its provenance.json there (preprocess: beside each shard's output). A stage whose producer is not in the recipe's chain reads
 the recipe's external input instead (paths.backbone, paths.conversations, ...).
 """
 

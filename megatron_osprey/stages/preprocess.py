@@ -84,17 +84,33 @@ class PreprocessConfig:
         """(input, index) pairs this process tokenizes: the one input (array task 0 only), or its array task's
         share of the shards / list lines (every N-th, N the array's task count); outside an array, all."""
         sources = self.sources()
-        if "SLURM_ARRAY_TASK_ID" in environ:
-            task = int(environ["SLURM_ARRAY_TASK_ID"]) - int(environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-            count = int(environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
-        else:
-            task, count = 0, 1
+        task, count = array_task(environ)
         if sources is None:
             return [(self.input, None)] if task == 0 else []
         return [(source, i) for i, source in enumerate(sources) if i % count == task]
 
 
-SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json", ".zst")
+def array_task(environ) -> tuple[int, int]:
+    """(this task's offset, the task count) of a Slurm array (0, 1 outside one). Only a whole array of
+    consecutive ids can share the shards: a resubmission of some of its tasks is refused (resubmit the whole
+    array instead; finished shards are skipped)."""
+    if "SLURM_ARRAY_TASK_ID" not in environ:
+        return 0, 1
+    try:
+        first, count = int(environ["SLURM_ARRAY_TASK_MIN"]), int(environ["SLURM_ARRAY_TASK_COUNT"])
+        last, step = int(environ["SLURM_ARRAY_TASK_MAX"]), int(environ.get("SLURM_ARRAY_TASK_STEP", "1"))
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"a Slurm array task without its array's bounds ({err}); run preprocess as sbatch --array.")
+    task = int(environ["SLURM_ARRAY_TASK_ID"]) - first
+    if step != 1 or last - first + 1 != count or not 0 <= task < count:
+        raise ValueError(
+            f"Slurm array {first}-{last} (step {step}, {count} tasks) is not one run of consecutive task ids, so its "
+            "tasks cannot share the shards; resubmit the whole array (shards finished earlier are skipped)."
+        )
+    return task, count
+
+
+SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json.gz", ".zst", ".zstd")
 
 
 def shard_files(path: str) -> list[str] | None:
@@ -170,12 +186,36 @@ def run(config: PreprocessConfig, invocation: Invocation = Invocation("preproces
     for source, index in jobs:
         job = dataclasses.replace(config, input=source, input_list=None)
         job.output_prefix = config.job_prefix(index)
+        if index is not None and not config.overwrite and shard_done(job.output_path(), source):
+            print(f"{source}: tokenized into {job.output_path()} in an earlier run, skipped")
+            continue
         inputs = check_inputs({"input": source if Path(source).exists() else None, "tokenizer": config.tokenizer})
         results.append(preprocess(job))
         prefix = job.output_path()
         outputs = {"bin": f"{prefix}.bin", "idx": f"{prefix}.idx"}
-        invocation.record(Path(prefix).parent, config, inputs, outputs)
+        invocation.record(Path(prefix).parent, job, inputs, outputs)
     return results
+
+
+def shard_done(prefix: str, source: str) -> bool:
+    """Whether an earlier run tokenized `source` into `prefix` completely: the provenance.json beside it names
+    this input and the .bin and .idx it recorded, with their bytes (a requeued array task goes on from there)."""
+    import json
+
+    from megatron_osprey.base.provenance import PROVENANCE_FILE, digest
+
+    record_path = Path(prefix).parent / PROVENANCE_FILE
+    if not record_path.is_file():
+        return False
+    record = json.loads(record_path.read_text())
+    if record.get("inputs", {}).get("input", {}).get("path") != str(Path(source).resolve()):
+        return False
+    for suffix in (".bin", ".idx"):
+        entry = record.get("outputs", {}).get(suffix[1:])
+        path = Path(prefix + suffix)
+        if entry is None or not path.is_file() or digest(path) != entry["sha256"]:
+            return False
+    return True
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:

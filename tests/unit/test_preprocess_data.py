@@ -373,12 +373,14 @@ def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share
 
     one = config(tmp_path / "one" / "text")
     assert [index for _, index in one.jobs({})] == [0, 1, 2, 3, 4]
-    array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2"}
+    array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "1"}
+    array["SLURM_ARRAY_TASK_COUNT"] = "2"
     assert [Path(s).name for s, _ in one.jobs(array)] == ["001_00000.jsonl", "003_00000.jsonl"]
     run(one)
     tasks = config(tmp_path / "tasks" / "text")
     for task in ("2", "3", "4"):  # an array of 3 tasks numbered from 2
-        run_env = {"SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_COUNT": "3"}
+        run_env = {"SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_MAX": "4"}
+        run_env["SLURM_ARRAY_TASK_COUNT"] = "3"
         with pytest.MonkeyPatch.context() as patch:
             for key, value in run_env.items():
                 patch.setenv(key, value)
@@ -395,6 +397,16 @@ def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share
         del dataset
         assert lengths[-1] == [len(tokenizer.encode(d).ids) + 1 for d in DOCS[i : i + 3]]
 
+    # A requeued task (all three again): its finished shards are skipped, a shard whose output was lost is redone.
+    lost = Path(tasks.output_paths()[3])
+    for suffix in (".bin", ".idx"):
+        Path(str(lost) + suffix).unlink()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**run_env, "SLURM_ARRAY_TASK_ID": "2"}.items():  # shards 0 and 3
+            patch.setenv(key, value)
+        redone = run(tasks)
+    assert len(redone) == 1 and _bytes(str(lost)) == _bytes(one.output_paths()[3])
+
     prefixes, weights = parse_blend(one.output_paths())
     assert prefixes == one.output_paths() and weights is None
     assert token_weights(prefixes) == [float(sum(n)) for n in lengths]
@@ -404,7 +416,8 @@ def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share
 
 def test_one_input_is_tokenized_by_the_first_array_task_only_and_an_empty_shard_directory_is_refused(tmp_path):
     single = PreprocessConfig(input=str(tmp_path / "fineweb.jsonl"), output_prefix=str(tmp_path / "text"))
-    first = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "16"}
+    first = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "15"}
+    first["SLURM_ARRAY_TASK_COUNT"] = "16"
     assert single.jobs(first) == [(single.input, None)] and single.jobs({**first, "SLURM_ARRAY_TASK_ID": "7"}) == []
     assert single.output_paths() == [f"{tmp_path}/text_text_document"]
     (tmp_path / "empty").mkdir()
@@ -413,10 +426,15 @@ def test_one_input_is_tokenized_by_the_first_array_task_only_and_an_empty_shard_
     listed = tmp_path / "files.txt"
     listed.write_text("a.parquet\n\nb.parquet\nc.parquet\n")
     by_list = PreprocessConfig(input_list=str(listed), output_prefix=str(tmp_path / "text"))
-    assert by_list.jobs({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}) == [
-        ("a.parquet", 0),
-        ("c.parquet", 2),
-    ]
+    pair = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "1"}
+    assert by_list.jobs({**pair, "SLURM_ARRAY_TASK_COUNT": "2"}) == [("a.parquet", 0), ("c.parquet", 2)]
+    # Some tasks of the array resubmitted (3,7) or a stepped array: the tasks could not cover the shards.
+    for bad in ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "7"},
+                {**pair, "SLURM_ARRAY_TASK_MAX": "2", "SLURM_ARRAY_TASK_STEP": "2"}):  # fmt: skip
+        with pytest.raises(ValueError, match="resubmit the whole array"):
+            by_list.jobs({**bad, "SLURM_ARRAY_TASK_COUNT": "2"})
+    with pytest.raises(ValueError, match="without its array's bounds"):
+        by_list.jobs({"SLURM_ARRAY_TASK_ID": "0"})
     assert by_list.output_paths()[2] == f"{tmp_path}/00002/text_text_document"
 
 
