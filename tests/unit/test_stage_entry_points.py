@@ -30,6 +30,7 @@ STAGES = (
     "export",
     "ngram",
     "rollout",
+    "suite",
 )
 TOOLS = {
     "prune": "prune_backbone",
