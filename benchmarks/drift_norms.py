@@ -56,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_osprey.data.hidden_state_store.reader import HiddenStateStore
     from megatron_osprey.eval.loading import load_drafter
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     store = HiddenStateStore(args.store, dtype=torch.float32)
     results = {}
     for spec in args.drafter:

@@ -160,6 +160,11 @@ def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
             yield where, row
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A `datasets` save_to_disk directory: a Dataset (state.json) or a DatasetDict (dataset_dict.json)."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 

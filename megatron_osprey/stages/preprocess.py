@@ -116,8 +116,10 @@ SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd"
 def shard_files(path: str) -> list[str] | None:
     """A directory's shard files (sorted by name), when it is a directory of shards rather than a `datasets`
     save_to_disk directory or a file; None otherwise. A directory holding no shard file is refused."""
+    from megatron_osprey.data.user_data import is_saved_dataset
+
     directory = Path(path)
-    if not directory.is_dir() or (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file():
+    if not directory.is_dir() or is_saved_dataset(directory):
         return None
     files = sorted(str(f) for f in directory.iterdir() if f.is_file() and f.name.endswith(SHARD_SUFFIXES))
     if not files:

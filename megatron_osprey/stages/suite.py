@@ -33,6 +33,7 @@ class SuiteConfig:
 
     def validate(self) -> None:
         """Flags and paths, before any row is read."""
+        from megatron_osprey.base.outputs import check_disjoint
         from megatron_osprey.eval.suites import PACKAGE_SOURCE, SUITES
 
         for flag, value in (("--suite", self.suite), ("--source", self.source), ("--output", self.output)):
@@ -48,9 +49,7 @@ class SuiteConfig:
         if output.is_dir():
             raise ValueError(f"--output {self.output} is a directory; name the eval set's JSONL file.")
         if self.source != PACKAGE_SOURCE:
-            source = Path(self.source).resolve()
-            if output.resolve() == source or source in output.resolve().parents:
-                raise ValueError(f"--output {self.output} is or lies inside --source {self.source}.")
+            check_disjoint(output, {"--source": self.source})
         if output.exists() and not self.overwrite:
             raise FileExistsError(f"--output {self.output} exists; pass --overwrite to replace it.")
 

@@ -81,13 +81,9 @@ def token_weights(prefixes: list[str]) -> list[float]:
     """Each prefix's token count (PREFIX.bin's size over its token width), the weights of an unweighted blend:
     every token is as likely to be drawn as in one dataset of them all, and Megatron builds as many samples
     of each as the run needs (an unweighted blend would stop at one pass over each)."""
-    from megatron.core.datasets.indexed_dataset import DType
-
     weights = []
     for prefix in prefixes:
-        with open(prefix + ".idx", "rb") as stream:
-            code = stream.read(18)[17]
-        tokens = Path(prefix + ".bin").stat().st_size // DType.size(DType.dtype_from_code(code))
+        tokens = Path(prefix + ".bin").stat().st_size // token_dtype(prefix)().itemsize
         if tokens == 0:
             raise ValueError(f"--data-path {prefix}: {prefix}.bin holds no tokens.")
         weights.append(float(tokens))
@@ -125,20 +121,25 @@ def indexed_sequence_count(prefix: str) -> int:
     return struct.unpack("<Q", head[18:26])[0]
 
 
+def token_dtype(prefix: str):
+    """The numpy type of PREFIX.bin's token ids, from the dtype code in PREFIX.idx's header (byte 17)."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(prefix + ".idx", "rb") as stream:
+        return DType.dtype_from_code(stream.read(18)[17])
+
+
 FULL_SCAN_BYTES = 4 << 30  # up to this much token data is scanned whole before step 1 (a few seconds)
 
 
 def max_token_id(prefix: str) -> int | None:
     """The largest token id in PREFIX.bin (a chunked scan), or None when the file is over FULL_SCAN_BYTES."""
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import DType
 
-    with open(prefix + ".idx", "rb") as stream:
-        code = stream.read(18)[17]
     path = Path(prefix + ".bin")
     if path.stat().st_size > FULL_SCAN_BYTES or path.stat().st_size == 0:
         return None
-    tokens = np.memmap(path, dtype=DType.dtype_from_code(code), mode="r")
+    tokens = np.memmap(path, dtype=token_dtype(prefix), mode="r")
     step = 1 << 26
     return max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
 

@@ -148,7 +148,14 @@ def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_pat
     refused = {
         "--suite must be one of": ["--suite", "gsm8k", "--source", str(source), "--output", str(out)],
         "--source": ["--suite", "math500", "--source", str(tmp_path / "missing"), "--output", str(out)],
-        "lies inside --source": ["--suite", "mgsm", "--source", str(tmp_path), "--output", str(tmp_path / "m.jsonl")],
+        "lies inside the input --source": [
+            "--suite",
+            "mgsm",
+            "--source",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "m.jsonl"),
+        ],
         "is a directory": ["--suite", "math500", "--source", str(source), "--output", str(tmp_path)],
         "--limit must be >= 1": [*argv, "--limit", "0", "--overwrite"],
     }
