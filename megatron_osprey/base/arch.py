@@ -254,9 +254,14 @@ class ModelArch:
         return padded_size(self.vocab_size, tensor_parallel_size, divisible_by)
 
     def validate_parallel(
-        self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1
+        self,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        sequence_parallel: bool | None = None,
     ) -> None:
-        """Raise one clear error when TP/PP/EP do not divide heads, kv-heads, FFN, layers or experts."""
+        """Raise one clear error when TP/PP/EP do not divide heads, kv-heads, FFN, layers or experts, or (given
+        `sequence_parallel`) when a mixture-of-experts model runs at TP > 1 without it, as Megatron-Core needs."""
         tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         checks = [
             ("num_attention_heads", self.num_attention_heads, tp, "--tensor-model-parallel-size"),
@@ -278,6 +283,10 @@ class ModelArch:
                 raise ValueError(
                     f"{flag} {size} does not divide the model's {name} ({value}); choose a size that divides {value}."
                 )
+        if sequence_parallel is False and self.is_moe and tp > 1:
+            raise ValueError(
+                "a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel."
+            )
 
     def torch_dtype_obj(self):
         """The torch dtype of the checkpoint's weights (torch is imported here only: planning runs without it)."""

@@ -140,9 +140,9 @@ def preflight_memory(config: ExtractConfig, arch, say=print) -> None:
     from megatron_osprey.base.memory import check_fits, estimate_target_memory, parallel_sizes
 
     p = config.parallel
-    arch.validate_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
-    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
+    arch.validate_parallel(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size, p.sequence_parallel
+    )
     aux = resolve_aux_layer_ids(config.aux_layer_ids, arch.num_layers)
     estimate = estimate_target_memory(
         arch,

@@ -291,9 +291,7 @@ def _open_writer(config: RolloutConfig, output: Path, arch, aux_ids: list[int], 
 def _check_megatron_layout(config: RolloutConfig, arch) -> None:
     """The Megatron-Core target's layout against its shape, before any process group exists."""
     p = config.parallel
-    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size)
-    if arch.is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        raise ValueError("a mixture-of-experts target with --tensor-model-parallel-size > 1 needs --sequence-parallel.")
+    arch.validate_parallel(p.tensor_model_parallel_size, 1, p.expert_model_parallel_size, p.sequence_parallel)
 
 
 def _roll_out_job(config: RolloutConfig, arch, prompts_of) -> tuple[RolloutRun, Path]:
