@@ -55,7 +55,8 @@ def check_output_writable(output: str | Path, flag: str = "--output") -> Path:
     return output
 
 
-def _recorded_stage(directory: Path) -> str | None:
+def recorded_stage(directory: Path) -> str | None:
+    """The stage DIRECTORY/provenance.json names, or None (no record, or an unreadable one)."""
     record = directory / PROVENANCE_FILE
     if not record.is_file():
         return None
@@ -96,7 +97,7 @@ def check_output(
             f"{flag} {output} is not empty and has no {marker}, so this stage did not write it; --overwrite "
             f"deletes only its own output. Choose another {flag}, or empty it yourself."
         )
-    recorded = _recorded_stage(output)
+    recorded = recorded_stage(output)
     if stage is not None and recorded is not None and recorded != stage:
         raise ValueError(
             f"{flag} {output} holds the output of the {recorded} stage, not of {stage}; --overwrite deletes only "

