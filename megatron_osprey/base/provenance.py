@@ -168,6 +168,30 @@ def write_provenance(
     return target
 
 
+def records_unchanged(directory: str | Path, inputs: dict[str, str | Path], outputs: dict[str, str | Path]) -> bool:
+    """Whether DIRECTORY/provenance.json records each named input at its path with the sha256 it has now, and each
+    named output with the bytes it holds now: the work that record describes is done and need not run again (a
+    requeued array task goes on from there). False without a readable record."""
+    directory = Path(directory)
+    try:
+        record = read_provenance(directory)
+    except ValueError:
+        return False
+    if record is None:
+        return False
+    for name, path in inputs.items():
+        entry, path = record.get("inputs", {}).get(name) or {}, Path(path)
+        if entry.get("path") != str(path.resolve()) or not path.exists() or entry.get("sha256") != digest(path):
+            return False
+    for name, path in outputs.items():
+        entry, path = record.get("outputs", {}).get(name) or {}, Path(path)
+        if "path" not in entry or (directory / entry["path"]).resolve() != path.resolve() or not path.is_file():
+            return False
+        if entry.get("sha256") != digest(path):
+            return False
+    return True
+
+
 def read_provenance(directory: str | Path) -> dict | None:
     """DIRECTORY/provenance.json, or None when the directory holds none."""
     path = Path(directory) / PROVENANCE_FILE

@@ -188,7 +188,7 @@ def run(config: PreprocessConfig, invocation: Invocation = Invocation("preproces
     for source, index in jobs:
         job = dataclasses.replace(config, input=source, input_list=None)
         job.output_prefix = config.job_prefix(index)
-        if index is not None and not config.overwrite and shard_done(job.output_path(), source):
+        if index is not None and not config.overwrite and shard_done(job.output_path(), source, config.tokenizer):
             print(f"{source}: tokenized into {job.output_path()} in an earlier run, skipped")
             continue
         inputs = check_inputs({"input": source if Path(source).exists() else None, "tokenizer": config.tokenizer})
@@ -199,25 +199,14 @@ def run(config: PreprocessConfig, invocation: Invocation = Invocation("preproces
     return results
 
 
-def shard_done(prefix: str, source: str) -> bool:
-    """Whether an earlier run tokenized `source` into `prefix` completely: the provenance.json beside it names
-    this input and the .bin and .idx it recorded, with their bytes (a requeued array task goes on from there)."""
-    import json
+def shard_done(prefix: str, source: str, tokenizer: str) -> bool:
+    """Whether an earlier run tokenized `source` into `prefix` completely: the provenance.json beside it records
+    this input and tokenizer with the bytes they have now, and the .bin and .idx with theirs (a requeued array
+    task goes on from there; a shard or tokenizer changed since is tokenized again)."""
+    from megatron_osprey.base.provenance import records_unchanged
 
-    from megatron_osprey.base.provenance import PROVENANCE_FILE, digest
-
-    record_path = Path(prefix).parent / PROVENANCE_FILE
-    if not record_path.is_file():
-        return False
-    record = json.loads(record_path.read_text())
-    if record.get("inputs", {}).get("input", {}).get("path") != str(Path(source).resolve()):
-        return False
-    for suffix in (".bin", ".idx"):
-        entry = record.get("outputs", {}).get(suffix[1:])
-        path = Path(prefix + suffix)
-        if entry is None or not path.is_file() or digest(path) != entry["sha256"]:
-            return False
-    return True
+    outputs = {"bin": f"{prefix}.bin", "idx": f"{prefix}.idx"}
+    return records_unchanged(Path(prefix).parent, {"input": source, "tokenizer": tokenizer}, outputs)
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -406,6 +407,16 @@ def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share
             patch.setenv(key, value)
         redone = run(tasks)
     assert len(redone) == 1 and _bytes(str(lost)) == _bytes(one.output_paths()[3])
+    # A shard whose text changed since is not skipped: its output, made from the old text, is refused unless
+    # --overwrite, which tokenizes the task's shards again.
+    _write_jsonl(shards / "000_00000.jsonl", DOCS[5:8])
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**run_env, "SLURM_ARRAY_TASK_ID": "2"}.items():
+            patch.setenv(key, value)
+        with pytest.raises(FileExistsError, match="00000/text_text_document.*pass --overwrite"):
+            run(tasks)
+        redone = run(dataclasses.replace(tasks, overwrite=True))
+    assert len(redone) == 2 and _bytes(tasks.output_paths()[0]) != _bytes(one.output_paths()[0])
 
     prefixes, weights = parse_blend(one.output_paths())
     assert prefixes == one.output_paths() and weights is None
