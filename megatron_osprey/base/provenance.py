@@ -179,17 +179,18 @@ def records_unchanged(directory: str | Path, inputs: dict[str, str | Path], outp
         return False
     if record is None:
         return False
-    for name, path in inputs.items():
-        entry, path = record.get("inputs", {}).get(name) or {}, Path(path)
-        if entry.get("path") != str(path.resolve()) or not path.exists() or entry.get("sha256") != digest(path):
+    checks = [(record.get("inputs", {}).get(n) or {}, Path(p), False) for n, p in inputs.items()]
+    checks += [(record.get("outputs", {}).get(n) or {}, Path(p), True) for n, p in outputs.items()]
+
+    def unmoved(entry: dict, path: Path, output: bool) -> bool:  # inputs are recorded absolute, outputs relative
+        if "path" not in entry or not (path.is_file() if output else path.exists()):
             return False
-    for name, path in outputs.items():
-        entry, path = record.get("outputs", {}).get(name) or {}, Path(path)
-        if "path" not in entry or (directory / entry["path"]).resolve() != path.resolve() or not path.is_file():
-            return False
-        if entry.get("sha256") != digest(path):
-            return False
-    return True
+        return (directory / entry["path"] if output else Path(entry["path"])).resolve() == path.resolve()
+
+    # Paths first, then bytes: a lost or moved file answers before anything is hashed (a shard can be gigabytes).
+    if not all(unmoved(*check) for check in checks):
+        return False
+    return all(entry.get("sha256") == digest(path) for entry, path, _ in checks)
 
 
 def read_provenance(directory: str | Path) -> dict | None:
