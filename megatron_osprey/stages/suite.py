@@ -82,9 +82,10 @@ def run(config: SuiteConfig, invocation: Invocation = Invocation("suite")) -> in
     from megatron_osprey.eval.suites import suite_source, write_suite
 
     config.validate()
-    inputs = check_inputs({"source": suite_source(config.suite, config.source)})
+    source = suite_source(config.suite, config.source)  # for `package`, fetched and verified once, here
+    inputs = check_inputs({"source": source})
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-    count = write_suite(config.suite, config.source, config.output, config.limit)
+    count = write_suite(config.suite, source, config.output, config.limit)
     invocation.record(Path(config.output).parent, config, inputs, {"eval_set": config.output})
     return count
 
