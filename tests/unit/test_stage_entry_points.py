@@ -189,7 +189,7 @@ def test_a_job_imports_each_stage_module_once(tmp_path):
     argv = ["-m", "megatron_osprey", "export", "--recipe", "smollm2_cpu_smoke", "--run-dir", str(tmp_path / "run")]
     done, modules = _job_modules(tmp_path, argv)
     assert done.returncode == 2 and "error: --checkpoint" in done.stderr, done.stderr[-2000:]
-    assert set(modules) >= {"export", "distill", "pretrain", "cli"}  # the registry imported the stages
+    assert {"export", "cli"} <= set(modules) and len(modules) >= 3, modules  # the registry imports stages too
     assert {stage: names for stage, names in modules.items() if len(names) != 1} == {}
     assert modules["export"] == ["megatron_osprey.stages.export"]
 
