@@ -14,7 +14,8 @@ def user_data_argv(cfg: DemoConfig, files: dict[str, Path], target: Path, output
     inputs = [word for domain, path in files.items() for word in ("--input", f"{domain}={path}")]
     return [
         "-m",
-        "megatron_osprey.stages.data",
+        "megatron_osprey",
+        "data",
         *inputs,
         "--target",
         target,
@@ -41,7 +42,8 @@ def pretrain_argv(
 ) -> list:
     argv = [
         "-m",
-        "megatron_osprey.stages.pretrain",
+        "megatron_osprey",
+        "pretrain",
         source_flag,
         source,
         "--data-path",
@@ -107,7 +109,8 @@ def distill_argv(
     )
     argv = [
         "-m",
-        "megatron_osprey.stages.distill",
+        "megatron_osprey",
+        "distill",
         *flags,
         "--target",
         target,
@@ -146,7 +149,7 @@ def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, store:
     epochs of cfg.opd_prompts at a tenth of the SFT lr (its final one; chosen before any eval)."""
     iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
     lr = cfg.distill_lr / 10
-    argv = ["-m", "megatron_osprey.stages.distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
+    argv = ["-m", "megatron_osprey", "distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
     argv += ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
     argv += ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
     argv += ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
@@ -170,7 +173,8 @@ def eval_argv(
     and lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
     argv = [
         "-m",
-        "megatron_osprey.stages.evaluate",
+        "megatron_osprey",
+        "evaluate",
         "--target",
         target,
         "--output",

@@ -12,6 +12,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _through_door(command: list[str] | None) -> list[str] | None:
+    """A recorded command as the job door spells it: a step recorded as `-m megatron_osprey.stages.STAGE` (before
+    the door) ran the same stage with the same flags, so a demo resumed across the upgrade keeps it."""
+    if not command:
+        return command
+    words = []
+    for word in command:
+        if words and words[-1] == "-m" and word.startswith("megatron_osprey.stages."):
+            words += ["megatron_osprey", word.removeprefix("megatron_osprey.stages.")]
+        else:
+            words.append(word)
+    return words
+
+
 class StepRunner:
     """Runs the entry points as subprocesses, logs each to OUTPUT/logs/, prints progress with timings.
 
@@ -43,7 +57,7 @@ class StepRunner:
         if not marker.is_file():
             return None
         record = json.loads(marker.read_text())
-        return float(record.get("seconds", 0.0)) if record.get("command") == command else None
+        return float(record.get("seconds", 0.0)) if _through_door(record.get("command")) == command else None
 
     def timed(self, name: str, seconds: float) -> None:
         self.timings[name] = self.timings.get(name, 0.0) + seconds

@@ -1,9 +1,9 @@
 """Regenerate every assistant turn of a conversations JSONL with the target model.
 
-    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl \\
+    python -m megatron_osprey regenerate --input prompts.jsonl --output regen.jsonl \\
         --backend server --server-url http://10.0.0.1:30000 --server-url http://10.0.0.2:30000 \\
         --temperature 0 --max-tokens 2048 --concurrency 64 --retries 3
-    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl --backend hf --model DIR
+    python -m megatron_osprey regenerate --input prompts.jsonl --output regen.jsonl --backend hf --model DIR
 
 Rerunning the same command resumes: ids already in the output are skipped. Failed rows are listed in
 OUT.failures.jsonl. The API key comes from $OPENAI_API_KEY (or the variable named by --api-key-env) and is
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
@@ -204,7 +203,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey regenerate`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("regenerate", sys.argv[1:]))
+    deprecated_module_door("regenerate")
