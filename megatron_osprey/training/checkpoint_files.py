@@ -117,14 +117,16 @@ def check_checkpoint_metadata(path: str | Path) -> None:
 # The byte entries of a .distcp file (a ShardedObject each: the RNG state, Transformer Engine's _extra_state)
 # are torch.save pickles that torch's DefaultLoadPlanner.load_bytes decodes with weights_only=False: a crafted
 # entry would run code on resume. They are decoded weights-only here (tensors and plain containers), plus the
-# three NumPy globals of an RNG state saved before capture_rng_state stored NumPy's keys as a tensor.
+# NumPy array globals of an RNG state saved before capture_rng_state stored NumPy's keys as a tensor (an array's
+# reconstruction runs no code of the file's choosing). Transformer Engine 2.x keeps its _extra_state as a tensor.
 _UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def _legacy_numpy_globals() -> list:
     import numpy as np
 
-    return [np.dtype, np.ndarray, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # NumPy 2 / 1
+    return [np.dtype, np.ndarray, multiarray._reconstruct, type(np.dtype(np.uint32))]
 
 
 def decode_byte_entry(value: io.BytesIO, key: str):
