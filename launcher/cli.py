@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import sys
 from launcher.commands import local_argv, stage_command, stage_module, work_dir
 from launcher.plan import check_plan, make_plan
 from launcher.render import SubmitOptions
+from megatron_osprey.base.hardware import cpu_capability
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes import RECIPES, STAGES, get_recipe, resolve_recipe, takes_domain
@@ -162,7 +164,8 @@ def resolved_config(spec: str, stage: str, overrides: list[str], run_dir: str):
 def _plan(args: argparse.Namespace) -> int:
     recipe, overrides = _recipe(args, args.stage)
     stages = [args.stage] if args.stage else [s for s in recipe.chain if s in ("pretrain", "extract", "distill")]
-    plans = [make_plan(recipe, stage, _run_dir(recipe, args)) for stage in stages or [recipe.chain[0]]]
+    cpu = cpu_capability(os.environ) if recipe.hardware == "cpu" else None  # OSPREY_CPU_CAPABILITY forces it
+    plans = [make_plan(recipe, stage, _run_dir(recipe, args), cpu) for stage in stages or [recipe.chain[0]]]
     if args.json:
         out = [p.to_json() for p in plans]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))

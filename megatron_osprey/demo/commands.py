@@ -32,7 +32,8 @@ def user_data_argv(cfg: DemoConfig, files: dict[str, Path], target: Path, output
 
 
 def _local_and_saved(save: Path, iters: int, log_every: int) -> list:
-    """The flags every demo training shares: the local (non-TE) spec, one save at the end, its log interval."""
+    """The flags every demo training shares: the local (non-TE) spec, one save at the end, its log interval (often
+    enough that the step runner's throttled progress lines, with their ETA, come on the slowest CPU too)."""
     saving = ["--save", save, "--save-interval", str(iters), "--log-interval", str(log_every)]
     return ["--transformer-impl", "local", *saving]
 
@@ -70,7 +71,7 @@ def pretrain_argv(
         "0.01",
         "--clip-grad",
         "1.0",
-        *_local_and_saved(save, iters, log_every=max(1, iters // 6)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 24)),
         "--eval-iters",
         "0",
         "--no-progress-bar",
@@ -135,7 +136,7 @@ def distill_argv(
         "--min-lr",
         str(cfg.distill_lr / 10),
         *(["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []),
-        *_local_and_saved(save, iters, log_every=max(1, iters // 4)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 12)),
         "--no-progress-bar",
         "--seed",
         str(seed),
@@ -153,7 +154,7 @@ def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, store:
     argv += ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
     argv += ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
     argv += ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
-    argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
+    argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 12)), "--no-progress-bar", "--seed", str(seed)]
     argv += ["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []
     return argv + (["--bf16"] if cfg.bf16 else [])
 

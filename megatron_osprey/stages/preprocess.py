@@ -20,6 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from megatron_osprey.base.redact import configure_redacted_logging
 from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
     # megatron.core's package import warns about training-only extras (TE, apex) that tokenization never uses.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
     config, invocation = parse_config(argv, "preprocess", PreprocessConfig, FLAGS, __doc__, recipes)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    configure_redacted_logging(logging.INFO)  # a dataset URL may carry a token
 
     def tokenize() -> None:
         run(config, invocation)

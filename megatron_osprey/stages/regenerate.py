@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from megatron_osprey.base.redact import configure_redacted_logging
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.data.regenerate.backends import (
     BackendRequestError,
@@ -181,7 +182,8 @@ def _model_config(config: RegenerateConfig) -> Path | None:
 def main(argv: list[str] | None = None, recipes=None) -> int:
     """Parse the flags, regenerate; returns 0 when every row is done, 1 when some failed, 2 on bad input."""
     config, invocation = parse_config(argv, "regenerate", RegenerateConfig, FLAGS, __doc__, recipes)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    key = server_api_key(config.api_key_env, os.environ) if config.backend == "server" else None
+    configure_redacted_logging(logging.INFO, secrets=(key,) if key else ())
 
     def regenerate_and_report() -> int:
         summary = run(config, invocation)
