@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
