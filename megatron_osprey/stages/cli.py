@@ -48,6 +48,12 @@ class Invocation:
             directory, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
         )
 
+    def record_file(self, file: str | Path, config, inputs: dict, name: str) -> Path:
+        """Write FILE.provenance.json for this run's one output file (others may share its directory)."""
+        return provenance.write_file_provenance(
+            file, self.stage, inputs, name, config=config, recipe=self.recipe, command=list(self.command)
+        )
+
 
 def check_inputs(paths: dict[str, str | Path | None]) -> dict[str, dict[str, str]]:
     """Each named input's path and sha256, refusing one whose producer recorded other bytes (None: skipped)."""
