@@ -13,7 +13,9 @@ prompt/response form (data/conversations.py). Output, in one directory:
 
 The eval split is drawn per domain with the seed, after duplicates (the same normalized first prompt)
 are removed; a training conversation any of whose user turns equals an eval prompt of any domain is left
-out, so no eval prompt is ever trained on or regenerated. The result is checked before it is written.
+out, so no eval prompt is ever trained on or regenerated. The result is checked before it is written, into an
+output claimed for this stage (base/outputs.py: one writer at a time; --overwrite empties only a directory whose
+provenance.json names the data stage, or that the data stage left partial) and recorded in provenance.json last.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import gzip
 import json
 import random
 import re
-import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from megatron_osprey.base.arch import hf_config_file, load_target_config, looks_like_hub_id
-from megatron_osprey.base.atomic_io import fsync_dir, make_staging_dir, write_json_atomic
-from megatron_osprey.base.outputs import check_output
+from megatron_osprey.base.atomic_io import write_json_atomic
+from megatron_osprey.base.outputs import check_output, claimed_output
+from megatron_osprey.base.provenance import PROVENANCE_FILE, write_provenance
 from megatron_osprey.data.chat_template import (
     REASONING_MODES,
     TOOL_MODES,
@@ -365,16 +367,28 @@ def _write_rows(path: Path, rows: Iterable[Conversation]) -> None:
     write_conversations(path, rows)
 
 
-def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
+def data_outputs(output: Path) -> dict[str, Path]:
+    """Every file `osprey data` wrote into OUTPUT, by the name its provenance.json records it under."""
+    outputs = {"summary": output / SUMMARY_FILE}
+    for kind in ("prompts", "eval", "conversations"):
+        outputs |= {f"{kind}/{p.stem}": p for p in sorted((output / kind).glob("*.jsonl"))}
+    if (output / TOKEN_COUNTS_FILE).is_file():
+        outputs["token_counts"] = output / TOKEN_COUNTS_FILE
+    return outputs
+
+
+def build_user_data(config: UserDataConfig, tokenizer=None, record: Callable[[Path], None] | None = None) -> dict:
     """Read, split, render and write every file (module docstring); returns the summary it wrote.
 
     `tokenizer`: the target's, already loaded from config.target (a caller that holds it saves the load).
+    `record(output)` writes OUTPUT/provenance.json once every file is written (the stage records its checked
+    inputs and command); by default a record of the outputs alone.
     """
     config.validate()
     domains_in = parse_inputs(config.inputs)
     output = Path(config.output)
-    inputs = {f"--input {p}": p for paths in domains_in.values() for p in paths}
-    check_output(output, inputs, SUMMARY_FILE, config.overwrite)
+    inputs = {f"--input {p}": p for paths in domains_in.values() for p in paths} | {"--target": config.target}
+    check_output(output, inputs, PROVENANCE_FILE, config.overwrite, stage="data")  # again when claimed, below
     tokenizer = tokenizer or _load_tokenizer(config.target)
     template_reasoning, template_tools = template_defaults(tokenizer)
     reasoning, tools = config.reasoning or template_reasoning, config.tools or template_tools
@@ -395,16 +409,13 @@ def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
     trained = [c for split in splits.values() for c in split.train if has_reply(c)]
     counts = count_assistant_tokens(trained, chat, len(tokenizer)) if trained else None
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = make_staging_dir(output.parent, output.name)
-    try:
-        summary = _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
-        fsync_dir(output.parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Claimed only now, after every input is read and checked: until here an earlier output stays whole.
+    with claimed_output(output, inputs, config.overwrite, stage="data") as output:
+        summary = _write_all(output, splits, counts, config, reasoning, tools, target, domains_in)
+        if record is None:
+            write_provenance(output, "data", {}, data_outputs(output), config=config)
+        else:
+            record(output)
     return summary
 
 

@@ -28,10 +28,14 @@ def detect_format(config: dict) -> str | None:
 
 
 def _check_output(output: Path) -> None:
-    """A free output directory: writers never delete (the export stage empties only its own earlier export)."""
+    """A free output directory: writers never delete (the export stage empties only its own earlier export). The
+    stage's claim (its lock and writing marker, base/outputs.py) may already be there."""
+    from megatron_osprey.base.outputs import WRITER_LOCK
+    from megatron_osprey.base.provenance import WRITING_MARKER
+
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"--output {output} is a file, not a directory.")
-    if output.exists() and any(output.iterdir()):
+    if output.exists() and any(p.name not in (WRITER_LOCK, WRITING_MARKER) for p in output.iterdir()):
         raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
     output.mkdir(parents=True, exist_ok=True)
 

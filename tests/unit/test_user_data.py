@@ -264,6 +264,7 @@ def test_osprey_data_writes_disjoint_splits_prompts_conversations_and_counts(inp
     assert summary["reasoning"] == "template" and summary["tools"] == "template"
     assert summary["target"]["aux_layer_ids"] == [1, 17, 32]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        ".lock-writer",  # the writer's lock, free (base/locks.py)
         "conversations/chat.jsonl",
         "conversations/code.jsonl",
         "data_summary.json",
@@ -271,6 +272,7 @@ def test_osprey_data_writes_disjoint_splits_prompts_conversations_and_counts(inp
         "eval/code.jsonl",
         "prompts/chat.jsonl",
         "prompts/code.jsonl",
+        "provenance.json",  # written last: the output is complete
         "token_counts.json",
     ]
     evals = {d: list(read_conversations(out / "eval" / f"{d}.jsonl")) for d in ("chat", "code")}
@@ -365,3 +367,65 @@ def test_stage_main_records_provenance_and_reports_a_bad_line(inputs, tmp_path, 
         main(["--input", "x=org/some-dataset", "--target", str(inputs["target"]), "--output", str(tmp_path / "o")]) == 2
     )
     assert "looks like a Hugging Face Hub dataset id" in capsys.readouterr().err
+
+
+def test_overwrite_never_deletes_a_folder_for_holding_a_file_named_data_summary(inputs, qwen3, tmp_path):
+    # The case: a user's folder that happens to hold data_summary.json was emptied by --overwrite.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data_summary.json").write_text("{}")
+    (mine / "thesis.tex").write_text("years")
+    with pytest.raises(ValueError, match=rf"--output {mine} is not empty and has no provenance.json"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    (mine / "provenance.json").write_text(json.dumps({"stage": "export"}))  # another stage's record
+    with pytest.raises(ValueError, match="holds the output of the export stage, not of data"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    (mine / "provenance.json").write_text("not json")  # a record that names no stage
+    with pytest.raises(ValueError, match="provenance.json names no stage"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    assert sorted(p.name for p in mine.iterdir()) == ["data_summary.json", "provenance.json", "thesis.tex"]
+
+
+def test_a_second_data_run_is_refused_while_one_writes_and_its_partial_output_is_its_own(inputs, qwen3, tmp_path):
+    from megatron_osprey.base import outputs
+    from tests.unit.test_checkpoint_writer_lock import start_holder
+
+    out = tmp_path / "data"
+    out.mkdir()
+    child = start_holder(out / outputs.WRITER_LOCK)  # a live `osprey data` writing there
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match=rf"--output {out} is being written by pid {child.pid} "):
+                run_data(inputs, out, overwrite=overwrite, tokenizer=qwen3)
+    finally:
+        child.kill()
+        child.wait()
+    # What that run left when it was killed: its marker and part of its files; --overwrite of data empties it.
+    (out / "eval").mkdir()
+    (out / "eval" / "chat.jsonl").write_text('{"half": ')
+    (out / ".osprey-writing.json").write_text(json.dumps({"stage": "data"}))
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        run_data(inputs, out, tokenizer=qwen3)
+    run_data(inputs, out, overwrite=True, tokenizer=qwen3)
+    assert not (out / ".osprey-writing.json").exists() and json.loads((out / "provenance.json").read_text())
+    assert len(list(read_conversations(out / "eval" / "chat.jsonl"))) == EVAL
+    # A partial output of another stage is not this stage's to delete.
+    (out / ".osprey-writing.json").write_text(json.dumps({"stage": "export"}))
+    (out / "provenance.json").unlink()
+    with pytest.raises(ValueError, match="holds the output of the export stage, not of data"):
+        run_data(inputs, out, overwrite=True, tokenizer=qwen3)
+
+
+def test_a_symlinked_output_is_refused_up_front_by_name(inputs, qwen3, tmp_path, capsys):
+    from megatron_osprey.stages.data import main
+
+    real = tmp_path / "real"
+    run_data(inputs, real, tokenizer=qwen3)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    argv = ["--input", f"chat={inputs['chat']}", "--input", f"code={inputs['code']}", "--target", str(inputs["target"])]
+    assert main([*argv, "--eval-size", str(EVAL), "--output", str(link), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --output {link} is a symbolic link (to {real}); give the directory itself ({real}) as --output.\n"
+    )
+    assert (real / "provenance.json").is_file() and link.is_symlink()
