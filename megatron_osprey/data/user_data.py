@@ -318,22 +318,30 @@ def with_reasoning(conversation: Conversation, mode: str) -> Conversation:
     return dataclasses.replace(conversation, messages=tuple(apply_reasoning(conversation.messages, mode)))
 
 
-def prompt_conversation(conversation: Conversation, turns: str) -> Conversation:
-    """What regenerate answers: the messages before the first tool turn (before the first reply for "first").
+def prompt_conversation(conversation: Conversation, turns: str) -> Conversation | None:
+    """What regenerate answers: the messages before the first tool turn (before the first reply for "first"); None
+    when no user message comes before the first tool turn, so there is nothing to answer (the row is left out).
 
-    Assistant turns stay, answer text only, to keep the turn structure; regenerate replaces every one. A tool
+    Assistant turns stay, answer text only, to keep the turn structure; regenerate replaces every one. An assistant
+    turn before the first user message answers nothing here and is dropped, as regeneration drops it. A tool
     result answers a call the target may not make again, so nothing from the first tool call on is kept.
     """
     messages: list[dict[str, Any]] = []
+    asked = False  # a user message has been kept
     for message in conversation.messages:
         if message["role"] == "tool" or message.get("tool_calls"):
             break
         if message["role"] == "assistant":
+            if not asked:
+                continue
             if turns == "first":
                 break
             messages.append({"role": "assistant", "content": split_reasoning(message["content"])[1]})
         else:
+            asked = asked or message["role"] == "user"
             messages.append(dict(message))
+    if not asked:
+        return None
     while messages[-1]["role"] == "assistant":
         messages.pop()
     extra = {k: v for k, v in conversation.extra.items() if k != "tools"}
@@ -419,17 +427,16 @@ def build_user_data(config: UserDataConfig, tokenizer=None, record: Callable[[Pa
     return summary
 
 
-def _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in) -> dict:
+def _write_all(output, splits, counts, config, reasoning, tools, target, domains_in) -> dict:
     per_domain = {}
     for domain, split in splits.items():
-        _write_rows(
-            staging / "prompts" / f"{domain}.jsonl", (prompt_conversation(c, config.prompt_turns) for c in split.train)
-        )
+        prompts = [prompt_conversation(c, config.prompt_turns) for c in split.train]
+        _write_rows(output / "prompts" / f"{domain}.jsonl", (p for p in prompts if p is not None))
         if split.eval:
-            _write_rows(staging / "eval" / f"{domain}.jsonl", split.eval)
+            _write_rows(output / "eval" / f"{domain}.jsonl", split.eval)
         replies = [c for c in split.train if has_reply(c)]
         if replies:
-            _write_rows(staging / "conversations" / f"{domain}.jsonl", replies)
+            _write_rows(output / "conversations" / f"{domain}.jsonl", replies)
         per_domain[domain] = {
             "inputs": [str(p) for p in domains_in[domain]],
             "rows": split.rows,
@@ -438,10 +445,11 @@ def _write_all(staging, splits, counts, config, reasoning, tools, target, domain
             "eval": len(split.eval),
             "train": len(split.train),
             "train_with_eval_prompt_removed": split.leaks_removed,
+            "prompts_without_user_turn": prompts.count(None),  # a tool call before any user message
             "conversations": len(replies),
         }
     if counts is not None:
-        write_json_atomic(staging / TOKEN_COUNTS_FILE, counts.tolist(), indent=None)
+        write_json_atomic(output / TOKEN_COUNTS_FILE, counts.tolist(), indent=None)
     summary = {
         "seed": config.seed,
         "eval_size": config.eval_size,
@@ -453,5 +461,5 @@ def _write_all(staging, splits, counts, config, reasoning, tools, target, domain
         "assistant_tokens": None if counts is None else int(counts.sum()),
         "domains": per_domain,
     }
-    write_json_atomic(staging / SUMMARY_FILE, summary)
+    write_json_atomic(output / SUMMARY_FILE, summary)
     return summary

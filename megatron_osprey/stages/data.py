@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
                 f"({counts['duplicates_removed']} duplicates, {counts['train_with_eval_prompt_removed']} repeating an "
                 f"eval prompt, {counts['tool_conversations_dropped']} with tool turns left out)"
             )
+            if counts["prompts_without_user_turn"]:
+                print(
+                    f"{domain}: {counts['prompts_without_user_turn']} training conversations call a tool before any "
+                    f"user message, so prompts/{domain}.jsonl leaves them out (nothing for regenerate to answer)"
+                )
         print(f"wrote {config.output}")
 
     return exit_code(build_and_report)

@@ -429,3 +429,39 @@ def test_a_symlinked_output_is_refused_up_front_by_name(inputs, qwen3, tmp_path,
         f"error: --output {link} is a symbolic link (to {real}); give the directory itself ({real}) as --output.\n"
     )
     assert (real / "provenance.json").is_file() and link.is_symlink()
+
+
+def test_prompts_never_hold_a_row_without_a_user_message_nor_fail_on_an_assistant_first_turn(inputs, qwen3, tmp_path):
+    # The cases: with --tools template a tool call before any user message made a prompt row of the system message
+    # alone, which the prompts' own reader refuses; --prompt-turns first on an assistant-first row: IndexError.
+    call = {**CALL, "id": "c1"}
+    tool_first = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+        {"role": "user", "content": "Is it warm?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    assistant_first = [
+        {"role": "assistant", "content": "How can I help?"},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "11."},
+    ]
+    plain = [
+        {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A."}]} for i in range(4)
+    ]
+    rows = [{"id": "tool-first", "messages": tool_first}, {"id": "assistant-first", "messages": assistant_first}]
+    source = _jsonl(tmp_path / "mixed.jsonl", [*rows, *plain])
+    for turns, expected in (("all", assistant_first[1:4]), ("first", [assistant_first[1]])):
+        out = tmp_path / turns
+        config = UserDataConfig(
+            inputs=[f"mixed={source}"], target=str(inputs["target"]), output=str(out), eval_size=1, seed=0,
+            tools="template", prompt_turns=turns,
+        )  # fmt: skip
+        summary = build_user_data(config, qwen3)
+        prompts = {c.id: c for c in read_conversations(out / "prompts" / "mixed.jsonl")}  # the reader accepts all
+        assert "tool-first" not in prompts and summary["domains"]["mixed"]["prompts_without_user_turn"] == 1
+        assert list(prompts["assistant-first"].messages) == expected
+        assert len(prompts) == summary["domains"]["mixed"]["train"] - 1
