@@ -44,9 +44,11 @@ from megatron_osprey.data.chat_template import (
     template_defaults,
 )
 from megatron_osprey.data.conversations import (
+    GZIP_ERRORS,
     Conversation,
     ConversationFormatError,
     from_user_row,
+    load_json,
     write_conversations,
 )
 
@@ -130,36 +132,51 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
         yield from _json_rows(path, gzip.open if magic[:2] == _GZIP_MAGIC else open)
 
 
-def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
-    with opener(path, "rb") as handle:
-        head = handle.read(4096).lstrip()
-    if head.startswith(b"["):  # one JSON array (ShareGPT dumps often are), not JSON Lines
+def _gzip_damaged(path: Path, error: Exception, lineno: int) -> ConversationFormatError:
+    return ConversationFormatError(
+        f"{path}: the gzip stream is truncated or damaged after line {lineno} ({error}); compress it again."
+    )
+
+
+def _lines(path: Path, opener) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of a plain or gzip file; a gzip stream that ends early or is damaged is one error
+    naming the file and the last whole line."""
+    lineno = 0
+    try:
         with opener(path, "rb") as handle:
-            try:
-                rows = json.load(handle)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ConversationFormatError(f"{path}: not a valid JSON array ({error}).") from None
+            for lineno, raw in enumerate(handle, start=1):
+                yield lineno, raw
+    except GZIP_ERRORS as error:
+        raise _gzip_damaged(path, error, lineno) from None
+
+
+def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
+    try:
+        with opener(path, "rb") as handle:
+            head = handle.read(4096).lstrip()
+    except GZIP_ERRORS as error:
+        raise _gzip_damaged(path, error, 0) from None
+    if head.startswith(b"["):  # one JSON array (ShareGPT dumps often are), not JSON Lines
+        text = b"".join(raw for _, raw in _lines(path, opener))
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConversationFormatError(f"{path}: not a valid JSON array ({error}).") from None
+        rows = load_json(decoded, str(path))
         for index, row in enumerate(rows):
             yield f"{path} item {index}", row
         return
-    with opener(path, "rb") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ConversationFormatError(
-                    f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})."
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConversationFormatError(
-                    f"{where}: not valid JSON ({error.msg} at column {error.colno})."
-                ) from None
-            yield where, row
+    for lineno, raw in _lines(path, opener):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConversationFormatError(
+                f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})."
+            ) from None
+        if not line.strip():
+            continue
+        yield where, load_json(line, where)
 
 
 def is_saved_dataset(path: Path) -> bool:

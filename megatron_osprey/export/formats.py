@@ -113,7 +113,7 @@ def export_drafter(
 
 def read_export(directory: str | Path) -> ReferenceDrafter:
     """Load an sglang or speculators export back into a ReferenceDrafter (bit-exact inverse of export)."""
-    from safetensors.torch import load_file
+    from megatron_osprey.convert.safetensors_io import load_safetensors
 
     directory = Path(directory)
     config = json.loads((directory / CONFIG_NAME).read_text())
@@ -121,7 +121,7 @@ def read_export(directory: str | Path) -> ReferenceDrafter:
     if fmt is None:
         raise ValueError(f"{directory / CONFIG_NAME} is neither an SGLang nor a speculators EAGLE-3 draft config.")
     cfg = layouts.drafter_config_from_export(config)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
+    tensors = load_safetensors(directory / WEIGHTS_NAME)
     state = layouts.reference_state_from_sglang(tensors, cfg) if fmt == "sglang" else dict(tensors)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]

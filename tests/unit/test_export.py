@@ -319,3 +319,19 @@ def test_an_export_killed_midway_is_refused_by_evaluate_and_cleaned_by_overwrite
     assert export_main(args) == 2 and "pass --overwrite" in capsys.readouterr().err
     assert export_main([*args, "--overwrite"]) == 0  # its own partial output
     assert isinstance(load_drafter(out).drafter, ReferenceDrafter)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "hf"])
+def test_a_truncated_export_weights_file_is_one_line_naming_it(tmp_path, fmt, capsys):
+    # The case: safetensors' SafetensorError (a traceback) from evaluate or a second export reading it.
+    from megatron_osprey.eval.loading import load_drafter
+
+    export_drafter(make_drafter("osprey", 2, True), fmt, tmp_path / "x")
+    weights = tmp_path / "x" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{weights} is not a readable safetensors file \(.*\); it is truncated"):
+        load_drafter(tmp_path / "x")
+    args = ["--checkpoint", str(tmp_path / "x"), "--format", "sglang", "--output", str(tmp_path / "again")]
+    assert export_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights} is not a readable safetensors file") and err.count("\n") == 1

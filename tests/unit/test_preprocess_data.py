@@ -463,3 +463,28 @@ def test_the_backbone_recipe_pretrains_on_every_shard_its_preprocessing_array_wr
     assert recipe.config("pretrain", run_dir).data.data_path == [
         f"{run_dir}/preprocess/{i:05d}/text_text_document" for i in range(3)
     ]
+
+
+def test_a_lone_surrogate_or_deep_nesting_is_a_skipped_record_and_a_truncated_gzip_one_line(
+    tmp_path, tokenizer_dir, capsys
+):
+    # The cases: "\ud800" reached the tokenizer (TypeError), 100k brackets raised RecursionError, a truncated
+    # .jsonl.gz raised EOFError: each a traceback.
+    import gzip
+
+    lines = [json.dumps({"text": "good one"}), '{"text": "a\\ud800b"}', "[" * 100_000 + "]" * 100_000]
+    lines += [json.dumps({"text": "pair \ud83d\ude00 kept"}, ensure_ascii=True)]  # a valid pair is text
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    s = _run(inp, tokenizer_dir, tmp_path / "out").stats
+    assert s.documents == 2 and s.problem_counts == {"invalid JSON": 2}
+    assert s.problems == [f"{inp} line 2: invalid JSON (a lone surrogate escape)",
+                          f"{inp} line 3: invalid JSON (brackets nested too deeply)"]  # fmt: skip
+    packed = gzip.compress("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5000)).encode())
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(packed[: len(packed) // 2])
+    argv = ["--input", str(truncated), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(tmp_path / "cut")]
+    assert _tool_main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --input {truncated}: the gzip stream is truncated or damaged after line ")
+    assert err.count("\n") == 1 and "Compressed file ended" in err

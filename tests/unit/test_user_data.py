@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 
 import pytest
@@ -465,3 +466,41 @@ def test_prompts_never_hold_a_row_without_a_user_message_nor_fail_on_an_assistan
         assert "tool-first" not in prompts and summary["domains"]["mixed"]["prompts_without_user_turn"] == 1
         assert list(prompts["assistant-first"].messages) == expected
         assert len(prompts) == summary["domains"]["mixed"]["train"] - 1
+
+
+@pytest.mark.parametrize("case", ["lone surrogate", "deep nesting", "truncated gzip", "deep JSON array"])
+def test_an_unreadable_input_is_one_line_naming_the_file_and_line(inputs, tmp_path, capsys, case):
+    # The cases: a traceback each (TypeError in the tokenizer, RecursionError, EOFError).
+    from megatron_osprey.stages.data import main
+
+    good = json.dumps(GOOD) + "\n"
+    path, expected = {
+        "lone surrogate": (tmp_path / "s.jsonl", r"s\.jsonl:2: \\ud800 at column 45 is a lone surrogate escape"),
+        "deep nesting": (tmp_path / "n.jsonl", r"n\.jsonl:2: not readable JSON \(brackets nested too deeply\)"),
+        "truncated gzip": (
+            tmp_path / "t.jsonl.gz",
+            r"t\.jsonl\.gz: the gzip stream is truncated or damaged after line",
+        ),
+        "deep JSON array": (tmp_path / "a.json", r"a\.json: not readable JSON \(brackets nested too deeply\)"),
+    }[case]
+    if case == "lone surrogate":
+        path.write_text(good + '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", '
+                        '"content": "x"}]}\n')  # fmt: skip
+    elif case == "deep nesting":
+        path.write_text(good + "[" * 100_000 + "]" * 100_000 + "\n")
+    elif case == "deep JSON array":
+        path.write_text("[" + json.dumps(GOOD) + ", " + "[" * 100_000 + "]" * 100_000 + "]")
+    else:
+        packed = gzip.compress("".join(json.dumps({**GOOD, "id": str(i)}) + "\n" for i in range(3000)).encode())
+        path.write_bytes(packed[: len(packed) // 2])
+    argv = ["--input", f"d={path}", "--target", str(inputs["target"]), "--output", str(tmp_path / "o")]
+    assert main([*argv, "--eval-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.match(rf"error: {re.escape(str(tmp_path))}/{expected}", err) and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+    if case in ("lone surrogate", "deep nesting"):  # the same line read as conversations (regenerate, evaluate)
+        line = path.read_text().splitlines()[1]
+        conversations = tmp_path / "c.jsonl"
+        conversations.write_text(line.replace('"messages"', '"id": "x", "conversations"') + "\n")
+        with pytest.raises(ConversationFormatError, match=r"c\.jsonl:1: (\\ud800 at column|not readable JSON)"):
+            list(read_conversations(conversations))
