@@ -55,7 +55,8 @@ from megatron_osprey.data.conversations import (
 SUMMARY_FILE = "data_summary.json"
 TOKEN_COUNTS_FILE = "token_counts.json"
 PROMPT_TURNS = ("all", "first")
-_DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# A domain names files (prompts/{domain}.jsonl), job names and log paths: no separator, no leading dot.
+DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PARQUET_MAGIC = b"PAR1"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -98,7 +99,7 @@ def parse_inputs(specs: Iterable[str]) -> dict[str, list[Path]]:
     domains: dict[str, list[Path]] = {}
     for spec in specs:
         name, sep, path = str(spec).partition("=")
-        if not sep or not path or not _DOMAIN_NAME.match(name):
+        if not sep or not path or not DOMAIN_NAME.match(name):
             raise ValueError(
                 f"--input {spec!r} must be DOMAIN=PATH, the domain a name of letters, digits, '_', '-' or '.' "
                 f"(e.g. --input code=code.jsonl)."
