@@ -170,7 +170,8 @@ def claimed_output(
     """OUTPUT, held by this run of `stage` for the block (see the module docstring): refused as check_output refuses
     (and while another live run writes it), this stage's earlier or partial output emptied under the lock, and
     WRITING_MARKER written before the block writes anything. The block ends by writing provenance.json
-    (write_provenance), which removes the marker; a block that fails leaves it, so the output reads as partial."""
+    (write_provenance), which removes the marker; a block that fails after writing leaves it, so the output reads
+    as partial (one that fails before writing anything leaves the output free)."""
     output = Path(output).expanduser()
     check_output(output, inputs, PROVENANCE_FILE, overwrite, stage=stage, flag=flag)  # before anything is created
     output.mkdir(parents=True, exist_ok=True)
@@ -185,4 +186,10 @@ def claimed_output(
                 else:
                     child.unlink()
         write_json_atomic(output / WRITING_MARKER, {"stage": stage, "pid": os.getpid()})
-        yield output
+        try:
+            yield output
+        except BaseException:
+            # Refused before writing anything (a bad input): nothing partial to mark, the output stays free.
+            if {p.name for p in output.iterdir()} <= {WRITER_LOCK, WRITING_MARKER}:
+                (output / WRITING_MARKER).unlink(missing_ok=True)
+            raise

@@ -140,6 +140,10 @@ def test_a_claimed_output_is_marked_until_its_record_and_a_partial_one_is_its_st
     from megatron_osprey.base.provenance import WRITING_MARKER, write_provenance
 
     out = tmp_path / "out"
+    with pytest.raises(ValueError, match="bad input"):  # refused before writing anything: the output stays free
+        with claimed_output(out, {}, False, stage="ngram"):
+            raise ValueError("bad input")
+    assert [p.name for p in out.iterdir()] == [WRITER_LOCK]
     with pytest.raises(RuntimeError):
         with claimed_output(out, {}, False, stage="ngram"):
             (out / "ngram.npz").write_bytes(b"half")
