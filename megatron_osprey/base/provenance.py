@@ -145,6 +145,13 @@ def _producer(path: Path) -> tuple[dict, Path, dict] | None:
 def check_input(name: str, path: str | Path) -> dict[str, str]:
     """{"path", "sha256"} of an input, refused when its producer recorded other bytes."""
     path = Path(path)
+    for directory in [path.resolve(), *path.resolve().parents][:3]:
+        stage = writing_stage(directory)
+        if stage is not None:  # its files may be whole, but not all of them are there
+            raise ProvenanceError(
+                f"input {name} {path} lies in {directory}, a partial {stage} output: that stage stopped before it "
+                f"finished writing it ({WRITING_MARKER} is still there). Run the {stage} stage again with --overwrite."
+            )
     found = _producer(path)
     sha = digest(path)
     if found is not None:

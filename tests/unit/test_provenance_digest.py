@@ -90,3 +90,16 @@ def test_a_directory_digest_skips_file_records_and_the_writing_marker(tmp_path):
     provenance.file_record(tmp_path / "a.jsonl").write_text("{}")
     (tmp_path / provenance.WRITING_MARKER).write_text('{"stage": "data"}')
     assert provenance.digest(tmp_path) == before
+
+
+def test_an_input_inside_a_partial_output_is_refused_naming_the_stage(tmp_path):
+    # A data run killed after writing prompts/ but before eval/ and its record: each file is whole, the set is not.
+    out = tmp_path / "data"
+    (out / "prompts").mkdir(parents=True)
+    (out / "prompts" / "chat.jsonl").write_text('{"id": "a"}\n')
+    (out / provenance.WRITING_MARKER).write_text('{"stage": "data"}')
+    with pytest.raises(provenance.ProvenanceError, match=r"input --input .*chat\.jsonl lies in .*data, a partial data"):
+        provenance.check_input("--input", out / "prompts" / "chat.jsonl")
+    provenance.write_provenance(out, "data", {}, {"prompts/chat": out / "prompts" / "chat.jsonl"})
+    assert not (out / provenance.WRITING_MARKER).exists()
+    provenance.check_input("--input", out / "prompts" / "chat.jsonl")
