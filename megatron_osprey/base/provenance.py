@@ -127,7 +127,10 @@ def _producer(path: Path) -> tuple[dict, Path, dict] | None:
     """(record, its directory, the entry naming `path`) of the stage that wrote `path`: the file's own record, else
     a provenance.json in it or up to two levels up. The path is resolved first: a link is checked where it points."""
     resolved = path.resolve()
-    candidates = [file_record(resolved)] + [d / PROVENANCE_FILE for d in [resolved, *resolved.parents][:3]]
+    # The file's own record, then the per-output records beside it (a preprocessed PREFIX's records its .bin and
+    # .idx), then the directory records above it.
+    beside = sorted(resolved.parent.glob("*" + FILE_RECORD_SUFFIX)) if resolved.parent.is_dir() else []
+    candidates = [file_record(resolved), *beside] + [d / PROVENANCE_FILE for d in [resolved, *resolved.parents][:3]]
     for record_path in candidates:
         if not record_path.is_file():
             continue
@@ -204,19 +207,28 @@ def write_provenance(
     return target
 
 
-def write_file_provenance(file: str | Path, stage: str, inputs: dict[str, dict[str, str]], name: str, **record) -> Path:
-    """write_provenance for one output file among others in its directory: FILE.provenance.json beside it."""
+def write_file_provenance(
+    file: str | Path, stage: str, inputs: dict[str, dict[str, str]], outputs: str | dict[str, str | Path], **record
+) -> Path:
+    """write_provenance for one output among others in its directory: FILE.provenance.json beside it, recording FILE
+    under the name `outputs` (or the files `outputs` maps, such as a PREFIX's .bin and .idx)."""
     file = Path(file)
-    return write_provenance(file.parent, stage, inputs, {name: file}, record_name=file_record(file).name, **record)
+    outputs = {outputs: file} if isinstance(outputs, str) else outputs
+    return write_provenance(file.parent, stage, inputs, outputs, record_name=file_record(file).name, **record)
 
 
-def records_unchanged(directory: str | Path, inputs: dict[str, str | Path], outputs: dict[str, str | Path]) -> bool:
-    """Whether DIRECTORY/provenance.json records each named input at its path with the sha256 it has now, and each
-    named output with the bytes it holds now: the work that record describes is done and need not run again (a
-    requeued array task goes on from there). False without a readable record."""
+def records_unchanged(
+    directory: str | Path,
+    inputs: dict[str, str | Path],
+    outputs: dict[str, str | Path],
+    record_name: str = PROVENANCE_FILE,
+) -> bool:
+    """Whether DIRECTORY/provenance.json (or DIRECTORY/RECORD_NAME) records each named input at its path with the
+    sha256 it has now, and each named output with the bytes it holds now: the work that record describes is done and
+    need not run again (a requeued array task goes on from there). False without a readable record."""
     directory = Path(directory)
     try:
-        record = read_provenance(directory)
+        record = read_provenance(directory, record_name)
     except ValueError:
         return False
     if record is None:
@@ -235,7 +247,7 @@ def records_unchanged(directory: str | Path, inputs: dict[str, str | Path], outp
     return all(entry.get("sha256") == digest(path) for entry, path, _ in checks)
 
 
-def read_provenance(directory: str | Path) -> dict | None:
-    """DIRECTORY/provenance.json, or None when the directory holds none."""
-    path = Path(directory) / PROVENANCE_FILE
+def read_provenance(directory: str | Path, record_name: str = PROVENANCE_FILE) -> dict | None:
+    """DIRECTORY/provenance.json (or DIRECTORY/RECORD_NAME), or None when the directory holds none."""
+    path = Path(directory) / record_name
     return json.loads(path.read_text()) if path.is_file() else None

@@ -48,10 +48,11 @@ class Invocation:
             directory, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
         )
 
-    def record_file(self, file: str | Path, config, inputs: dict, name: str) -> Path:
-        """Write FILE.provenance.json for this run's one output file (others may share its directory)."""
+    def record_file(self, file: str | Path, config, inputs: dict, outputs: str | dict[str, str | Path]) -> Path:
+        """Write FILE.provenance.json for this run's output FILE (others may share its directory): `outputs` names
+        FILE, or maps names to the files written under that stem (a preprocessed PREFIX's .bin and .idx)."""
         return provenance.write_file_provenance(
-            file, self.stage, inputs, name, config=config, recipe=self.recipe, command=list(self.command)
+            file, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
         )
 
 
