@@ -504,3 +504,22 @@ def test_an_unreadable_input_is_one_line_naming_the_file_and_line(inputs, tmp_pa
         conversations.write_text(line.replace('"messages"', '"id": "x", "conversations"') + "\n")
         with pytest.raises(ConversationFormatError, match=r"c\.jsonl:1: (\\ud800 at column|not readable JSON)"):
             list(read_conversations(conversations))
+
+
+def test_two_data_runs_to_one_output_never_replace_each_other(inputs, qwen3, tmp_path, monkeypatch):
+    # The case: both runs found --output empty at their start; the one that finished last removed the other's output.
+    import megatron_osprey.data.user_data as user_data
+
+    out = tmp_path / "data"
+    counting = user_data.count_assistant_tokens
+
+    def other_run_finishes_meanwhile(*args, **kwargs):
+        monkeypatch.setattr(user_data, "count_assistant_tokens", counting)
+        run_data(inputs, out, seed=1, tokenizer=qwen3)
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(user_data, "count_assistant_tokens", other_run_finishes_meanwhile)
+    with pytest.raises(FileExistsError, match=rf"--output {out} exists and is not empty; pass --overwrite"):
+        run_data(inputs, out, seed=0, tokenizer=qwen3)
+    assert json.loads((out / "data_summary.json").read_text())["seed"] == 1  # the other run's output, whole
+    assert json.loads((out / "provenance.json").read_text())["stage"] == "data"
