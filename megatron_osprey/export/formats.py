@@ -28,10 +28,14 @@ def detect_format(config: dict) -> str | None:
 
 
 def _check_output(output: Path) -> None:
-    """A free output directory: writers never delete (the export stage empties only its own earlier export)."""
+    """A free output directory: writers never delete (the export stage empties only its own earlier export). The
+    stage's claim (its lock and writing marker, base/outputs.py) may already be there."""
+    from megatron_osprey.base.outputs import WRITER_LOCK
+    from megatron_osprey.base.provenance import WRITING_MARKER
+
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"--output {output} is a file, not a directory.")
-    if output.exists() and any(output.iterdir()):
+    if output.exists() and any(p.name not in (WRITER_LOCK, WRITING_MARKER) for p in output.iterdir()):
         raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
     output.mkdir(parents=True, exist_ok=True)
 
@@ -109,7 +113,7 @@ def export_drafter(
 
 def read_export(directory: str | Path) -> ReferenceDrafter:
     """Load an sglang or speculators export back into a ReferenceDrafter (bit-exact inverse of export)."""
-    from safetensors.torch import load_file
+    from megatron_osprey.convert.safetensors_io import load_safetensors
 
     directory = Path(directory)
     config = json.loads((directory / CONFIG_NAME).read_text())
@@ -117,7 +121,7 @@ def read_export(directory: str | Path) -> ReferenceDrafter:
     if fmt is None:
         raise ValueError(f"{directory / CONFIG_NAME} is neither an SGLang nor a speculators EAGLE-3 draft config.")
     cfg = layouts.drafter_config_from_export(config)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
+    tensors = load_safetensors(directory / WEIGHTS_NAME)
     state = layouts.reference_state_from_sglang(tensors, cfg) if fmt == "sglang" else dict(tensors)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
+from megatron_osprey.data.user_data import DOMAIN_NAME
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -136,6 +137,9 @@ class Recipe:
 
     def validate(self) -> None:
         """Raise one clear sentence for a field outside its allowed values."""
+        for key, value in [("domain", self.domain)] + [("eval_domains", d) for d in self.eval_domains]:
+            if value is not None:
+                check_domain_name(value, f"recipe {self.name}: {key}")
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
         self._refuse_fp8_the_gpu_lacks()
@@ -202,3 +206,13 @@ class Recipe:
         config = copy.deepcopy(base)
         wire_paths(self, stage, config, run_dir or self.path("run_dir"))
         return config
+
+
+def check_domain_name(value: Any, where: str) -> None:
+    """Refuse a domain that could leave the run directory or a job name (`/`, `..`, a leading dot): it names files
+    ({root}/data/prompts/{domain}.jsonl), Slurm jobs and their logs."""
+    if not (isinstance(value, str) and DOMAIN_NAME.match(value)):
+        raise ValueError(
+            f"{where} {value!r} is not a domain name: letters, digits, '_', '-' or '.', starting with a letter or "
+            f"digit (it names files, jobs and logs in the run directory)."
+        )

@@ -61,8 +61,7 @@ FLAGS = {
 
 def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> Path:
     """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
-    from megatron_osprey.base.outputs import prepare_output
-    from megatron_osprey.base.provenance import PROVENANCE_FILE
+    from megatron_osprey.base.outputs import claimed_output
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.export.formats import export_drafter
 
@@ -71,22 +70,22 @@ def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> 
             raise ValueError(f"{flag} is required.")
     if config.format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {config.format!r}.")
-    output = Path(config.output)
-    # Refused before the drafter loads; emptied only when it holds this stage's own earlier export.
-    prepare_output(output, {"--checkpoint": config.checkpoint}, PROVENANCE_FILE, config.overwrite, stage="export")
-    loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
-    inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
-    target = loaded.run_config.get("target")
-    tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
-    written = export_drafter(
-        loaded.drafter,
-        config.format,
-        output,
-        loaded.run_config,
-        tokenizer_dir=tokenizer_dir,
-        architecture_names=config.architecture_names,
-    )
-    invocation.record(written, config, inputs, {"export": written})
+    # Refused before the drafter loads; emptied only when it holds this stage's own earlier (or partial) export. The
+    # marker written first and provenance.json written last make an export stopped midway a partial one to evaluate.
+    with claimed_output(config.output, {"--checkpoint": config.checkpoint}, config.overwrite, stage="export") as output:
+        loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
+        inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
+        target = loaded.run_config.get("target")
+        tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
+        written = export_drafter(
+            loaded.drafter,
+            config.format,
+            output,
+            loaded.run_config,
+            tokenizer_dir=tokenizer_dir,
+            architecture_names=config.architecture_names,
+        )
+        invocation.record(written, config, inputs, {"export": written})
     return written
 
 

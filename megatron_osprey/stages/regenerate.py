@@ -171,7 +171,7 @@ def run(config: RegenerateConfig, invocation: Invocation = Invocation("regenerat
     finally:
         backend.close()
     if not summary.failed:
-        invocation.record(Path(config.output).parent, config, inputs, {"conversations": config.output})
+        invocation.record_file(config.output, config, inputs, "conversations")
     return summary
 
 

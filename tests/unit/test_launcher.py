@@ -435,3 +435,18 @@ def test_osprey_demo_runs_the_demo_with_its_own_flags():
     assert shown.returncode == 0 and "--arms" in shown.stdout and "--full" in shown.stdout, shown.stderr
     refused = subprocess.run([*run, "--arms", "bogus"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--arms bogus" in refused.stderr
+
+
+@pytest.mark.parametrize("domain", ["../../escape", "a/b", "..", ".hidden"])
+def test_a_recipe_domain_that_leaves_the_run_directory_is_refused_naming_it(tmp_path, capsys, domain):
+    # The case: RECIPE:../../x gave job names and log paths (prompts/../../x.jsonl) outside the run dir.
+    spec = f"qwen3_8b_osprey_distill_2gpu_h100_bf16:{domain}"
+    assert osprey(["plan", spec, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"domain {domain!r} is not a domain name" in err and err.count("\n") == 1, err
+    # A YAML recipe's domain and eval domains too.
+    recipe_file = tmp_path / "mine.yaml"
+    recipe_file.write_text(f"base: qwen3_8b_osprey_distill_2gpu_h100_bf16:code\neval_domains: [math, '{domain}']\n")
+    with pytest.raises(ValueError, match=rf"recipe mine: eval_domains {re.escape(repr(domain))} is not a domain name"):
+        resolve_recipe(str(recipe_file))
+    assert get_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16:code.v2-x_1").domain == "code.v2-x_1"
