@@ -324,8 +324,14 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
     budget = ""
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
+        # The layout the stage builds its model with: the drafter is dense, built at EP 1 inside the job's layout.
+        built = parallel.dense_layout() if stage == "distill" else parallel
         try:
-            model.arch.validate_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+            model.arch.validate_parallel(
+                built.tensor_model_parallel_size,
+                built.pipeline_model_parallel_size,
+                built.expert_model_parallel_size,
+            )
         except ValueError as err:
             raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
         checks.append(f"global batch {config.training.global_batch_size} divisible by micro batch x DP {dp}")
