@@ -10,8 +10,9 @@ Memory model (estimates that catch layouts which cannot fit, not a profiler):
   FP32 master weights (12), the last divided by DP under the distributed optimizer; float32 runs: 4 + 4 + 8.
 - activations: 34 * s * b * h bytes per layer and micro-batch (Korthikanti et al. 2022, flash attention, no
   recomputation), divided by TP under sequence parallelism, times the TTT steps for distillation, plus the LM-head
-  logits and the TTT loss (megatron_osprey.base.memory.ttt_logits_bytes: 8 bytes saved per entry per step, measured,
-  plus the logits and one float32 gradient); under pipeline parallelism the first stage holds PP micro-batches.
+  logits and the TTT loss (megatron_osprey.base.memory.ttt_logits_bytes: every step's logits, the float32 target
+  logits, one logits gradient and the loss's float32 chunk, measured); under pipeline parallelism the first stage
+  holds PP micro-batches.
 - TTT attention (distillation): megatron_osprey.base.memory.ttt_attention_bytes per layer (measured in bf16).
 - frozen target: megatron_osprey.base.memory.estimate_target_memory (weights / (TP*PP*EP) and prefill activations).
 """
@@ -34,6 +35,7 @@ from megatron_osprey.base.memory import (
     ttt_logits_bytes,
 )
 from megatron_osprey.models.backbone.gpu_support import refuse_without_transformer_engine
+from megatron_osprey.models.drafter.arch import DrafterArch, eagle3_body
 from megatron_osprey.recipes.distill import EAGLE3_DENSE_FFN
 from megatron_osprey.recipes.recipe import GPU_MEMORY_GIB, Recipe
 from megatron_osprey.recipes.targets import model_arch
@@ -152,38 +154,36 @@ def backbone_arch(recipe: Recipe) -> ModelArch:
 
 
 def eagle3_arch(target: ModelArch, num_layers: int, target_name: str | None) -> ModelArch:
-    """EAGLE-3's drafter: `num_layers` dense decoder layers as wide as the target, untied, full rotary."""
-    return dataclasses.replace(
-        target,
-        family="llama",
-        num_layers=num_layers,
-        ffn_hidden_size=EAGLE3_DENSE_FFN.get(target_name or "", target.ffn_hidden_size),
-        tie_word_embeddings=False,
-        num_experts=0,
-        moe_ffn_hidden_size=0,
-        moe_router_topk=0,
-        rotary_dim=0,
+    """EAGLE-3's drafter body (eagle3_body); a MoE preset without mlp_intermediate_size gets the recipe's width."""
+    width = EAGLE3_DENSE_FFN.get(target_name or "")
+    if target.is_moe and width and not target.hf_config.get("mlp_intermediate_size"):
+        target = dataclasses.replace(target, hf_config={**target.hf_config, "mlp_intermediate_size": width})
+    return eagle3_body(target, num_layers)
+
+
+def planned_drafter(recipe: Recipe, config, target: ModelArch | None = None) -> tuple[DrafterArch, int, int]:
+    """(the drafter the distill stage builds, its trainable and frozen parameters, DrafterArch.num_parameters)."""
+    target = target if target is not None else target_arch(recipe)
+    drafter = config.drafter
+    common = dict(
+        target_hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        aux_layer_ids=(),  # which target layers feed fusion_fc does not change a shape (_target_summary reports them)
+        hidden_post_norm=drafter.hidden_post_norm,
+        aux_hidden_norm=drafter.aux_hidden_norm,
     )
-
-
-def osprey_drafter_parameters(backbone: ModelArch, target: ModelArch, draft_vocab: int | None) -> int:
-    """Trainable parameters of the adapted Osprey drafter (2H-wide QKV input, fusion_fc, target vocab)."""
-    h, d = backbone.hidden_size, backbone.head_dim
-    q, kv = backbone.num_attention_heads * d, backbone.num_query_groups * d
-    layer = 2 * h * (q + 2 * kv) + q * h + 2 * d + 3 * h * backbone.ffn_hidden_size + 3 * h
-    embed = target.vocab_size * h
-    head = draft_vocab * h if draft_vocab else (0 if backbone.tie_word_embeddings else embed)
-    return backbone.num_layers * layer + embed + head + 3 * target.hidden_size * h + h
-
-
-def eagle3_parameters(drafter: ModelArch, target: ModelArch, draft_vocab: int | None) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the EAGLE-3 baseline; the frozen part is the target's embedding."""
-    h, d = drafter.hidden_size, drafter.head_dim
-    q, kv = drafter.num_attention_heads * d, drafter.num_query_groups * d
-    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * drafter.ffn_hidden_size + 3 * h
-    head = (draft_vocab or target.vocab_size) * h
-    trainable = drafter.num_layers * layer + 3 * target.hidden_size * h + head + h
-    return trainable, target.vocab_size * target.hidden_size
+    if drafter.baseline:
+        arch = DrafterArch(
+            body=eagle3_arch(target, drafter.eagle3_num_layers, recipe.target),
+            draft_vocab_size=min(drafter.draft_vocab_size, target.vocab_size),
+            variant="eagle3",
+            eagle3_extra_layers=drafter.eagle3_extra_layers,
+            **common,
+        )
+    else:
+        draft_vocab = recipe.adapt.draft_vocab_size if recipe.adapt is not None else None
+        arch = DrafterArch(body=backbone_arch(recipe), draft_vocab_size=draft_vocab or target.vocab_size, **common)
+    return (arch, *arch.num_parameters())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,15 +202,8 @@ def _trained(recipe: Recipe, stage: str, config, target: ModelArch | None) -> _T
     if stage == "pretrain":
         arch = backbone_arch(recipe)
         return _Trained(arch, arch.num_parameters(), 0, arch.vocab_size, config.model.bf16, 1)
-    drafter = config.drafter
-    if drafter.baseline:
-        arch = eagle3_arch(target, drafter.eagle3_num_layers, recipe.target)
-        trainable, frozen = eagle3_parameters(arch, target, drafter.draft_vocab_size)
-        return _Trained(arch, trainable, frozen, drafter.draft_vocab_size, drafter.bf16, config.ttt.ttt_steps)
-    arch = backbone_arch(recipe)
-    draft_vocab = recipe.adapt.draft_vocab_size if recipe.adapt is not None else None
-    trainable = osprey_drafter_parameters(arch, target, draft_vocab)
-    return _Trained(arch, trainable, 0, draft_vocab or target.vocab_size, drafter.bf16, config.ttt.ttt_steps)
+    arch, trainable, frozen = planned_drafter(recipe, config, target)
+    return _Trained(arch.body, trainable, frozen, arch.draft_vocab_size, config.drafter.bf16, config.ttt.ttt_steps)
 
 
 def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
@@ -324,16 +317,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
     budget = ""
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
-        # The layout the stage builds its model with: the drafter is dense, built at EP 1 inside the job's layout.
-        built = parallel.dense_layout() if stage == "distill" else parallel
-        try:
-            model.arch.validate_parallel(
-                built.tensor_model_parallel_size,
-                built.pipeline_model_parallel_size,
-                built.expert_model_parallel_size,
-            )
-        except ValueError as err:
-            raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
+        _validate_trained(recipe, stage, model, parallel)
         checks.append(f"global batch {config.training.global_batch_size} divisible by micro batch x DP {dp}")
         memory += _trained_memory(model, config, dp)
         t, opt = config.training, config.optimizer
@@ -370,6 +354,18 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
         budget=budget,
         target=_target_summary(recipe, target, config) if target is not None else None,
     )
+
+
+def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> None:
+    """The trained model's sizes divide the layout it is built with: the drafter is dense, built at EP 1 inside
+    the job's layout (ParallelConfig.dense_layout, as build_drafter_model does)."""
+    built = parallel.dense_layout() if stage == "distill" else parallel
+    try:
+        model.arch.validate_parallel(
+            built.tensor_model_parallel_size, built.pipeline_model_parallel_size, built.expert_model_parallel_size
+        )
+    except ValueError as err:
+        raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
 
 
 def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
