@@ -25,7 +25,7 @@ import json
 import math
 
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
-from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
+from megatron_osprey.base.hardware import FP8_RECIPE_CUDA, GPU_CAPABILITY, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
     GIB,
     RUNTIME_RESERVE_BYTES,
@@ -377,7 +377,9 @@ def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
     refusal = fp8_recipe_refusal(fp8.fp8_recipe, capability, f"its hardware {gpu}")
     if refusal:
         raise LayoutError(f"recipe {recipe.run_name} ({stage}.model.fp8_recipe): {refusal}")
-    return f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]})"
+    cuda = FP8_RECIPE_CUDA.get(fp8.fp8_recipe)
+    needs = f"; it needs CUDA {cuda[0]}.{cuda[1]}+ in the container, checked at start" if cuda else ""
+    return f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]}){needs}"
 
 
 def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, parallel) -> list[tuple[str, int]]:
