@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 
+from launcher.node import node_check
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
 from megatron_osprey.base.hardware import FP8_RECIPE_CUDA, GPU_CAPABILITY, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
@@ -287,7 +288,10 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
     config = recipe.config(stage, run_dir)
     res = recipe.stage_resources(stage)
     world = res.world_size
-    checks: list[str] = []
+    try:
+        checks: list[str] = [node_check(recipe, stage)] if recipe.cpus_per_node else []
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
     memory: list[tuple[str, int]] = []
     target = target_arch(recipe) if stage in TARGET_STAGES or stage == "adapt" else None
     parallel = copy.deepcopy(getattr(config, "parallel", None))

@@ -433,3 +433,22 @@ def test_osprey_demo_runs_the_demo_with_its_own_flags():
     assert shown.returncode == 0 and "--arms" in shown.stdout and "--full" in shown.stdout, shown.stderr
     refused = subprocess.run([*run, "--arms", "bogus"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--arms bogus" in refused.stderr
+
+
+def test_cpus_per_task_follow_the_node_and_plan_refuses_what_a_node_cannot_give(tmp_path, capsys):
+    """8 tasks x 16 CPUs never schedule on a 96-vCPU H100 node: a task gets the node's CPUs per GPU (12), a
+    regeneration server its GPUs' share, and a layout asking more CPUs or GPUs than a node has is refused."""
+    name = "llama33_70b_osprey_distill_8gpu_h100_bf16"
+    recipe = get_recipe(name)
+    assert recipe.stage_resources("distill").cpus_per_task == 12
+    assert recipe.stage_resources("regenerate").cpus_per_task == 96 // recipe.tasks_per_node("regenerate")
+    assert "node: 8 task(s) x 12 CPUs = 96 of 96 CPUs, 8 of 8 GPUs" in make_plan(recipe, "distill").checks
+    script = render(get_recipe(name), name, "distill", str(tmp_path))
+    assert "#SBATCH --cpus-per-task=12" in script and "--ntasks-per-node=8" in script
+    bigger = resolve_recipe(name, ["slurm.cpus_per_node=224"])
+    assert bigger.stage_resources("distill").cpus_per_task == 28
+    assert osprey(["plan", name, "--stage", "distill", "--set", "resources.distill.cpus_per_task=16"]) == 2
+    err = capsys.readouterr().err
+    assert "8 task(s) per node x resources.distill.cpus_per_task 16 = 128 CPUs, more than the 96" in err
+    assert osprey(["plan", name, "--stage", "distill", "--set", "resources.distill.gpus_per_node=16"]) == 2
+    assert "resources.distill.gpus_per_node 16 is more than the 8 GPUs" in capsys.readouterr().err
