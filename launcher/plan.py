@@ -237,6 +237,14 @@ def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
     return memory
 
 
+def drafter_step_memory(arch: DrafterArch, config, dp: int = 1) -> list[tuple[str, int]]:
+    """The plan's per-GPU terms for training drafter `arch` under a distill `config` (no target, no reserve): what
+    the device check prints beside the peak it measures."""
+    trainable, frozen = arch.num_parameters()
+    model = _Trained(arch.body, trainable, frozen, arch.draft_vocab_size, config.drafter.bf16, config.ttt.ttt_steps)
+    return _trained_memory(model, config, dp)
+
+
 def _target_memory(target: ModelArch, parallel, training, bf16: bool) -> list[tuple[str, int]]:
     estimate = estimate_target_memory(
         target,
