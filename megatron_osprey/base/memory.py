@@ -215,15 +215,22 @@ def estimate_eval_target_memory(arch: ModelArch, dtype: str, tokens: int, batch_
 
 
 def check_eval_target_fits(
-    estimate: MemoryEstimate, target: str, dtype: str, device: str, device_bytes: int, host_bytes: int
+    estimate: MemoryEstimate,
+    target: str,
+    dtype: str,
+    device: str,
+    device_bytes: int,
+    host_bytes: int,
+    host_holds_weights: bool = True,
 ) -> None:
     """Refuse (TargetMemoryError naming --target and --dtype, with the numbers) a local eval whose target
-    cannot fit: transformers first loads the weights into host memory, then moves them to `device`, whose
-    `device_bytes` must hold the weights, the KV cache and the runtime reserve (on "cpu", the host's)."""
+    cannot fit: transformers first loads the weights into host memory (`host_holds_weights`; the Megatron
+    backend reads them slice by slice instead), then moves them to `device`, whose `device_bytes` must hold the
+    weights, the KV cache and the runtime reserve (on "cpu", the host's)."""
     on_cpu = device == "cpu"
     need = estimate.weight_bytes + estimate.activation_bytes + (0 if on_cpu else estimate.reserve_bytes)
     problems = []
-    if estimate.weight_bytes > host_bytes and not on_cpu:
+    if host_holds_weights and estimate.weight_bytes > host_bytes and not on_cpu:
         problems.append(
             f"its weights alone ({estimate.weight_bytes / GIB:.1f} GiB) exceed the host's available "
             f"{host_bytes / GIB:.1f} GiB, where they are loaded first"
