@@ -329,7 +329,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
     budget = ""
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
-        _validate_trained(recipe, stage, model, parallel)
+        checks += _validate_trained(recipe, stage, model, parallel)
         checks.append(f"global batch {config.training.global_batch_size} divisible by micro batch x DP {dp}")
         memory += _trained_memory(model, config, dp)
         t, opt = config.training, config.optimizer
@@ -368,9 +368,9 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
     )
 
 
-def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> None:
+def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> list[str]:
     """The trained model's sizes divide the layout it is built with: the drafter is dense, built at EP 1 inside
-    the job's layout (ParallelConfig.dense_layout, as build_drafter_model does)."""
+    the job's layout (ParallelConfig.dense_layout, as build_drafter_model does). Returns the check lines."""
     built = parallel.dense_layout() if stage == "distill" else parallel
     try:
         model.arch.validate_parallel(
@@ -378,6 +378,12 @@ def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> 
         )
     except ValueError as err:
         raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
+    if built.expert_model_parallel_size == parallel.expert_model_parallel_size:
+        return []
+    return [
+        f"drafter: dense, built at expert parallel size 1 inside the job's EP {parallel.expert_model_parallel_size} "
+        f"layout (replicated over the expert-parallel ranks)"
+    ]
 
 
 def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:

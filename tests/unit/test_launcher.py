@@ -452,3 +452,15 @@ def test_cpus_per_task_follow_the_node_and_plan_refuses_what_a_node_cannot_give(
     assert "8 task(s) per node x resources.distill.cpus_per_task 16 = 128 CPUs, more than the 96" in err
     assert osprey(["plan", name, "--stage", "distill", "--set", "resources.distill.gpus_per_node=16"]) == 2
     assert "resources.distill.gpus_per_node 16 is more than the 8 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name", ["minimax_m25_osprey_distill_8gpu_h100_bf16", "minimax_m25_osprey_opd_distill_4gpu_b200_bf16"]
+)
+def test_a_moe_targets_distill_plans_the_dense_drafter_at_ep1_inside_the_jobs_ep(name):
+    """The job's EP is the MoE target's; the drafter is validated (and built) with EP 1 inside that layout."""
+    recipe = get_recipe(name)
+    ep = recipe.config("distill").parallel.expert_model_parallel_size
+    assert ep > 1
+    checks = make_plan(recipe, "distill").checks
+    assert f"drafter: dense, built at expert parallel size 1 inside the job's EP {ep} layout" in " ".join(checks)
