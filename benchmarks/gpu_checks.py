@@ -273,7 +273,7 @@ def check_placement(sizes: Sizes, state) -> dict:
     _, drafter = _drafter_chunks(sizes, state, False)
     _, backbone = _backbone_chunks(sizes, state, False)
     off = _off_device(drafter[0], state.device) + _off_device(backbone[0], state.device)
-    return emit("placement", not off, device=str(state.device), off_device=off[:20])
+    return emit("placement", not off, device=str(state.device), off_device=off[:20], **peak_fields())
 
 
 def check_train_steps(sizes: Sizes, state) -> dict:
@@ -321,6 +321,7 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
         resumed_max_abs_diff=same,
         other_layout_max_abs_diff=other_diff,
         note="one device: TP/PP resharding is covered by tests/distributed on CPU",
+        **peak_fields(),
     )
 
 
