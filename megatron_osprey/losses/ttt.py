@@ -116,6 +116,11 @@ def _chunk_logits(logits: Tensor, rows: slice, index: Tensor | None, valid: Tens
     return _mask_padding(chunk.to(dtype), valid, float("-inf"))
 
 
+def _finite(maxima: Tensor) -> Tensor:
+    """Row maxima as softmax shifts: 0 where a rank's shard of a row has no finite logit (all padding or -inf)."""
+    return torch.where(torch.isfinite(maxima), maxima, torch.zeros_like(maxima))
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     """Per-row log Z_q - sum_v p_v (z_v - max z) over vocab-sharded logits, with the target's rows picked by
     `index` (None: row for row); the gradient is (softmax(z) - p) scaled by the rows' incoming gradient."""
@@ -126,21 +131,22 @@ class _SoftCrossEntropy(torch.autograd.Function):
         valid = _valid_columns(local, vocab_size, group)
         dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
         chunks = _row_chunks(rows, local)
+        # One pass: each side's local max (the softmax shift and the argmax) and its sum of exp relative to it;
+        # the sums are then rescaled to the global max, so only per-row scalars cross TP ranks.
         stats = drafter_logits.new_empty((2, rows), dtype=dtype)  # local maxima of q and t
+        sums = torch.empty_like(stats)
         q_index = torch.empty(rows, dtype=torch.long, device=drafter_logits.device)
         t_index = torch.empty_like(q_index)
         for part in chunks:
-            stats[0, part], q_index[part] = _chunk_logits(drafter_logits, part, None, valid, dtype).max(dim=-1)
-            stats[1, part], t_index[part] = _chunk_logits(target_logits, part, index, valid, dtype).max(dim=-1)
+            for side, (logits, rows_of, arg) in enumerate(
+                ((drafter_logits, None, q_index), (target_logits, index, t_index))
+            ):
+                chunk = _chunk_logits(logits, part, rows_of, valid, dtype)
+                stats[side, part], arg[part] = chunk.max(dim=-1)
+                sums[side, part] = torch.exp(chunk - _finite(stats[side, part])[:, None]).sum(-1)
         maxima = _all_reduce(stats, group, op=torch.distributed.ReduceOp.MAX)
-        sums = torch.empty_like(stats)
-        for part in chunks:
-            q_shift = _chunk_logits(drafter_logits, part, None, valid, dtype) - maxima[0, part, None]
-            sums[0, part] = torch.exp(q_shift).sum(-1)
-            sums[1, part] = torch.exp(
-                _chunk_logits(target_logits, part, index, valid, dtype) - maxima[1, part, None]
-            ).sum(-1)
-        sums = _all_reduce(sums, group)
+        if _tp(group)[0] > 1:
+            sums = _all_reduce(sums * torch.exp(_finite(stats) - maxima), group)
         log_z = torch.log(sums[0])
         shifts = torch.stack([maxima[0] + log_z, maxima[1] + torch.log(sums[1])])  # log-softmax shifts of q and p
         terms = torch.empty_like(stats)  # sum_v p (z_v - max z) and sum_v min(p, q)
