@@ -135,10 +135,8 @@ def read_export(directory: str | Path) -> ReferenceDrafter:
     tensors = load_file(str(directory / WEIGHTS_NAME))
     if fmt == "sglang":
         state = layouts.reference_state_from_sglang(tensors, cfg)
-    elif fmt == "vllm":
-        state = layouts.reference_state_from_vllm(tensors, cfg)
     else:
-        state = dict(tensors)
+        state = layouts.reference_state_from_vllm(tensors, cfg)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     drafter = ReferenceDrafter(cfg).to(state["embed_tokens.weight"].dtype)

@@ -207,13 +207,11 @@ def speculators_refusal(cfg: DrafterConfig) -> str | None:
 
 
 def speculators_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """Reference state -> speculators names (identical for the one-layer EAGLE-3 drafter)."""
+    """Reference state -> speculators names (identical for the one-layer EAGLE-3 drafter; vLLM's loader)."""
     reason = speculators_refusal(cfg)
     if reason:
         raise ValueError(reason)
-    out = dict(state)
-    out.setdefault("lm_head.weight", state["embed_tokens.weight"])
-    return out
+    return vllm_state(state, cfg)  # vLLM loads it: no d2t/t2d without a draft vocabulary
 
 
 def speculators_config(
@@ -316,7 +314,7 @@ def vllm_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, 
 
 
 def reference_state_from_vllm(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """Inverse of vllm_state."""
+    """Inverse of vllm_state (and of speculators_state)."""
     out = dict(tensors)
     if "d2t" not in out:
         out["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
