@@ -7,9 +7,9 @@ JOB: {"target", "out", "prompts": [[token ids]], "max_tokens", "drafters": [{"na
 one LLM (enforce_eager, float32), all in this process (run with VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core
 and worker stay in-process, about 6 s per LLM here instead of about 70 s). The first prompt is prefilled alone
 with max_tokens 2 while the draft model's ``combine_hidden_states`` (input: the target's captured aux states
-[n, 3*Ht]) and ``compute_logits`` (output: target-vocabulary logits of the first draft step [1, V]) are wrapped
-to save their first call; then every prompt is decoded greedily. Writes OUT/NAME.pt ({"error"} when vLLM
-refused the drafter). Imports only vLLM, torch and the stdlib.
+[n, 3*Ht]) and ``compute_logits`` (output: target-vocabulary logits [1, V]) are wrapped to save the aux
+input of the first call and the logits of the first round's draft steps 1 and 2; then every prompt is
+decoded greedily. Writes OUT/NAME.pt ({"error"} when vLLM refused the drafter). Imports only vLLM, torch and the stdlib.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _install_probe(worker, path: str) -> str:
     combine, logits_fn = model.combine_hidden_states, model.compute_logits
 
     def save():
-        if "aux" in seen and "logits" in seen:
+        if "aux" in seen and len(seen.get("logits", [])) == 2:
             torch.save(dict(seen, arch=type(model).__name__), path)
 
     def combine_hidden_states(hidden_states):
@@ -39,8 +39,9 @@ def _install_probe(worker, path: str) -> str:
 
     def compute_logits(hidden_states):
         logits = logits_fn(hidden_states)
-        if "logits" not in seen:
-            seen["logits"] = logits.detach().float().cpu().clone()
+        calls = seen.setdefault("logits", [])
+        if len(calls) < 2:  # draft steps 1 and 2 of the first round
+            calls.append(logits.detach().float().cpu().clone())
             save()
         return logits
 
