@@ -3,13 +3,14 @@ what its draft model saw and computed on its first draft step, plus greedy token
 
     VLLM_PYTHON tests/vllm_probe.py JOB.json
 
-JOB: {"target", "out", "prompts": [[token ids]], "max_tokens", "drafters": [{"name", "dir"}]}. Per drafter,
-one LLM (enforce_eager, float32), all in this process (run with VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core
-and worker stay in-process, about 6 s per LLM here instead of about 70 s). The first prompt is prefilled alone
-with max_tokens 2 while the draft model's ``combine_hidden_states`` (input: the target's captured aux states
-[n, 3*Ht]) and ``compute_logits`` (output: target-vocabulary logits [1, V]) are wrapped to save the aux
-input of the first call and the logits of the first round's draft steps 1 and 2; then every prompt is
-decoded greedily. Writes OUT/NAME.pt ({"error"} when vLLM refused the drafter). Imports only vLLM, torch and the stdlib.
+JOB: {"target", "out", "prompts": [[token ids]], "max_tokens", "drafters": [{"name", "dir"}], optional
+"enforce_eager" (default true)}. Per drafter, one LLM (float32), all in this process (run with
+VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and worker stay in-process, about 6 s per LLM here instead of
+about 70 s). The first prompt is prefilled alone with max_tokens 2 while the draft model's
+``combine_hidden_states`` (input: the target's captured aux states [n, 3*Ht]) and ``compute_logits``
+(output: target-vocabulary logits [1, V]) are wrapped to save the aux input of the first call and the
+logits of the first round's draft steps 1 and 2; then every prompt is decoded greedily. Writes OUT/NAME.pt
+({"error"} when vLLM refused the drafter). Imports only vLLM, torch and the stdlib.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def run_drafter(job: dict, drafter: dict) -> dict:
     llm = LLM(
         model=job["target"],
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=job.get("enforce_eager", True),
         max_model_len=1024,
         kv_cache_memory_bytes=1 << 30,
         seed=0,
