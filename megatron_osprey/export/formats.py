@@ -1,4 +1,4 @@
-"""Write a drafter in a serving layout (sglang, hf, speculators) and read it back exactly."""
+"""Write a drafter in a serving layout (sglang, hf, speculators, vllm) and read it back exactly."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ DEFAULT_MAX_POSITIONS = 131072
 def detect_format(config: dict) -> str | None:
     """Which exported layout a config.json describes (None: not one of ours)."""
     archs = config.get("architectures") or []
+    if (config.get("megatron_osprey") or {}).get("layout") == layouts.VLLM_LAYOUT:
+        return "vllm"
     if layouts.SPECULATORS_ARCH in archs or config.get("speculators_model_type") == "eagle3":
         return "speculators"
     if any(a in layouts.SGLANG_ARCHS for a in archs):
@@ -58,6 +60,14 @@ def _max_positions(run_config: dict) -> int:
     return int(body.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
 
 
+def _target_config(run_config: dict) -> dict | None:
+    """The run's target config.json, when its directory is still there."""
+    target = run_config.get("target")
+    if target and (Path(target) / "config.json").is_file():
+        return json.loads((Path(target) / "config.json").read_text())
+    return None
+
+
 def _verifier(run_config: dict) -> dict:
     """Target name and architectures from the run's target directory, when it is still there."""
     target = run_config.get("target")
@@ -89,6 +99,8 @@ def export_drafter(
     cfg, run_config = drafter.config, run_config or {}
     if fmt == "speculators" and layouts.speculators_refusal(cfg):
         raise ValueError(layouts.speculators_refusal(cfg))  # before touching --output
+    if fmt == "vllm" and layouts.vllm_refusal(cfg, _target_config(run_config)):
+        raise ValueError(layouts.vllm_refusal(cfg, _target_config(run_config)))
     output = Path(output)
     _check_output(output)
     state = {k: v for k, v in drafter.state_dict().items()}
@@ -100,6 +112,9 @@ def export_drafter(
         _save_tensors(output / WEIGHTS_NAME, layouts.sglang_state(state, cfg))
         config = layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance, architecture_names)
         _write_json(output / CONFIG_NAME, config)
+    elif fmt == "vllm":
+        _save_tensors(output / WEIGHTS_NAME, layouts.vllm_state(state, cfg))
+        _write_json(output / CONFIG_NAME, layouts.vllm_config(cfg, dtype, _max_positions(run_config), provenance))
     else:
         _save_tensors(output / WEIGHTS_NAME, layouts.speculators_state(state, cfg))
         _write_json(
@@ -112,17 +127,20 @@ def export_drafter(
 
 
 def read_export(directory: str | Path) -> ReferenceDrafter:
-    """Load an sglang or speculators export back into a ReferenceDrafter (bit-exact inverse of export)."""
+    """Load an sglang, speculators or vllm export back into a ReferenceDrafter (bit-exact inverse of export)."""
     from megatron_osprey.convert.safetensors_io import load_safetensors
 
     directory = Path(directory)
     config = json.loads((directory / CONFIG_NAME).read_text())
     fmt = detect_format(config)
     if fmt is None:
-        raise ValueError(f"{directory / CONFIG_NAME} is neither an SGLang nor a speculators EAGLE-3 draft config.")
+        raise ValueError(f"{directory / CONFIG_NAME} is not an SGLang, speculators or vLLM EAGLE-3 draft config.")
     cfg = layouts.drafter_config_from_export(config)
     tensors = load_safetensors(directory / WEIGHTS_NAME)
-    state = layouts.reference_state_from_sglang(tensors, cfg) if fmt == "sglang" else dict(tensors)
+    if fmt == "sglang":
+        state = layouts.reference_state_from_sglang(tensors, cfg)
+    else:
+        state = layouts.reference_state_from_vllm(tensors, cfg)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     drafter = ReferenceDrafter(cfg).to(state["embed_tokens.weight"].dtype)

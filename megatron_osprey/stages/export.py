@@ -1,6 +1,6 @@
 """Export a drafter checkpoint for serving.
 
-    python -m megatron_osprey export --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
+    python -m megatron_osprey export --checkpoint CKPT --format sglang|hf|speculators|vllm --output DIR [--overwrite]
 
 CKPT: a Megatron drafter checkpoint (Stage 3 OUT/megatron, a Stage 4 save directory), a Stage 3 OUT directory,
 or a reference drafter directory (OUT/hf). Everything comes from the checkpoint's run_config.yaml /
@@ -12,6 +12,13 @@ config.json; nothing is fetched.
                one-layer EAGLE-3 -> stock SGLang LlamaForCausalLMEagle3 (midlayer.*), no plugin.
   hf           the reference drafter layout (ReferenceDrafter.from_pretrained reads it).
   speculators  vLLM speculators Eagle3Speculator (one-layer Llama EAGLE-3 only).
+  vllm         vLLM 0.32 (--speculative-config '{"method": "eagle3", "model": DIR, ...}'): EAGLE-3 with plain
+               extra layers -> stock LlamaForCausalLMEagle3; Osprey, fused multi-layer EAGLE-3 and q/k-norm
+               bodies -> Eagle3OspreyLlamaForCausalLM / Eagle3OspreyQwen3ForCausalLM, which this package's
+               vLLM plugin registers (installed into vLLM's environment by `osprey engine install vllm`).
+               Aux taps are written in vLLM's count (this project's layer id + 1). Refused, naming the field,
+               when vLLM cannot serve the drafter for the run's target (tap count, last-layer tap,
+               vocab_size, target_hidden_size).
 
 Trust: a Megatron checkpoint is torch distributed-checkpoint data, which torch unpickles. Its .metadata is
 checked against an allow-list first, but load only checkpoints you trust. The exports written here

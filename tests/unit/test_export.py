@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from megatron_osprey.export import layouts
 from megatron_osprey.export.formats import export_drafter, read_export
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter, apply_rope
@@ -183,7 +184,11 @@ def test_speculators_round_trip_and_refusals(tmp_path):
     assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1 and config["norm_before_residual"] is False
     assert "layers.0.hidden_norm.weight" in load_file(str(tmp_path / "s" / "model.safetensors"))
+    # vLLM counts a tap as the hidden state after L layers: layer id i is written as i + 1.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.aux_layer_ids]
     _same_state(drafter, read_export(tmp_path / "s"))
+    third_party = {k: v for k, v in config.items() if k != "megatron_osprey"}
+    assert layouts.drafter_config_from_export(third_party).aux_layer_ids == list(drafter.config.aux_layer_ids)
     for case in ("osprey-2-qwen3", "eagle3-2-plain"):
         with pytest.raises(ValueError, match="--format speculators"):
             export_drafter(make_drafter(*CASES[case]), "speculators", tmp_path / case)
