@@ -205,8 +205,6 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
     (DrafterSpec, LoadedDrafter, method) of servable drafters."""
     import torch
 
-    from megatron_osprey.export.formats import export_drafter
-
     output = Path(config.output)
     python = config.vllm_python
     version = engine_version("vllm", python)
@@ -223,20 +221,15 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         concurrency=tuple(config.vllm_concurrency),
         on_cpu=on_cpu,
     )
-    with serve(settings, Path(config.target), "target") as client:
+    target = Path(config.target)
+    exports = {item.name: export_for_vllm(item.name, loaded, output, target) for item, loaded, _ in drafters}
+    with serve(settings, target, "target") as client:
         target_only = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency)
     records = {}
-    for item, loaded, method in drafters:
-        fmt = vllm_export_format(loaded.drafter.config)
-        export_dir = output / "vllm" / "exports" / item.name
-        if export_dir.exists():
-            import shutil
-
-            shutil.rmtree(export_dir)  # this run's own earlier export of the same drafter
-        target_dir = Path(config.target)
-        export_drafter(loaded.drafter, fmt, export_dir, loaded.run_config, tokenizer_dir=target_dir)
+    for item, _, method in drafters:
+        fmt, export_dir = exports[item.name]
         spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": config.steps}
-        with serve(settings, target_dir, item.name, spec) as client:
+        with serve(settings, target, item.name, spec) as client:
             served = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency)
         records[item.name] = _drafter_record(item.name, method, fmt, export_dir, spec, served, target_only, reference)
     failures = agreement_failures(records, config.al_tolerance)
@@ -267,6 +260,21 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         "agreement": {"tolerance": config.al_tolerance, "failures": failures},
         "lossless": {"checked": True, "mismatches": mismatches},
     }
+
+
+def export_for_vllm(name: str, loaded, output: Path, target: Path) -> tuple[str, Path]:
+    """The drafter written in the format vLLM serves it from, under OUTPUT/vllm/exports/NAME (this run's own
+    directory, replaced); every drafter is exported before any server starts, so a refusal comes first."""
+    import shutil
+
+    from megatron_osprey.export.formats import export_drafter
+
+    fmt = vllm_export_format(loaded.drafter.config)
+    export_dir = output / "vllm" / "exports" / name
+    if export_dir.exists():
+        shutil.rmtree(export_dir)
+    export_drafter(loaded.drafter, fmt, export_dir, loaded.run_config, tokenizer_dir=target)
+    return fmt, export_dir
 
 
 def _speed(run: dict) -> dict:
@@ -439,6 +447,8 @@ def run_vllm_eval(config) -> dict:
     prompts, _ = _load_split_prompts(config, splits, tokenizer, target_config, specs)
     check_reference(reference, config.reference_results, config, splits, prompts, [d[0].name for d in drafters])
     section = evaluate_in_vllm(config, reference, prompts, eos, drafters)
+    # Where the reference engine's side came from: this run, or an earlier evaluation of the same requests.
+    section["reference_results"] = str(config.reference_results) if config.reference_results else None
     results = {**reference, "vllm": section}
     output = Path(config.output)
     write_results(results, output)
