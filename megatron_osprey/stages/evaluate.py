@@ -15,6 +15,14 @@ tokens, steps 5 / topk 1 / 6 draft tokens, greedy. `--temperature` and `--draft-
 combination is one sweep row (with topk 1, d draft tokens means d - 1 steps); sampling rows use lossless
 rejection sampling and report their --seed. The benchmark is eval/run.py.
 
+--engine vllm [--vllm-python PY] [--reference-results RESULTS.json] [--vllm-concurrency 1 4 16] [--vllm-compile]:
+the reference engine's results (run here, or read from an earlier evaluation of the same requests), then vLLM
+(VLLM_PYTHON, else the repository's .venv-vllm) serves the target alone and with each drafter, exported in the
+format vLLM loads for its kind, on the same token ids: lossless check per concurrency, AL and per-position
+acceptance from its /metrics counters beside the reference engine's AL, tokens/s and speedup over target-only.
+Writes results.json's "vllm" section and DIR/vllm.md; exit 1 also when a drafter's two ALs differ by more than
+--al-tolerance (a mis-served export) or vLLM's tokens differ from target-only decoding.
+
 Trust: a Megatron drafter checkpoint is torch distributed-checkpoint data, which torch unpickles; its .metadata
 is checked against an allow-list first, but evaluate only checkpoints you trust. Exported drafters (safetensors
 + JSON, the export stage) hold no code.
