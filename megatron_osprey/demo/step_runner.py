@@ -18,7 +18,18 @@ class StepRunner:
     A step whose command line already finished in this output directory is skipped (the demo resumes).
     """
 
-    SHOWN = ("iteration ", "pruned ", "adapted ", "error", "regenerate:", "wrote ", "AL ", "extract: wrote", "eval:")
+    SHOWN = (
+        "iteration ",
+        "pruned ",
+        "adapted ",
+        "error",
+        "regenerate:",
+        "wrote ",
+        "AL ",
+        "extract: wrote",
+        "eval:",
+        "vllm:",
+    )
 
     def __init__(self, output: Path, total_steps: int):
         self.output = output

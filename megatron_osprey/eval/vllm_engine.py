@@ -68,9 +68,10 @@ def vllm_refusal(cfg) -> str | None:
     fmt = vllm_export_format(cfg)
     if fmt in FORMATS:
         return None
+    layers = f"{cfg.num_layers} layer" + ("s" if cfg.num_layers > 1 else "")
     return (
-        f"a {cfg.variant} drafter with {cfg.num_layers} layer(s) is served in vLLM through `export --format {fmt}` "
-        "(this package's vLLM model plugin), which this version of export does not write"
+        f"vLLM serves this {cfg.variant} drafter ({layers}) through `export --format {fmt}` (this package's vLLM "
+        "model plugin), which this version of export does not write"
     )
 
 
