@@ -23,11 +23,19 @@ import sys
 #   EAGLE-3 of `make demo`, its 40 prompts (issue #37): 1 + 155/1027 against 1 + 147/1030 (0.008).
 # The gap comes from float32 kernels that differ (vLLM's CPU attention and GEMMs against PyTorch's) flipping a
 # near-tied draft argmax now and then: a few accepted tokens either way, so the fewer the rounds, the larger the
-# gap. The tolerance is twice the largest gap: a drafter the engine reads wrongly accepts almost nothing (AL about
-# 1.0), a gap of the drafter's whole AL - 1, which for a trained drafter (0.1 to 0.15 at the demo's sizes, 2 and
-# more at the paper's) is well above it. A drafter whose AL is itself within the tolerance of 1.0 (`demo --smoke`'s)
-# cannot be told from a mis-served one by this check.
+# gap, and the more a drafter accepts, the more flips: relative to AL - 1 the gaps are 2% to 22% (5.6% on the
+# 1,030 rounds of `make demo`). So the tolerance is the larger of twice the largest absolute gap and a quarter of
+# the reference engine's AL - 1: a drafter the engine reads wrongly accepts almost nothing (AL about 1.0), a gap
+# of its whole AL - 1, four times the relative tolerance. A drafter whose AL is itself within 0.04 of 1.0
+# (`demo --smoke`'s) cannot be told from a mis-served one by this check.
 AL_TOLERANCE = 0.04
+AL_RELATIVE_TOLERANCE = 0.25
+
+
+def allowed_gap(reference_al: float, tolerance: float = AL_TOLERANCE) -> float:
+    """The largest |AL vLLM - AL reference| the agreement check lets pass for a drafter of this reference AL."""
+    return max(tolerance, AL_RELATIVE_TOLERANCE * (reference_al - 1.0))
+
 
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -118,16 +126,16 @@ def reference_round_al(requests: list[dict]) -> float | None:
 
 
 def agreement_failures(drafters: dict[str, dict], tolerance: float = AL_TOLERANCE) -> list[str]:
-    """One sentence per drafter whose vLLM AL is further than `tolerance` from the reference engine's."""
+    """One sentence per drafter whose vLLM AL is further than allowed_gap() from the reference engine's."""
     failures = []
     for name, d in drafters.items():
         ours, theirs = d.get("acceptance_length"), d.get("reference_acceptance_length")
         if ours is None or theirs is None:
             failures.append(f"drafter {name}: no AL to compare (vLLM {ours}, reference engine {theirs}).")
-        elif abs(ours - theirs) > tolerance:
+        elif abs(ours - theirs) > (allowed := allowed_gap(theirs, tolerance)):
             failures.append(
                 f"drafter {name} is not served as it was trained: vLLM's AL {ours:.3f} differs from the reference "
-                f"engine's {theirs:.3f} on the same requests by {abs(ours - theirs):.3f} (tolerance {tolerance:g}); "
+                f"engine's {theirs:.3f} on the same requests by {abs(ours - theirs):.3f} (allowed {allowed:.3f}); "
                 "check its export (aux layer ids, d2t map, norms) against the model class vLLM loads."
             )
     return failures
@@ -168,7 +176,8 @@ def vllm_markdown(section: dict) -> str:
     failures = section["agreement"]["failures"]
     lines += [
         "",
-        f"Agreement (|AL vLLM - AL reference| <= {section['agreement']['tolerance']:g} per drafter): "
+        f"Agreement (|AL vLLM - AL reference| <= max({section['agreement']['tolerance']:g}, "
+        f"{AL_RELATIVE_TOLERANCE:g} x (AL reference - 1)) per drafter): "
         + ("; ".join(failures) if failures else "every drafter agrees."),
     ]
     return "\n".join(lines) + "\n"

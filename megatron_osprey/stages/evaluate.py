@@ -21,7 +21,7 @@ the reference engine's results (run here, or read from an earlier evaluation of 
 format vLLM loads for its kind, on the same token ids: lossless check per concurrency, AL and per-position
 acceptance from its /metrics counters beside the reference engine's AL, tokens/s and speedup over target-only.
 Writes results.json's "vllm" section and DIR/vllm.md; exit 1 also when a drafter's two ALs differ by more than
---al-tolerance (a mis-served export) or vLLM's tokens differ from target-only decoding.
+the tolerance (a mis-served export) or vLLM's tokens differ from target-only decoding.
 
 Trust: a Megatron drafter checkpoint is torch distributed-checkpoint data, which torch unpickles; its .metadata
 is checked against an allow-list first, but evaluate only checkpoints you trust. Exported drafters (safetensors
