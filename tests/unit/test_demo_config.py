@@ -161,7 +161,7 @@ def test_the_demo_flag_sets_the_regeneration_temperature(monkeypatch, tmp_path):
 
     seen = []
 
-    def fake_run_demo(cfg, output, fresh=False):
+    def fake_run_demo(cfg, output, fresh=False, **engine):
         seen.append(cfg)
         (output / "report.md").write_text("")
         return {}
