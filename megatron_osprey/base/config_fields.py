@@ -13,7 +13,7 @@ import json
 from typing import Any, Callable
 
 INT, NUMBER, BOOL, STR, LIST, DICT = "an integer", "a number", "true or false", "a string", "a list", "an object"
-DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,18 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("rope_parameters", DICT),
     ConfigField("rotary_dim", INT, minimum=0),
     ConfigField("tie_word_embeddings", BOOL),
-    ConfigField("torch_dtype", STR, supported=lambda v: v.replace("torch.", "") in DTYPES, why=f"one of {DTYPES}"),
-    ConfigField("dtype", STR, supported=lambda v: v.replace("torch.", "") in DTYPES, why=f"one of {DTYPES}"),
+    ConfigField(
+        "torch_dtype",
+        STR,
+        supported=lambda v: v.replace("torch.", "") in CHECKPOINT_DTYPES,
+        why=f"one of {CHECKPOINT_DTYPES}",
+    ),
+    ConfigField(
+        "dtype",
+        STR,
+        supported=lambda v: v.replace("torch.", "") in CHECKPOINT_DTYPES,
+        why=f"one of {CHECKPOINT_DTYPES}",
+    ),
     ConfigField(
         "hidden_act",
         STR,

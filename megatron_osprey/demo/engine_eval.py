@@ -19,7 +19,7 @@ RESULTS = "eval_vllm"
 def drafter_refusal(path: Path) -> str | None:
     """Why vLLM cannot serve the demo drafter at `path` with this checkout's exports, or None."""
     from megatron_osprey.eval.loading import is_megatron_checkpoint, load_drafter, megatron_run_config
-    from megatron_osprey.eval.vllm_engine import vllm_refusal
+    from megatron_osprey.export.layouts import vllm_refusal
 
     if is_megatron_checkpoint(path):  # its config from run_config.yaml: no weights loaded
         from megatron_osprey.models.drafter.arch import DrafterArch

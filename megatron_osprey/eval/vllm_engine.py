@@ -50,29 +50,10 @@ CONCURRENCY = (1, 4, 16)
 KV_CACHE_BYTES = 1 << 30  # a small KV cache: the machine's RAM is shared, and 16 short requests fit in it
 
 
-def vllm_export_format(cfg) -> str:
-    """The export format a drafter is served from in vLLM, chosen by its kind (the one place that decides).
-
-    A one-layer Llama EAGLE-3 drafter is vLLM's own Eagle3LlamaForCausalLM as the stock SGLang layout writes it
-    (`export --format sglang`, LlamaForCausalLMEagle3); every other drafter (Osprey, several layers, q/k norms)
-    needs this package's vLLM model plugin (`export --format vllm`)."""
-    from megatron_osprey.export.layouts import STOCK_SGLANG_ARCH, sglang_architecture
-
-    return "sglang" if sglang_architecture(cfg) == STOCK_SGLANG_ARCH else "vllm"
-
-
-def vllm_refusal(cfg) -> str | None:
-    """Why this checkout cannot serve the drafter in vLLM, or None."""
-    from megatron_osprey.export.config import FORMATS
-
-    fmt = vllm_export_format(cfg)
-    if fmt in FORMATS:
-        return None
-    layers = f"{cfg.num_layers} layer" + ("s" if cfg.num_layers > 1 else "")
-    return (
-        f"vLLM serves this {cfg.variant} drafter ({layers}) through `export --format {fmt}` (this package's vLLM "
-        "model plugin), which this version of export does not write"
-    )
+# Every drafter is served from `export --format vllm`: stock Eagle3LlamaForCausalLM where vLLM's own class computes
+# the drafter, this package's plugin elsewhere (export/layouts.py decides), and aux layer ids in vLLM's count. Not the
+# SGLang layout: vLLM reads its layer ids one layer too shallow (SGLang adds the one itself), a silent mis-serve.
+VLLM_FORMAT = "vllm"
 
 
 # ---- the server and its client ------------------------------------------------------------------------------
@@ -270,7 +251,7 @@ def export_for_vllm(name: str, loaded, output: Path, target: Path) -> tuple[str,
 
     from megatron_osprey.export.formats import export_drafter
 
-    fmt = vllm_export_format(loaded.drafter.config)
+    fmt = VLLM_FORMAT
     export_dir = output / "vllm" / "exports" / name
     if export_dir.exists():
         shutil.rmtree(export_dir)
@@ -416,6 +397,7 @@ def run_vllm_eval(config) -> dict:
         sweep_settings,
         write_results,
     )
+    from megatron_osprey.export.layouts import vllm_refusal
     from megatron_osprey.speculative import SpecConfig
 
     check_engine_request(config)
@@ -425,9 +407,9 @@ def run_vllm_eval(config) -> dict:
         loaded = load_drafter(item.path)
         if not hasattr(loaded.drafter, "config"):
             raise ValueError(f"--drafter {item.name}: an n-gram drafter has no vLLM EAGLE-3 export.")
-        refusal = vllm_refusal(loaded.drafter.config)
+        refusal = vllm_refusal(loaded.drafter.config)  # the target's fields are checked again at export
         if refusal:
-            raise ValueError(f"--drafter {item.name} cannot be served in vLLM: {refusal}.")
+            raise ValueError(f"--drafter {item.name} cannot be served in vLLM: {refusal}")
         drafters.append((item, loaded, item.method or _variant(loaded.drafter)))
     splits = split_names(config.data)
     if config.reference_results:

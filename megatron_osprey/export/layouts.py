@@ -333,7 +333,7 @@ def vllm_config(
     aux = vllm_aux_layer_ids(cfg)
     config = {
         "architectures": [
-            vllm_names.STOCK_ARCHITECTURE if stock else vllm_names.PLUGIN_ARCHITECTURES[int(cfg.qk_layernorm)]
+            vllm_names.STOCK_ARCHITECTURE if stock else vllm_names.VLLM_PLUGIN_ARCHITECTURES[int(cfg.qk_layernorm)]
         ],
         "model_type": "qwen3" if cfg.qk_layernorm else "llama",
         **_body_config(cfg, max_position_embeddings),

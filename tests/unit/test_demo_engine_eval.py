@@ -117,15 +117,20 @@ def test_the_report_table_has_both_engines_al_mismatches_and_speed_per_concurren
     assert "Not served in vLLM: osprey_chat (no plugin)." in text
 
 
-@pytest.mark.parametrize("method", ["eagle3", "osprey"])
-def test_a_demo_drafters_kind_comes_from_its_run_config_without_loading_weights(tmp_path, method, monkeypatch):
+@pytest.mark.parametrize("aux", [[1, 3, 5], [1, 5]])
+def test_a_demo_drafters_kind_comes_from_its_run_config_without_loading_weights(tmp_path, aux, monkeypatch):
+    """The refusal is the export's own (layouts.vllm_refusal), on the config read from run_config.yaml alone."""
     from megatron_osprey.eval import loading
+    from megatron_osprey.models.drafter.reference import DrafterConfig
 
     seen = {}
     monkeypatch.setattr(loading, "is_megatron_checkpoint", lambda path: True)
-    layers = 1 if method == "eagle3" else 2
-    drafter = {"variant": method, "num_layers": layers}
+    drafter = {"variant": "osprey", "num_layers": 2}
     monkeypatch.setattr(loading, "megatron_run_config", lambda path: {"drafter": drafter})
+    config = DrafterConfig(
+        hidden_size=32, target_hidden_size=24, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=48, vocab_size=120, draft_vocab_size=90, aux_layer_ids=aux, variant="osprey",
+    )  # fmt: skip
 
     class Arch:
         @classmethod
@@ -134,14 +139,11 @@ def test_a_demo_drafters_kind_comes_from_its_run_config_without_loading_weights(
             return cls()
 
         def reference_config(self):
-            from types import SimpleNamespace
-
-            return SimpleNamespace(variant=method, num_layers=layers, qk_layernorm=False)
+            return config
 
     monkeypatch.setattr("megatron_osprey.models.drafter.arch.DrafterArch", Arch)
-    monkeypatch.setattr("megatron_osprey.export.config.FORMATS", ("sglang", "hf", "speculators"))
     refusal = engine_eval.drafter_refusal(tmp_path)
     assert seen["data"] == drafter
-    assert (refusal is None) == (method == "eagle3")
+    assert (refusal is None) == (len(aux) == 3)
     if refusal:
-        assert "export --format vllm" in refusal
+        assert refusal.startswith("--format vllm: aux_layer_ids [1, 5] must name three target layers")

@@ -10,7 +10,6 @@ import torch
 
 from megatron_osprey.eval import vllm_engine
 from megatron_osprey.eval.config import DrafterSpec
-from megatron_osprey.eval.vllm_engine import vllm_export_format
 from megatron_osprey.eval.vllm_metrics import (
     SpecCounters,
     agreement_failures,
@@ -19,6 +18,7 @@ from megatron_osprey.eval.vllm_metrics import (
     reference_round_al,
     vllm_markdown,
 )
+from megatron_osprey.export import layouts
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
 from megatron_osprey.stages.evaluate import main as evaluate_main
 
@@ -116,11 +116,13 @@ def _config(variant: str, layers: int, qk: bool = False) -> DrafterConfig:
     )
 
 
-def test_the_export_format_is_chosen_by_drafter_kind_in_one_place():
-    assert vllm_export_format(_config("eagle3", 1)) == "sglang"  # stock LlamaForCausalLMEagle3: vLLM's own class
-    assert vllm_export_format(_config("eagle3", 2)) == "vllm"
-    assert vllm_export_format(_config("osprey", 2, qk=True)) == "vllm"
-    assert vllm_engine.vllm_refusal(_config("eagle3", 1)) is None
+def test_every_drafter_is_served_from_the_vllm_export_whose_layout_follows_its_kind():
+    # Not the SGLang layout, whose aux layer ids vLLM reads one layer too shallow.
+    assert vllm_engine.VLLM_FORMAT == "vllm"
+    assert layouts.vllm_uses_stock(_config("eagle3", 1))  # stock Eagle3LlamaForCausalLM: vLLM's own class
+    assert not layouts.vllm_uses_stock(_config("osprey", 2, qk=True))  # this package's plugin
+    assert layouts.vllm_aux_layer_ids(_config("eagle3", 1)) == [2, 4, 6]
+    assert layouts.vllm_refusal(_config("eagle3", 1)) is None
 
 
 class ScriptedServer:

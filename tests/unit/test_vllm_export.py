@@ -21,7 +21,11 @@ import torch
 
 from megatron_osprey.export import layouts
 from megatron_osprey.export.formats import export_drafter, read_export
-from megatron_osprey.export.vllm_plugin.weight_names import PLUGIN_ARCHITECTURES, layer_kinds, vllm_param_name
+from megatron_osprey.export.vllm_plugin.weight_names import (
+    VLLM_PLUGIN_ARCHITECTURES,
+    config_layer_kinds,
+    vllm_param_name,
+)
 from megatron_osprey.models.drafter.reference import DrafterConfig, DrafterKVCache, ReferenceDrafter
 from tests.real_model import PROMPTS, SMOLLM2_AUX, chat_ids
 
@@ -46,10 +50,10 @@ FAMILIES = {
     ),
     "eagle3_2layer_fused": (
         dict(variant="eagle3", num_layers=2, eagle3_extra_layers="fused"),
-        PLUGIN_ARCHITECTURES[0],
+        VLLM_PLUGIN_ARCHITECTURES[0],
         "vllm",
     ),
-    "osprey_llama": (dict(variant="osprey", num_layers=2), PLUGIN_ARCHITECTURES[0], "vllm"),
+    "osprey_llama": (dict(variant="osprey", num_layers=2), VLLM_PLUGIN_ARCHITECTURES[0], "vllm"),
     "osprey_qwen3_draft_vocab_norms": (
         dict(
             variant="osprey",
@@ -59,7 +63,7 @@ FAMILIES = {
             hidden_post_norm=True,
             aux_hidden_norm=True,
         ),
-        PLUGIN_ARCHITECTURES[1],
+        VLLM_PLUGIN_ARCHITECTURES[1],
         "vllm",
     ),
 }
@@ -126,8 +130,8 @@ def test_vllm_export_names_cover_the_plugin_parameters(tmp_path, family):
             assert mapped not in targets.values(), f"{name} lands where another tensor did"
             targets[name] = mapped
     h = drafter.config.hidden_size
-    if arch in PLUGIN_ARCHITECTURES:
-        kinds = layer_kinds(config)
+    if arch in VLLM_PLUGIN_ARCHITECTURES:
+        kinds = config_layer_kinds(config)
         assert kinds == layouts.vllm_layer_kinds(drafter.config)
         # The plugin builds a 2H-wide qkv_proj and a hidden_norm for each fused layer, neither for a plain one.
         for index, kind in enumerate(kinds):
@@ -175,10 +179,10 @@ def test_vllm_plugin_imports_only_what_vllms_environment_has():
 def test_vllm_layer_kinds_must_be_written():
     """A plugin config without (or with inconsistent) draft_layer_kinds is refused, naming the key."""
     with pytest.raises(ValueError, match="draft_layer_kinds"):
-        layer_kinds({"num_hidden_layers": 2})
+        config_layer_kinds({"num_hidden_layers": 2})
     with pytest.raises(ValueError, match="draft_layer_kinds"):
-        layer_kinds({"num_hidden_layers": 2, "draft_layer_kinds": ["osprey", "plain"]})
-    assert layer_kinds({"num_hidden_layers": 2, "draft_layer_kinds": ["eagle3", "plain"]}) == ["eagle3", "plain"]
+        config_layer_kinds({"num_hidden_layers": 2, "draft_layer_kinds": ["osprey", "plain"]})
+    assert config_layer_kinds({"num_hidden_layers": 2, "draft_layer_kinds": ["eagle3", "plain"]}) == ["eagle3", "plain"]
 
 
 def test_vllm_export_refuses_what_vllm_cannot_serve(tmp_path):

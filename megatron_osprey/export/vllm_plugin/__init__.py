@@ -15,13 +15,13 @@ share it without vLLM.
 
 from __future__ import annotations
 
-from megatron_osprey.export.vllm_plugin.weight_names import PLUGIN_ARCHITECTURES
+from megatron_osprey.export.vllm_plugin.weight_names import VLLM_PLUGIN_ARCHITECTURES
 
 
 def register() -> None:
     """Register the plugin's draft architectures with vLLM (its general-plugin hook; idempotent)."""
     from vllm import ModelRegistry
 
-    for arch in PLUGIN_ARCHITECTURES:
+    for arch in VLLM_PLUGIN_ARCHITECTURES:
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, f"megatron_osprey.export.vllm_plugin.eagle3_models:{arch}")

@@ -30,7 +30,7 @@ from vllm.model_executor.models.llama_eagle3 import LlamaDecoderLayer as Eagle3L
 from vllm.model_executor.models.qwen3_eagle3 import Qwen3Eagle3DecoderLayer
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix, process_eagle_weight
 
-from megatron_osprey.export.vllm_plugin.weight_names import layer_kinds, vllm_param_name
+from megatron_osprey.export.vllm_plugin.weight_names import config_layer_kinds, vllm_param_name
 
 NUM_AUX_STATES = 3
 
@@ -44,7 +44,7 @@ def _decoder_layer(layer_cls, vllm_config: VllmConfig, config, kind: str, prefix
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "input_embeds": 0})
-class OspreyDraftModel(nn.Module):
+class OspreyVllmDraftModel(nn.Module):
     """Embedding, fc (with the attributes Eagle3LlamaForCausalLM.combine_hidden_states reads), layers, norm."""
 
     def __init__(
@@ -53,7 +53,7 @@ class OspreyDraftModel(nn.Module):
         super().__init__()
         config = vllm_config.speculative_config.draft_model_config.hf_config
         self.config = config
-        self.kinds = layer_kinds(config)
+        self.kinds = config_layer_kinds(config)
         self.osprey = self.kinds[0] == "osprey"
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
@@ -123,7 +123,7 @@ class Eagle3OspreyLlamaForCausalLM(Eagle3LlamaForCausalLM):
             config.draft_vocab_size = config.vocab_size
         target_layers = vllm_config.model_config.get_total_num_hidden_layers()
         config.target_layer_count = target_layers
-        self.model = OspreyDraftModel(
+        self.model = OspreyVllmDraftModel(
             vllm_config=vllm_config,
             layer_cls=self.layer_cls,
             start_layer_id=target_layers,  # attention layer names after the target's

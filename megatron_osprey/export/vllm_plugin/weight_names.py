@@ -18,7 +18,7 @@ from megatron_osprey.export.sglang_plugin.weight_names import STACKED
 STOCK_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Only this plugin registers these (vLLM keeps names that start with "Eagle3" as they are); stock vLLM
 # refuses them, so an export that needs the plugin cannot be served half-right without it.
-PLUGIN_ARCHITECTURES = ("Eagle3OspreyLlamaForCausalLM", "Eagle3OspreyQwen3ForCausalLM")
+VLLM_PLUGIN_ARCHITECTURES = ("Eagle3OspreyLlamaForCausalLM", "Eagle3OspreyQwen3ForCausalLM")
 LAYER_KINDS = ("osprey", "eagle3", "plain")
 KINDS_KEY = "draft_layer_kinds"
 
@@ -27,7 +27,7 @@ def _getter(config):
     return config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
 
 
-def layer_kinds(config) -> list[str]:
+def config_layer_kinds(config) -> list[str]:
     """The validated ``draft_layer_kinds`` of a plugin config (nothing is assumed when it is absent)."""
     get = _getter(config)
     kinds, n = get(KINDS_KEY, None), int(get("num_hidden_layers", 0))
