@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from megatron_osprey.base.engines import EngineUnavailable
+from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES, EngineUnavailable
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.data.regenerate.backends import (
     BackendRequestError,
@@ -39,9 +39,6 @@ BACKENDS = ("server", "hf")
 BACKEND_DTYPES = ("float32", "bfloat16", "float16")
 SERVE_ENGINES = ("vllm",)
 REPO = Path(__file__).resolve().parents[2]
-# On CPU, vLLM reserves gpu_memory_utilization of the machine's RAM unless told the KV cache's size; torch.compile
-# costs minutes of startup there, so a CPU server runs eager.
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -54,7 +51,7 @@ class ServeConfig:
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, vLLM's share of GPU memory on GPU
-    enforce_eager: bool = False  # always on CPU
+    enforce_eager: bool = False  # always on CPU, where torch.compile costs minutes of startup
     startup_timeout: float = 900.0
 
 
