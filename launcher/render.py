@@ -34,8 +34,10 @@ from megatron_osprey.recipes.registry import split_overrides
 TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "slurm", Path(__file__).resolve().parent / "slurm")
 STAGE_TEMPLATES = {stage: "distributed" for stage in DISTRIBUTED_STAGES}
 STAGE_TEMPLATES |= {"regenerate": "regenerate"}
-# Evaluation on GPUs serves the exported drafter with SGLang; on CPU it runs the project's own engine.
+# Evaluation on GPUs serves the exported drafter with SGLang; on CPU it runs the project's own engine; a recipe whose
+# servers are vLLM's (servers.engine=vllm) evaluates in vLLM beside the reference engine, on either.
 GPU_EVAL_TEMPLATE = "eval_sglang"
+VLLM_EVAL_TEMPLATE = "eval_vllm"
 DEFAULT_TEMPLATE = "stage"
 # GPUs in one H100 / B200 node: the regeneration server pool fills whole nodes.
 GPUS_PER_NODE = 8
@@ -74,6 +76,8 @@ def template_name(recipe: Recipe, stage: str) -> str:
     """The template a stage renders: the recipe's slurm.templates override, else the stage's default."""
     if stage in recipe.slurm.templates:
         return recipe.slurm.templates[stage]
+    if stage == "evaluate" and recipe.servers.engine == "vllm":
+        return VLLM_EVAL_TEMPLATE
     if stage == "evaluate" and recipe.hardware != "cpu":
         return GPU_EVAL_TEMPLATE
     return STAGE_TEMPLATES.get(stage, DEFAULT_TEMPLATE)

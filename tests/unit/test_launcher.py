@@ -497,3 +497,61 @@ def test_osprey_demo_runs_the_demo_with_its_own_flags():
     assert shown.returncode == 0 and "--arms" in shown.stdout and "--full" in shown.stdout, shown.stderr
     refused = subprocess.run([*run, "--arms", "bogus"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--arms bogus" in refused.stderr
+
+
+def _run_stage_job(script: str, tmp_path: Path, **environ: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """A rendered one-step job run under a stub srun that logs its command line; (the run, the srun lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(_STUB_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    path, log = tmp_path / "job.sbatch", tmp_path / "srun.log"
+    path.write_text(script)
+    log.unlink(missing_ok=True)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SRUN_LOG": str(log), **environ}
+    env.setdefault("OSPREY_REPO", str(tmp_path))
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_vllm_recipe_evaluates_in_vllm_with_its_tensor_parallel_size_and_concurrency_sweep(tmp_path):
+    name = "llama33_70b_eagle3_distill_8gpu_b200_bf16"
+    recipe = resolve_recipe(name, ["servers.engine=vllm", "servers.batch_sizes=[1,4,16]"])
+    tp = recipe.servers.tensor_parallel_size
+    assert tp > 1
+    script = render(recipe, name, "evaluate", str(tmp_path / "run"))
+    assert script.startswith("#!/bin/bash\n# Evaluate the exported drafter in vLLM") and "stages.evaluate" in script
+    assert f"#SBATCH --gpus-per-node={tp}" in script
+    python = _fake_vllm_venv(tmp_path, with_preload=False)
+    done, (line,) = _run_stage_job(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"--gpus={tp} " in line and "-m megatron_osprey.stages.evaluate --recipe " + name in line
+    assert line.endswith(
+        f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4 16 --vllm-tensor-parallel-size {tp}"
+    )
+    # Named vLLM but not installed: the install sentence, no job step.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done, lines = _run_stage_job(script, bare)
+    (log,) = (tmp_path / "run" / "logs").glob("osprey-evaluate-*-restart0.log")
+    assert done.returncode == 1 and "install it with `make engine-vllm`" in log.read_text() and not lines
+    if shutil.which("shellcheck"):
+        (tmp_path / "eval_vllm.sbatch").write_text(script)
+        lint = subprocess.run(["shellcheck", "-S", "warning", str(tmp_path / "eval_vllm.sbatch")], capture_output=True)
+        assert lint.returncode == 0, lint.stdout.decode()
+
+
+def test_the_cpu_chain_can_evaluate_in_vllm_where_the_job_finds_it(tmp_path):
+    name = "smollm2_cpu_smoke"
+    recipe = resolve_recipe(name, ["slurm.templates.evaluate=eval_vllm"])
+    script = render(recipe, name, "evaluate", str(tmp_path / "run"))
+    python = _fake_vllm_venv(tmp_path, with_preload=True)
+    done, (line,) = _run_stage_job(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "--gpus" not in line and line.endswith(f"--engine vllm --vllm-python {python} --vllm-concurrency 1 16")
+    # No engine and none named: the reference engine alone, as the CPU stage template runs it.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done, (line,) = _run_stage_job(script, bare)
+    assert done.returncode == 0 and "--engine" not in line
+    assert line.endswith(f"-m megatron_osprey.stages.evaluate --recipe {name} --run-dir {tmp_path / 'run'}")
