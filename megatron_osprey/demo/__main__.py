@@ -3,6 +3,7 @@
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
             parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
         cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
     try:
-        report = run_demo(cfg, args.output, fresh=args.fresh)
+        # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm.
+        report = run_demo(cfg, args.output, fresh=args.fresh, vllm_python=os.environ.get("VLLM_PYTHON"))
     except RuntimeError as error:
         print(f"demo failed: {error}", file=sys.stderr)
         return 1

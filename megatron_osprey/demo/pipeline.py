@@ -140,8 +140,9 @@ def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path)
     return data
 
 
-def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
-    """Run every stage; returns report.json's content."""
+def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False, vllm_python: str | None = None) -> dict:
+    """Run every stage; returns report.json's content. The target regenerates the training data in vLLM where the
+    engine is installed (`vllm_python`, else the checkout's .venv-vllm)."""
     output = Path(output)
     prepare_demo_output(output, cfg, fresh)
     steps = StepRunner(output, total_steps=8)
@@ -158,7 +159,7 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False) -> dict:
         inits = extra_backbones(steps, cfg, output, data, target, inits)
 
     steps.header("regenerate the training conversations with the target and extract its hidden states once")
-    regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target)
+    regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target, vllm_python)
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     drafters = distill_drafters(steps, cfg, output, target, inits, regenerated, stores)
