@@ -90,7 +90,7 @@ class ServerPool:
     startup_timeout: int = 1800  # seconds until every server answers /health
     reasoning_parser: str | None = None  # the engine's --reasoning-parser (qwen3, minimax-append-think)
     context_length: int | None = None  # None: the model's
-    batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's sweep
+    batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's / eval_vllm's sweep
 
 
 @dataclasses.dataclass
