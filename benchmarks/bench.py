@@ -57,8 +57,9 @@ class Sizes:
         )
 
 
-def build_pair(name: str, sizes: Sizes, workdir: Path):
-    """The named Pair, its inputs prepared under workdir."""
+def build_pair(name: str, sizes: Sizes, workdir: Path, bf16: bool = True):
+    """The named Pair, its inputs prepared under workdir; `bf16`: the distillation step computes in bf16 (the CPU
+    has it natively), else in float32."""
     if name == "preprocessing":
         from benchmarks.bench_preprocess import preprocess_pair
         from megatron_osprey.assets import get_model_dir
@@ -78,7 +79,7 @@ def build_pair(name: str, sizes: Sizes, workdir: Path):
         if name == "distillation":
             from benchmarks.bench_distill import distill_pair
 
-            return distill_pair(workdir / name, target, drafter, sizes.distill_batch, sizes.distill_seq)
+            return distill_pair(workdir / name, target, drafter, sizes.distill_batch, sizes.distill_seq, bf16)
         from benchmarks.bench_models import speculative_pair
 
         return speculative_pair(target, drafter, sizes.spec_prompts, sizes.spec_tokens)
@@ -100,13 +101,21 @@ def main(argv=None) -> int:
     if args.runs < 1 or args.warmup < 0:
         parser.error("--runs must be at least 1 and --warmup at least 0.")
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    from megatron_osprey.base.hardware import cpu_capability
+
+    try:
+        cpu = cpu_capability(os.environ)  # OSPREY_CPU_CAPABILITY forces it
+    except ValueError as error:
+        parser.error(str(error))
+    print(cpu.line(), flush=True)
     sizes = Sizes.quick() if args.quick else Sizes()
     workdir = Path(tempfile.mkdtemp(prefix="osprey-bench-"))
     rows = []
     try:
         for name in args.only:
             print(f"[bench] {name}", flush=True)
-            rows.append(run_pair(build_pair(name, sizes, workdir), runs=args.runs, warmup=args.warmup))
+            pair = build_pair(name, sizes, workdir, bf16=cpu.native_bf16)
+            rows.append(run_pair(pair, runs=args.runs, warmup=args.warmup))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(format_table(rows))

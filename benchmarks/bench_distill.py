@@ -1,7 +1,8 @@
 """The distillation pair of `make bench`: one TTT update of the distill stage against a plain-PyTorch SpecForge step.
 
 Ours is the distill stage itself (`training.distillation.run_distill`, offline from a bf16 hidden-state store,
-Osprey drafter adapted from the target's first 2 layers, TTT 5, --bf16, SpecForge's mask alignment and per-sample
+Osprey drafter adapted from the target's first 2 layers, TTT 5, --bf16 where the CPU computes bf16 natively (else
+float32, as both sides then run: base/hardware.py's CpuCapability), SpecForge's mask alignment and per-sample
 normalisation): run_distill builds the model, optimizer, forward step and data iterator as a user's run does, and
 its loop is replaced by one that hands them back, so each timed call is one `train_step` (one global batch:
 the store read, forward, backward and the optimizer step).
@@ -13,14 +14,15 @@ norm and a draft-vocab LM head over every row), its unrolled TTT loop (the step-
 each query attending causally to step 0's keys and to its own position in the later steps, the additive mask
 losing one diagonal per step), the target's distribution from the stored final hidden state through the target's
 norm and head, the loss -sum p log q over the draft vocabulary weighted 0.8^k and divided by each sample's length,
-fp32 master weights under bf16 autocast (SpecForge's FSDP mixed precision on one device), gradient clipping at
+fp32 master weights under bf16 autocast (SpecForge's FSDP mixed precision on one device; float32 throughout on a
+CPU without native bf16), gradient clipping at
 1.0 and torch's AdamW. It has the drafter's shapes (layers, widths, heads, vocabularies) and trains on the same
 global batch, already in memory (ours reads it from the store inside the timed call).
 
-The limit is the step's matmul FLOPs at this CPU's measured bf16 matmul rate (`bf16_matmul_rate`): 3x the forward
-(forward + backward) of the drafter layers over all rows for K steps (training/flops.py's count, plus the side
-half of each 2H-wide QKV projection and the fusion fc), of the draft-vocab LM head over the rows the loss reads
-(all that the loss needs, and all that ours computes), plus one forward of the target's head.
+The limit is the step's matmul FLOPs at this CPU's measured matmul rate in the compute dtype (`matmul_rate`):
+3x the forward (forward + backward) of the drafter layers over all rows for K steps (training/flops.py's count,
+plus the side half of each 2H-wide QKV projection and the fusion fc), of the draft-vocab LM head over the rows the
+loss reads (all that the loss needs, and all that ours computes), plus one forward of the target's head.
 """
 
 from __future__ import annotations
@@ -172,7 +174,10 @@ def specforge_ttt_loss(logits: list, target_p, position_mask, lengths, decay: fl
 class SpecForgeStep:
     """One SpecForge-style optimizer step on a fixed batch: the target head, the unroll, the loss, AdamW."""
 
-    def __init__(self, cfg, target_norm, target_eps, target_head, t2d, batch: dict, lr: float = 1e-4):
+    def __init__(
+        self, cfg, target_norm, target_eps, target_head, t2d, batch: dict, lr: float = 1e-4, bf16: bool = True
+    ):
+        self.bf16 = bf16
         self.model = SpecForgeDrafter(cfg)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.target_norm, self.target_eps, self.target_head, self.t2d = target_norm, target_eps, target_head, t2d
@@ -187,7 +192,7 @@ class SpecForgeStep:
                 normed @ self.target_head.T, batch["loss_mask"], batch["lengths"], self.t2d
             )
         ids = F.pad(batch["input_ids"][:, 1:], (0, 1))  # SpecForge shifts the inputs by one too
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             logits = self.model.ttt_logits(ids, batch["aux_hidden"], TTT_STEPS)
         loss = specforge_ttt_loss(logits, target_p, position_mask, batch["lengths"].float())
         loss.backward()
@@ -200,10 +205,10 @@ class SpecForgeStep:
 # --- the limit --------------------------------------------------------------------------------------------------
 
 
-def bf16_matmul_rate(size: int = 4096, repeats: int = 3) -> float:
-    """FLOP/s of this CPU's best bf16 matmul of two size x size matrices (torch's threads), best of `repeats`."""
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
+def matmul_rate(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> float:
+    """FLOP/s of this CPU's best `dtype` matmul of two size x size matrices (torch's threads), best of `repeats`."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up: thread pool, kernel choice
     best = math.inf
     for _ in range(repeats):
@@ -257,13 +262,13 @@ def build_store(workdir: Path, target: Path, data: Path, seq_length: int) -> Pat
     return workdir / "store"
 
 
-def distill_config(target: Path, drafter: Path, data: Path, store: Path, batch: int, seq_length: int):
-    """The distill stage's config: offline, --bf16, TTT 5 with SpecForge's alignment and normalisation, one
+def distill_config(target: Path, drafter: Path, data: Path, store: Path, batch: int, seq_length: int, bf16: bool):
+    """The distill stage's config: offline, --bf16 (or float32), TTT 5 with SpecForge's alignment and normalisation, one
     global batch of `batch` samples, no shuffle (every update sees the store's same `batch` samples)."""
     from megatron_osprey.stages.distill import DistillConfig
 
     cfg = DistillConfig()
-    cfg.drafter.drafter_init, cfg.drafter.bf16, cfg.drafter.transformer_impl = str(drafter), True, "local"
+    cfg.drafter.drafter_init, cfg.drafter.bf16, cfg.drafter.transformer_impl = str(drafter), bf16, "local"
     cfg.target.path = str(target)
     cfg.data.mode, cfg.data.hidden_states, cfg.data.data_path = "offline", str(store), [str(data)]
     cfg.data.shuffle = False
@@ -276,8 +281,9 @@ def distill_config(target: Path, drafter: Path, data: Path, store: Path, batch: 
     return cfg
 
 
-def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_length: int) -> Pair:
-    """The distillation Pair: `batch` prose conversations (cut to seq_length) in the target's bf16 store."""
+def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_length: int, bf16: bool = True) -> Pair:
+    """The distillation Pair: `batch` prose conversations (cut to seq_length) in the target's bf16 store, both
+    sides computing in bf16 (`bf16`: the CPU has it natively) or float32."""
     from megatron.core.utils import unwrap_model
 
     from benchmarks.bench_models import write_conversations
@@ -294,7 +300,7 @@ def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_len
     workdir.mkdir(parents=True, exist_ok=True)
     data = write_conversations(workdir / "prose.jsonl", batch, domain=DOMAIN)
     store = build_store(workdir, target, data, seq_length)
-    cfg = distill_config(target, drafter, data, store, batch, seq_length)
+    cfg = distill_config(target, drafter, data, store, batch, seq_length, bf16)
     arch = DrafterArch.from_dict(load_run_config(drafter)["drafter"])
 
     stack = contextlib.ExitStack()
@@ -325,7 +331,7 @@ def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_len
     t2d = unwrap_model(captured["run"].model[0]).t2d.cpu().bool()
     head = TargetHead.from_hf(target, t2d)
     full_head = head.head_shard[: arch.vocab_size]
-    peer = SpecForgeStep(arch.reference_config(), head.norm_weight, head.eps, full_head, t2d, fixed)
+    peer = SpecForgeStep(arch.reference_config(), head.norm_weight, head.eps, full_head, t2d, fixed, bf16=bf16)
 
     with torch.no_grad():
         _, in_draft = head(fixed["final_hidden"])
@@ -333,6 +339,8 @@ def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_len
     counted = [int(m.sum()) for m in step_masks(fixed["loss_mask"], in_draft, TTT_STEPS, "reference")]
     b, s = fixed["input_ids"].shape
     flops = distill_step_flops(arch, b, s, counted, TTT_STEPS)
+
+    dtype_name = "bf16" if bf16 else "float32"
 
     def check(ours_loss, peer_loss):
         used = captured["iterator"].last
@@ -342,15 +350,16 @@ def distill_pair(workdir: Path, target: Path, drafter: Path, batch: int, seq_len
             raise AssertionError(f"distillation: non-finite loss (ours {ours_loss}, peer {peer_loss}).")
 
     return Pair(
-        stage=f"distillation step (Osprey drafter, bf16 store of {b} conversations, padded to {s} tokens, TTT 5, bf16)",
+        stage=f"distillation step (Osprey drafter, bf16 store of {b} conversations, padded to {s} tokens, TTT 5, "
+        f"{dtype_name})",
         ours=ours,
         peer=peer,
         peer_name=(
             "a plain-PyTorch TTT step after SpecForge's EAGLE-3 trainer (HF-style modules, the same shapes, "
-            "per-sample normalised loss, bf16 autocast, AdamW; written here)"
+            f"per-sample normalised loss, {'bf16 autocast' if bf16 else 'float32'}, AdamW; written here)"
         ),
-        limit_name=f"{flops / 1e9:.1f} GFLOP at this CPU's measured bf16 matmul rate",
+        limit_name=f"{flops / 1e9:.1f} GFLOP at this CPU's measured {dtype_name} matmul rate",
         check=check,
-        limit_seconds=lambda: flops / bf16_matmul_rate(),
+        limit_seconds=lambda: flops / matmul_rate(torch.bfloat16 if bf16 else torch.float32),
         close=stack.close,
     )

@@ -66,8 +66,10 @@ def profile_preprocessing(workdir: Path, sizes: Sizes, top: int) -> None:
     print_stats(profile, top, f"preprocessing, one worker's encode of all {len(batches)} batches in one process")
 
 
-def profile_model_stage(name: str, workdir: Path, sizes: Sizes, top: int, use_torch: bool, save=None) -> None:
-    pair = build_pair(name, sizes, workdir)
+def profile_model_stage(
+    name: str, workdir: Path, sizes: Sizes, top: int, use_torch: bool, save=None, bf16: bool = True
+) -> None:
+    pair = build_pair(name, sizes, workdir, bf16=bf16)
     try:
         pair.ours()  # warm-up, as the bench does
         profile = cProfile.Profile()
@@ -104,7 +106,11 @@ def main(argv=None) -> int:
         if args.stage == "preprocessing":
             profile_preprocessing(Path(tmp), sizes, args.top)
         else:
-            profile_model_stage(args.stage, Path(tmp), sizes, args.top, args.torch, args.save)
+            from megatron_osprey.base.hardware import cpu_capability
+
+            cpu = cpu_capability(os.environ)  # as make bench: bf16 only where the CPU has it natively
+            print(cpu.line(), flush=True)
+            profile_model_stage(args.stage, Path(tmp), sizes, args.top, args.torch, args.save, cpu.native_bf16)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The `osprey` command, the people's door to every stage (jobs run `python -m megatron_osprey.stages.STAGE`).
+"""The `osprey` command, the people's door to every stage (jobs run the job door, `python -m megatron_osprey STAGE`).
 
   osprey STAGE [RECIPE] [--run-dir DIR] [--set KEY=VALUE ...] [--dry-run] [-- stage flags ...]
   osprey plan RECIPE [--stage STAGE] [--run-dir DIR] [--set ...] [--json] [--config]
@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 
-from launcher.commands import local_argv, stage_module, work_dir
+from launcher.commands import local_argv, stage_command, stage_module, work_dir
 from launcher.plan import check_plan, make_plan
 from launcher.render import SubmitOptions
+from megatron_osprey.base.hardware import cpu_capability
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes import RECIPES, STAGES, get_recipe, resolve_recipe, takes_domain
@@ -85,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         _recipe_args(p, required=False)
         p.add_argument("--dry-run", action="store_true", help="print the command without running it")
     for door, text in FLAG_DOORS.items():
-        p = sub.add_parser(door, help=text, description=f"{text}; flags: python -m {stage_module(door)} --help",
-                           add_help=False)  # fmt: skip
+        flags = f"python {shlex.join(stage_command(door))} --help"
+        p = sub.add_parser(door, help=text, description=f"{text}; flags: {flags}", add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER, help="the stage's own flags")
     p = sub.add_parser("plan", help="check a recipe stage's layout and size it (no cluster, no torch)")
     _recipe_args(p)
@@ -141,7 +143,7 @@ def _run_dir(recipe, args) -> str:
 def _run_stage(args: argparse.Namespace, extra: list[str]) -> int:
     stage = args.command
     if args.recipe is None:
-        argv = [sys.executable, "-m", stage_module(stage), *extra]
+        argv = [sys.executable, *stage_command(stage), *extra]
     else:
         recipe, overrides = _recipe(args, stage)
         if stage in ("pretrain", "distill", "extract"):
@@ -162,7 +164,8 @@ def resolved_config(spec: str, stage: str, overrides: list[str], run_dir: str):
 def _plan(args: argparse.Namespace) -> int:
     recipe, overrides = _recipe(args, args.stage)
     stages = [args.stage] if args.stage else [s for s in recipe.chain if s in ("pretrain", "extract", "distill")]
-    plans = [make_plan(recipe, stage, _run_dir(recipe, args)) for stage in stages or [recipe.chain[0]]]
+    cpu = cpu_capability(os.environ) if recipe.hardware == "cpu" else None  # OSPREY_CPU_CAPABILITY forces it
+    plans = [make_plan(recipe, stage, _run_dir(recipe, args), cpu) for stage in stages or [recipe.chain[0]]]
     if args.json:
         out = [p.to_json() for p in plans]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -228,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `osprey` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in (*FLAG_DOORS, "demo"):  # the module parses all of its own flags, --help included
-        module = "megatron_osprey.demo" if argv[0] == "demo" else stage_module(argv[0])
-        command = [sys.executable, "-m", module, *argv[1:]]
+        door = ["-m", "megatron_osprey.demo"] if argv[0] == "demo" else stage_command(argv[0])
+        command = [sys.executable, *door, *argv[1:]]
         return subprocess.run(command, cwd=work_dir(), check=False).returncode
     own, extra = _split_passthrough(argv)
     args = build_parser().parse_args(own)

@@ -1,4 +1,5 @@
-"""Recipe + stage -> the command a job (or a local run) executes: the stage module, the recipe and its overrides.
+"""Recipe + stage -> the command a job (or a local run) executes: the job door and the stage, the recipe and its
+overrides.
 
 A job never receives a flag list rebuilt from a config: it receives `--recipe NAME[:DOMAIN]|FILE.yaml --run-dir
 DIR --set KEY=VALUE ...` and resolves the recipe itself, through the same registry `osprey plan` reads, so the config
@@ -23,18 +24,28 @@ def work_dir() -> Path:
     return Path.cwd()
 
 
+# The job door (megatron_osprey/__main__.py): it resolves the recipe and imports the stage module once.
+JOB_DOOR = "megatron_osprey"
+
+
 def stage_module(stage: str) -> str:
-    """The module every job and local run of `stage` executes (`python -m ...`)."""
+    """The module that holds `stage` (its Config, flags, run() and main()); jobs reach it through the door."""
     if stage not in (*STAGES, *FLAG_STAGES):
         raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join((*STAGES, *FLAG_STAGES))}.")
     return f"megatron_osprey.stages.{stage}"
 
 
+def stage_command(stage: str) -> list[str]:
+    """The interpreter arguments that run `stage` through the job door: `-m megatron_osprey STAGE`."""
+    stage_module(stage)  # an unknown stage: one clear error
+    return ["-m", JOB_DOOR, stage]
+
+
 def job_args(
     spec: str, stage: str, run_dir: str | None, overrides: list[str] | None = None, extra: list[str] | None = None
 ) -> list[str]:
-    """The argv after the interpreter: the stage module, the recipe, the run directory and the overrides."""
-    args = ["-m", stage_module(stage), "--recipe", spec]
+    """The argv after the interpreter: the job door and the stage, the recipe, the run directory and the overrides."""
+    args = [*stage_command(stage), "--recipe", spec]
     if run_dir:
         args += ["--run-dir", str(run_dir)]
     for text in overrides or []:

@@ -24,7 +24,7 @@ import json
 import math
 
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
-from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
+from megatron_osprey.base.hardware import GPU_CAPABILITY, CpuCapability, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
     GIB,
     RUNTIME_RESERVE_BYTES,
@@ -70,6 +70,7 @@ class Plan:
     disk: tuple[tuple[str, int], ...]
     budget: str = ""
     target: dict | None = None  # the target's shape as planned
+    cpu: str | None = None  # a CPU recipe: this machine's capability (CpuCapability.line())
 
     @property
     def memory_bytes(self) -> int:
@@ -95,6 +96,7 @@ class Plan:
             "world_size": self.world_size,
             "data_parallel_size": self.data_parallel_size,
             "target": self.target,
+            "cpu": self.cpu,
             "memory_gib_per_gpu": round(self.memory_bytes / GIB, 3),
             "memory_breakdown_gib": {name: round(b / GIB, 3) for name, b in self.memory},
             "gpu_memory_gib": self.gpu_memory_gib,
@@ -115,6 +117,8 @@ class Plan:
             f"world    {self.nodes} node(s) x {self.gpus_per_node} process(es) per node = {self.world_size} ranks; "
             f"data parallel {self.data_parallel_size}",
         ]
+        if self.cpu:
+            out.append(f"hardware {self.cpu}")
         if self.target:
             t = self.target
             out.append(
@@ -289,8 +293,9 @@ def _target_summary(recipe: Recipe, target: ModelArch, config) -> dict:
     }
 
 
-def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
-    """Validate `stage`'s layout and size it; raises LayoutError when a parallel size does not divide."""
+def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCapability | None = None) -> Plan:
+    """Validate `stage`'s layout and size it; raises LayoutError when a parallel size does not divide. `cpu`, this
+    machine's capability, is named in a CPU recipe's plan."""
     config = recipe.config(stage, run_dir)
     res = recipe.stage_resources(stage)
     world = res.world_size
@@ -363,6 +368,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None) -> Plan:
         disk=tuple(_disk(recipe, stage, target, train_iters, gbs, seq)),
         budget=budget,
         target=_target_summary(recipe, target, config) if target is not None else None,
+        cpu=cpu.line() if cpu is not None and recipe.hardware == "cpu" else None,
     )
 
 

@@ -6,7 +6,7 @@
         [--method osprey] [--target-only] [--max-new-tokens 4096] [--temperature 0 [1]] [--batch-size 1 [16]] \
         [--limit N] [--wait 1800]
 
-Prompts are rendered exactly as `python -m megatron_osprey.stages.evaluate` renders them (target chat template,
+Prompts are rendered exactly as `python -m megatron_osprey evaluate` renders them (target chat template,
 the first user message by default, all prompts in file order). AL per request = completion_tokens /
 spec_verify_ct from SGLang's meta_info (1 with --target-only, whose server drafts nothing); throughput =
 completion tokens / wall time with `--batch-size` requests in flight. `--temperature` and `--batch-size` take

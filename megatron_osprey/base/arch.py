@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_osprey.base.config_fields import check_config_fields
+
 # model_type in config.json -> (family, HF class name)
 SUPPORTED_FAMILIES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
@@ -114,7 +116,7 @@ class ModelArch:
         if isinstance(config, (str, Path)):
             path = hf_config_file(config, "HF config")
             source = str(path)
-            config = json.loads(path.read_text())
+            config = _read_json(path)
         if not isinstance(config, dict):
             config = config.to_dict()
         config = dict(config)
@@ -125,6 +127,7 @@ class ModelArch:
                 f"(architectures={config.get('architectures')}); supported: "
                 f"{', '.join(sorted(SUPPORTED_FAMILIES))}."
             )
+        check_config_fields(config, model_type, source)  # every field below has its type and a supported value
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         rope = dict(config.get("rope_parameters") or {})
@@ -312,6 +315,16 @@ class ModelArch:
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: brackets nested too deep to parse
+        raise ValueError(f"{path} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__}.")
+    return config
 
 
 def load_target_config(path: str | Path) -> ModelArch:

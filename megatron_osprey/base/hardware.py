@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
 
 def have_transformer_engine() -> bool:
     """True when Transformer Engine imports (it needs CUDA to run)."""
@@ -64,3 +68,63 @@ def cuda_capability() -> tuple[int, int] | None:
 
 def _version(capability: tuple[int, int]) -> str:
     return f"{capability[0]}.{capability[1]}"
+
+
+# Names a user (or a test) may force the CPU's capability to, instead of reading /proc/cpuinfo.
+CPU_CAPABILITY_ENV = "OSPREY_CPU_CAPABILITY"
+_FORCED = {
+    "avx2": ("AVX2", ()),
+    "avx512": ("AVX512", ()),
+    "avx512_bf16": ("AVX512", ("avx512_bf16",)),
+    "amx": ("AVX512", ("avx512_bf16", "amx_bf16")),
+}
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuCapability:
+    """The vector ISA torch dispatches to on this CPU (torch.backends.cpu.get_cpu_capability's names) and its
+    native bf16 instructions: without them a bf16 matmul is emulated, about 50x slower than float32."""
+
+    isa: str  # "AVX512", "AVX2" or "older"
+    bf16_flags: tuple[str, ...] = ()  # of avx512_bf16, amx_bf16
+    source: str = "/proc/cpuinfo"
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool(self.bf16_flags)
+
+    @property
+    def compute_dtype(self) -> str:
+        """What CPU training and generation compute in here: bf16 only where the CPU has it natively."""
+        return "bfloat16" if self.native_bf16 else "float32"
+
+    def line(self) -> str:
+        """One line naming the capability (and float32 where it rules bf16 out), e.g. `CPU: AVX512 with bf16
+        (avx512_bf16)` or `CPU: AVX2, no native bf16: float32 (...)`."""
+        forced = f" (forced by {CPU_CAPABILITY_ENV})" if self.source == CPU_CAPABILITY_ENV else ""
+        if self.native_bf16:
+            return f"CPU: {self.isa} with bf16 ({', '.join(self.bf16_flags)}){forced}"
+        return f"CPU: {self.isa}, no native bf16: float32 (bf16 would be emulated, tens of times slower){forced}"
+
+
+def cpu_capability(environ: Mapping[str, str], cpuinfo: str | Path = "/proc/cpuinfo") -> CpuCapability:
+    """This CPU's capability: forced by $OSPREY_CPU_CAPABILITY (avx2, avx512, avx512_bf16, amx) when `environ`,
+    the entry point's environment, sets it; else read from the flags of `cpuinfo` (no file: no native bf16)."""
+    forced = environ.get(CPU_CAPABILITY_ENV, "").strip().lower()
+    if forced:
+        if forced not in _FORCED:
+            raise ValueError(f"{CPU_CAPABILITY_ENV}={forced!r} must be one of {', '.join(_FORCED)}.")
+        isa, flags = _FORCED[forced]
+        return CpuCapability(isa, flags, CPU_CAPABILITY_ENV)
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return CpuCapability("older", (), f"{cpuinfo} (unreadable)")
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "older"
+    return CpuCapability(isa, tuple(f for f in _BF16_FLAGS if f in flags), str(cpuinfo))

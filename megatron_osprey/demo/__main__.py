@@ -47,10 +47,18 @@ def main(argv=None) -> int:
         "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
     )
     args = parser.parse_args(argv)
+    from megatron_osprey.base.hardware import cpu_capability
     from megatron_osprey.demo.pipeline import run_demo
     from megatron_osprey.demo.sizes import DemoConfig
 
+    try:
+        cpu = cpu_capability(os.environ)
+    except ValueError as error:
+        parser.error(str(error))
     cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
+    # bf16 only where the CPU computes it natively: emulated, a bf16 matmul is ~50x slower than float32.
+    cfg = dataclasses.replace(cfg, bf16=cfg.bf16 and cpu.native_bf16)
+    print(cpu.line(), flush=True)
     if args.cross_tokenizer:
         cfg = cfg.with_cross_tokenizer()
     if args.arms:

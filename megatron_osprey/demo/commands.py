@@ -14,7 +14,8 @@ def user_data_argv(cfg: DemoConfig, files: dict[str, Path], target: Path, output
     inputs = [word for domain, path in files.items() for word in ("--input", f"{domain}={path}")]
     return [
         "-m",
-        "megatron_osprey.stages.data",
+        "megatron_osprey",
+        "data",
         *inputs,
         "--target",
         target,
@@ -31,7 +32,8 @@ def user_data_argv(cfg: DemoConfig, files: dict[str, Path], target: Path, output
 
 
 def _local_and_saved(save: Path, iters: int, log_every: int) -> list:
-    """The flags every demo training shares: the local (non-TE) spec, one save at the end, its log interval."""
+    """The flags every demo training shares: the local (non-TE) spec, one save at the end, its log interval (often
+    enough that the step runner's throttled progress lines, with their ETA, come on the slowest CPU too)."""
     saving = ["--save", save, "--save-interval", str(iters), "--log-interval", str(log_every)]
     return ["--transformer-impl", "local", *saving]
 
@@ -41,7 +43,8 @@ def pretrain_argv(
 ) -> list:
     argv = [
         "-m",
-        "megatron_osprey.stages.pretrain",
+        "megatron_osprey",
+        "pretrain",
         source_flag,
         source,
         "--data-path",
@@ -68,7 +71,7 @@ def pretrain_argv(
         "0.01",
         "--clip-grad",
         "1.0",
-        *_local_and_saved(save, iters, log_every=max(1, iters // 6)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 24)),
         "--eval-iters",
         "0",
         "--no-progress-bar",
@@ -107,7 +110,8 @@ def distill_argv(
     )
     argv = [
         "-m",
-        "megatron_osprey.stages.distill",
+        "megatron_osprey",
+        "distill",
         *flags,
         "--target",
         target,
@@ -132,7 +136,7 @@ def distill_argv(
         "--min-lr",
         str(cfg.distill_lr / 10),
         *(["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []),
-        *_local_and_saved(save, iters, log_every=max(1, iters // 4)),
+        *_local_and_saved(save, iters, log_every=max(1, iters // 12)),
         "--no-progress-bar",
         "--seed",
         str(seed),
@@ -146,11 +150,11 @@ def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, store:
     epochs of cfg.opd_prompts at a tenth of the SFT lr (its final one; chosen before any eval)."""
     iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
     lr = cfg.distill_lr / 10
-    argv = ["-m", "megatron_osprey.stages.distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
+    argv = ["-m", "megatron_osprey", "distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
     argv += ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
     argv += ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
     argv += ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
-    argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 4)), "--no-progress-bar", "--seed", str(seed)]
+    argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 12)), "--no-progress-bar", "--seed", str(seed)]
     argv += ["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []
     return argv + (["--bf16"] if cfg.bf16 else [])
 
@@ -170,7 +174,8 @@ def eval_argv(
     and lossless-checked, or (`replay`) measured by replaying the target's greedy output."""
     argv = [
         "-m",
-        "megatron_osprey.stages.evaluate",
+        "megatron_osprey",
+        "evaluate",
         "--target",
         target,
         "--output",

@@ -101,7 +101,7 @@ def _on_policy(
     store = output / "rollouts" / name
     steps.run(
         f"rollout_{name}",
-        ["-m", "megatron_osprey.stages.rollout", "--target", target, "--drafter", sft]
+        ["-m", "megatron_osprey", "rollout", "--target", target, "--drafter", sft]
         + ["--data", data["splits"][domain]["train"], "--output", store, "--steps", "5"]
         + ["--max-new-tokens", str(cfg.regenerate_tokens), "--limit", str(cfg.opd_prompts)]
         + ["--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"],
@@ -117,7 +117,7 @@ def _ngram(steps: StepRunner, output: Path, target: Path, method: str, corpus: P
     path = output / "drafters" / name
     steps.run(
         name,
-        ["-m", "megatron_osprey.stages.ngram", "--input", corpus, "--tokenizer", target, "--order", str(NGRAM_ORDER)]
+        ["-m", "megatron_osprey", "ngram", "--input", corpus, "--tokenizer", target, "--order", str(NGRAM_ORDER)]
         + ["--output", path, "--no-progress", "--overwrite"],
     )
     return {"name": name, "method": method, "domain": domain, "seed": 0, "path": path, "ngram": True}

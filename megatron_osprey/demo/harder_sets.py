@@ -78,7 +78,7 @@ def build_suite_sets(steps: StepRunner, cfg: DemoConfig, output: Path) -> list[P
     paths = []
     for suite in OFFLINE_SUITES:
         path = out_dir / f"{suite}.jsonl"
-        argv = ["-m", "megatron_osprey.stages.suite", "--suite", suite, "--source", "package", "--output", path]
+        argv = ["-m", "megatron_osprey", "suite", "--suite", suite, "--source", "package", "--output", path]
         steps.run(f"suite_{suite}", argv + ["--limit", str(cfg.n_eval), "--overwrite"])
         paths.append(path)
     return paths

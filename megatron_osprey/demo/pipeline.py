@@ -166,7 +166,7 @@ def run_demo(cfg: DemoConfig, output: Path, fresh: bool = False, vllm_python: st
     extra = extra_drafters(steps, cfg, output, target, inits, regenerated, stores, data) if cfg.arms else []
 
     steps.header(
-        "evaluate the train x eval acceptance-length matrix, lossless-checked (megatron_osprey.stages.evaluate)"
+        "evaluate the train x eval acceptance-length matrix, lossless-checked (python -m megatron_osprey evaluate)"
     )
     eval_dir = results_dir = output / "eval"
     evaluate_drafters(steps, cfg, target, eval_dir, drafters, data)

@@ -78,7 +78,9 @@ class DemoConfig:
     live_check_prompts: int = 8
     seeds: tuple[int, ...] = (0,)
     cross_tokenizer: SmallLM | None = None  # the target-agnostic arm (demo-full)
-    bf16: bool = True  # bf16 compute where it is correct: backbone pretraining, distillation, regeneration
+    # bf16 compute where it is correct (backbone pretraining, distillation, regeneration) and the CPU has it
+    # natively: the entry point turns it off on a CPU without avx512_bf16 / amx_bf16 (base/hardware.py).
+    bf16: bool = True
     arms: tuple[str, ...] = ()  # EXTRA_ARMS to add; a finished run can be resumed with more of them
     # The harder eval sets made from the first training domain's eval prompts (evaluated with the extra arms):
     # template perturbation, long context of this many prompt tokens (the target's context is not reached on

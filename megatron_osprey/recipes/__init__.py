@@ -1,7 +1,8 @@
 """Recipes: a target x stage chain x hardware x precision, as the very configs its stages run plus a launch section.
 
 `resolve_recipe(NAME[:DOMAIN] | FILE.yaml, overrides)` gives a Recipe; `Recipe.config(stage, run_dir)` the config the
-stage runs; `run_stage(stage, argv)` is the job door every `python -m megatron_osprey.stages.X` program goes through.
+stage runs; `run_stage(stage, argv)` runs a stage with `--recipe` resolved here: the job door
+(`python -m megatron_osprey STAGE`, megatron_osprey/__main__.py) and the tools/*.py scripts call it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stage 3: adapt the pretrained backbone to one target (vocabulary, QKV expansion, fusion fc).
 
-    python -m megatron_osprey.stages.adapt --backbone BACKBONE_DIR --target TARGET_DIR --output OUT
+    python -m megatron_osprey adapt --backbone BACKBONE_DIR --target TARGET_DIR --output OUT
         [--aux-layer-ids 1 15 28] [--draft-vocab-size 32000 --token-counts counts.json]
 
 BACKBONE_DIR is the output of Stage 1 (prune) or Stage 2 (pretrain). TARGET_DIR holds the target's config.json
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_disjoint
@@ -165,7 +164,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey adapt`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("adapt", sys.argv[1:]))
+    deprecated_module_door("adapt")

@@ -2,12 +2,13 @@
 
 Every stage reads its command line the same way:
 
-    python -m megatron_osprey.stages.STAGE [--recipe NAME[:DOMAIN]|FILE.yaml [--run-dir DIR]] [flags] [--set K=V ...]
+    python -m megatron_osprey STAGE [--recipe NAME[:DOMAIN]|FILE.yaml [--run-dir DIR]] [flags] [--set K=V ...]
 
 Precedence: the stage Config's defaults < the recipe's config for this stage (recipe-level `--set` keys such as
 `paths.target=DIR` shape the recipe first) < typed flags < this stage's `--set` keys (`training.lr=2e-4`).
 A recipe is resolved by the recipe registry, which sits above the stages (its recipes build the stages'
-configs): a stage module run as a program hands it in (`megatron_osprey.recipes.run_stage`).
+configs): the job door (`python -m megatron_osprey`, megatron_osprey/__main__.py, through
+`megatron_osprey.recipes.run_stage`) hands it in. No stage module imports the registry.
 
 The exit codes are the same for every stage: 0 done; 2 bad input or an unusable file (one `error: ...` line on
 stderr, no traceback); 1 a run that failed on its own (a non-finite training loss). A stage may add its own 1
@@ -57,7 +58,7 @@ def check_inputs(paths: dict[str, str | Path | None]) -> dict[str, dict[str, str
 def stage_parser(stage: str, description: str, groups: FlagGroups) -> argparse.ArgumentParser:
     """The parser every stage has: --recipe, --run-dir, --set and the stage's flag groups (typed flags only)."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m megatron_osprey.stages.{stage}",
+        prog=f"python -m megatron_osprey {stage}",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
@@ -105,7 +106,7 @@ def parse_config(
             config, stage_overrides = config_class(), overrides
         elif recipes is None:
             raise ValueError(
-                f"--recipe needs the recipe registry: run this stage as `python -m megatron_osprey.stages.{stage}` "
+                f"--recipe needs the recipe registry: run this stage as `python -m megatron_osprey {stage}` "
                 f"(or call megatron_osprey.recipes.run_stage)."
             )
         else:
@@ -114,8 +115,29 @@ def parse_config(
         config = apply_overrides(config, stage_overrides)
     except ValueError as error:
         parser.error(str(error))
-    command = ("python", "-m", f"megatron_osprey.stages.{stage}", *argv)
+    command = ("python", "-m", "megatron_osprey", stage, *argv)
     return config, Invocation(stage, spec, command)
+
+
+def deprecated_module_door(stage: str) -> None:
+    """`python -m megatron_osprey.stages.STAGE` (deprecated, kept for one release): replace this process with
+    `python -m megatron_osprey STAGE` and the same arguments.
+
+    The stage module already runs here as `__main__`; handing over to the door by importing it would import the
+    same file a second time under its real name (two module objects, two flag tables). exec keeps the PID, the
+    environment and the interpreter options (torchrun's and srun's tasks stay theirs) and starts the door clean.
+    """
+    print(
+        f"warning: `python -m megatron_osprey.stages.{stage}` is deprecated and will be removed in the next "
+        f"release; run `python -m megatron_osprey {stage}` (same flags).",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    orig = getattr(sys, "orig_argv", [sys.executable])
+    at = len(orig) - len(sys.argv) - 1  # [python, *options, "-m", module, *args]: the options are kept
+    options = orig[1:at] if at >= 1 and orig[at] == "-m" else []
+    os.execv(sys.executable, [sys.executable, *options, "-m", "megatron_osprey", stage, *sys.argv[1:]])
 
 
 def exit_code(

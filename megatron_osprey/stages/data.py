@@ -1,6 +1,6 @@
 """Build every input a recipe reads from the conversations you have: prompts, eval splits, token counts.
 
-    python -m megatron_osprey.stages.data --input code=code.jsonl --input finance=finance.parquet \\
+    python -m megatron_osprey data --input code=code.jsonl --input finance=finance.parquet \\
         --target TARGET_DIR --output DATA_DIR [--eval-size 64] [--seed 0] [--reasoning template|drop|inline]
 
 An input is DOMAIN=PATH (a domain is any name; repeat --input for more domains or more files of one domain):
@@ -14,7 +14,6 @@ the library is data/user_data.py.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag
@@ -117,7 +116,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey data`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("data", sys.argv[1:]))
+    deprecated_module_door("data")

@@ -1,6 +1,6 @@
 """Stage 4: distill the adapted drafter against a frozen target (TTT loss), online or from a hidden-state store.
 
-    torchrun --nproc_per_node=N -m megatron_osprey.stages.distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
+    torchrun --nproc_per_node=N -m megatron_osprey distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
         --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
         | --mode on-policy --hidden-states ROLLOUT_STORE (--drafter-init: the distill stage's --save) \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
@@ -12,7 +12,6 @@ seq 4096, TTT 5 (losses/config.py). The training itself is training/distillation
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import under
@@ -154,7 +153,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door, guarded and importing the registry late for the reasons given in stages/pretrain.py.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey distill`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("distill", sys.argv[1:]))
+    deprecated_module_door("distill")

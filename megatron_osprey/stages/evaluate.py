@@ -1,6 +1,6 @@
 """Evaluate: acceptance length of drafters x eval splits against a HF target.
 
-    python -m megatron_osprey.stages.evaluate --target TARGET --drafter [NAME=]PATH [--drafter ...] \\
+    python -m megatron_osprey evaluate --target TARGET --drafter [NAME=]PATH [--drafter ...] \\
         --data SPLIT.jsonl [--data ...] --output DIR [--steps 5 --topk 1 --draft-tokens 6 [8 ...] \\
         --temperature 0 [1 ...] --max-new-tokens 4096 --prompt-messages first_user --limit N --verify-lossless] \\
         [--names A B ...] [--train-domain [NAME=]DOMAIN ...] [--method [NAME=]METHOD ...]
@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey evaluate`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("evaluate", sys.argv[1:]))
+    deprecated_module_door("evaluate")

@@ -1,6 +1,6 @@
 """Export a drafter checkpoint for serving.
 
-    python -m megatron_osprey.stages.export --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
+    python -m megatron_osprey export --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
 
 CKPT: a Megatron drafter checkpoint (Stage 3 OUT/megatron, a Stage 4 save directory), a Stage 3 OUT directory,
 or a reference drafter directory (OUT/hf). Everything comes from the checkpoint's run_config.yaml /
@@ -21,7 +21,6 @@ checked against an allow-list first, but load only checkpoints you trust. The ex
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag
@@ -103,7 +102,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey export`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("export", sys.argv[1:]))
+    deprecated_module_door("export")

@@ -1,6 +1,6 @@
 """Extract a target's hidden states (aux layers + final pre-norm) for offline distillation.
 
-    torchrun --nproc_per_node=8 -m megatron_osprey.stages.extract --target /models/MiniMax-M2.5 \\
+    torchrun --nproc_per_node=8 -m megatron_osprey extract --target /models/MiniMax-M2.5 \\
         --data conversations.jsonl --output /store/minimax --expert-model-parallel-size 8 \\
         --tensor-model-parallel-size 1 --gpu-memory-gib 139
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
@@ -191,7 +190,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey extract`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("extract", sys.argv[1:]))
+    deprecated_module_door("extract")

@@ -1,6 +1,6 @@
 """N-gram drafter: count a corpus with the target's tokenizer; keep each context's most frequent continuation.
 
-    python -m megatron_osprey.stages.ngram --input CORPUS.jsonl [--input ...] --tokenizer TARGET_DIR --order 4 \\
+    python -m megatron_osprey ngram --input CORPUS.jsonl [--input ...] --tokenizer TARGET_DIR --order 4 \\
         --output DIR [--min-count 1] [--json-key text] [--corpus-kind auto|text|conversations] [--limit N]
 
 CORPUS: text JSONL (one string under --json-key per row) or conversations JSONL, whose assistant turns are
@@ -14,7 +14,6 @@ counting is speculative/ngram.py.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_output, prepare_output
@@ -112,7 +111,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door, as every stage's: the recipe registry resolves --recipe (no recipe holds this stage).
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey ngram`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("ngram", sys.argv[1:]))
+    deprecated_module_door("ngram")

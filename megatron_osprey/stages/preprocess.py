@@ -1,6 +1,6 @@
 """Tokenize text documents into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx) for Stage 2.
 
-    python -m megatron_osprey.stages.preprocess --input data.jsonl.zst --json-key text \\
+    python -m megatron_osprey preprocess --input data.jsonl.zst --json-key text \\
         --tokenizer TOKENIZER_DIR --output-prefix out/fineweb --workers 16 [--partitions 8]
 
 Input: JSONL (plain, .gz or .zst), Parquet, a `datasets` save_to_disk directory, or a directory of such
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
+from megatron_osprey.base.redact import configure_redacted_logging
 from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
     # megatron.core's package import warns about training-only extras (TE, apex) that tokenization never uses.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
     config, invocation = parse_config(argv, "preprocess", PreprocessConfig, FLAGS, __doc__, recipes)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    configure_redacted_logging(logging.INFO)  # a dataset URL may carry a token
 
     def tokenize() -> None:
         run(config, invocation)
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey preprocess`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("preprocess", sys.argv[1:]))
+    deprecated_module_door("preprocess")

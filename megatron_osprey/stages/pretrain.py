@@ -1,6 +1,6 @@
 """Stage 2: pretrain the pruned backbone on web text (next-token loss), with Megatron-LM's flags.
 
-    torchrun --nproc_per_node=N -m megatron_osprey.stages.pretrain --backbone PRUNED_DIR --data-path PREFIX \\
+    torchrun --nproc_per_node=N -m megatron_osprey pretrain --backbone PRUNED_DIR --data-path PREFIX \\
         [--recipe NAME [--run-dir DIR]] [Megatron-LM flags ...] [--set section.key=value ...]
 
 The training itself is training/pretraining.py on the shared assembly of training/.
@@ -9,7 +9,6 @@ The training itself is training/pretraining.py on the shared assembly of trainin
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import under, without
@@ -122,8 +121,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door. The recipe registry builds this module's config, so only the program imports it. The guard
-    # matters too: every checkpoint save starts a multiprocessing Manager with spawn.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey pretrain`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("pretrain", sys.argv[1:]))
+    deprecated_module_door("pretrain")

@@ -1,7 +1,7 @@
 """Stage 1: prune a HF small LM (e.g. Qwen3-4B) to its embedding + first N blocks + final norm + LM head.
 
-    python -m megatron_osprey.stages.prune --source HF_DIR --num-layers 2 --output OUT
-    torchrun --nproc_per_node=2 -m megatron_osprey.stages.prune ... --tensor-model-parallel-size 2
+    python -m megatron_osprey prune --source HF_DIR --num-layers 2 --output OUT
+    torchrun --nproc_per_node=2 -m megatron_osprey prune ... --tensor-model-parallel-size 2
 
 Writes OUT/megatron (dist checkpoint, loadable at any TP/PP), OUT/hf (safetensors + tokenizer),
 OUT/run_config.yaml and OUT/provenance.json. The surgery is models/backbone/prune.py.
@@ -10,7 +10,6 @@ OUT/run_config.yaml and OUT/provenance.json. The surgery is models/backbone/prun
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_disjoint
@@ -139,7 +138,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey prune`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("prune", sys.argv[1:]))
+    deprecated_module_door("prune")

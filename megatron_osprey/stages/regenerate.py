@@ -1,10 +1,10 @@
 """Regenerate every assistant turn of a conversations JSONL with the target model.
 
-    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl \\
+    python -m megatron_osprey regenerate --input prompts.jsonl --output regen.jsonl \\
         --backend server --server-url http://10.0.0.1:30000 --server-url http://10.0.0.2:30000 \\
         --temperature 0 --max-tokens 2048 --concurrency 64 --retries 3
-    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl --backend hf --model DIR
-    python -m megatron_osprey.stages.regenerate --input prompts.jsonl --output regen.jsonl --serve vllm --model DIR
+    python -m megatron_osprey regenerate --input prompts.jsonl --output regen.jsonl --backend hf --model DIR
+    python -m megatron_osprey regenerate --input prompts.jsonl --output regen.jsonl --serve vllm --model DIR
 
 Rerunning the same command resumes: ids already in the output are skipped. Failed rows are listed in
 OUT.failures.jsonl. The API key comes from $OPENAI_API_KEY (or the variable named by --api-key-env) and is
@@ -21,11 +21,11 @@ import logging
 import os
 import secrets
 import socket
-import sys
 from pathlib import Path
 from typing import Iterator
 
 from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES, EngineUnavailable
+from megatron_osprey.base.redact import configure_redacted_logging
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.data.regenerate.backends import (
     BackendRequestError,
@@ -222,8 +222,9 @@ def server_log_path(output: str | os.PathLike) -> Path:
 
 
 @contextlib.contextmanager
-def serve_target(config: RegenerateConfig) -> Iterator[ServedPool]:
-    """vLLM's OpenAI server on config.model for the length of the block: loopback, a fresh key it requires."""
+def serve_target(config: RegenerateConfig, api_key: str | None = None) -> Iterator[ServedPool]:
+    """vLLM's OpenAI server on config.model for the length of the block: loopback, requiring `api_key` (None: a
+    fresh one)."""
     from megatron_osprey.base.engines import (
         EngineServer,
         VllmServeArgs,
@@ -252,7 +253,7 @@ def serve_target(config: RegenerateConfig) -> Iterator[ServedPool]:
         reasoning_parser=serve.reasoning_parser,
         trust_remote_code=config.trust_remote_code,
     )
-    api_key = secrets.token_hex(24)
+    api_key = api_key or secrets.token_hex(24)
     environ = vllm_environment(python, api_key, os.environ, on_cpu=on_cpu)
     # The server imports this checkout's megatron_osprey (its model plugin), not another installed copy.
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH", "")) if p)
@@ -311,9 +312,14 @@ def build_backend(config: RegenerateConfig, served: ServedPool | None = None):
     )
 
 
-def run(config: RegenerateConfig, invocation: Invocation = Invocation("regenerate"), served: ServedPool | None = None):
-    """Regenerate config.input into config.output (through `served`, or the server --serve starts, when given);
-    returns the RegenerateSummary."""
+def run(
+    config: RegenerateConfig,
+    invocation: Invocation = Invocation("regenerate"),
+    served: ServedPool | None = None,
+    api_key: str | None = None,
+):
+    """Regenerate config.input into config.output (through `served`, or the server --serve starts, requiring
+    `api_key`, when given); returns the RegenerateSummary."""
     from megatron_osprey.data.regenerate import RegenerationRun, regenerate_file
 
     config.validate()
@@ -323,7 +329,7 @@ def run(config: RegenerateConfig, invocation: Invocation = Invocation("regenerat
     )
     with contextlib.ExitStack() as stack:
         if served is None and config.serve.engine is not None:
-            served = stack.enter_context(serve_target(config))
+            served = stack.enter_context(serve_target(config, api_key))
         backend = build_backend(config, served)
         try:
             summary = regenerate_file(files, backend)
@@ -344,10 +350,13 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
     config, invocation = parse_config(argv, "regenerate", RegenerateConfig, FLAGS, __doc__, recipes)
     if config.serve.engine == "vllm" and config.serve.python is None:
         config.serve.python = os.environ.get("VLLM_PYTHON") or None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # With --serve the job's own key, made here so that the redacting log handler knows it too.
+    job_key = secrets.token_hex(24) if config.serve.engine is not None else None
+    key = job_key or (server_api_key(config.api_key_env, os.environ) if config.backend == "server" else None)
+    configure_redacted_logging(logging.INFO, secrets=(key,) if key else ())
 
     def regenerate_and_report() -> int:
-        summary = run(config, invocation)
+        summary = run(config, invocation, api_key=job_key)
         print(
             f"regenerate: {summary.total} rows, {summary.already_done} already done, "
             f"{summary.succeeded} regenerated, {summary.failed} failed -> {summary.output_path}",
@@ -366,7 +375,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door; the recipe registry builds this module's config, so only the program imports it.
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey regenerate`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("regenerate", sys.argv[1:]))
+    deprecated_module_door("regenerate")

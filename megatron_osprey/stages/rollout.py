@@ -1,10 +1,10 @@
 """Draft-OPD rollout: the current drafter and the target decode the training prompts; every verify round is stored.
 
-    python -m megatron_osprey.stages.rollout --target TARGET_DIR --drafter DISTILL_SAVE_DIR \\
+    python -m megatron_osprey rollout --target TARGET_DIR --drafter DISTILL_SAVE_DIR \\
         --data CONVERSATIONS.jsonl --output ROLLOUT_STORE [--steps 5] [--top-k 32] [--max-new-tokens 256] [--limit N]
         [--temperature T [--seed S]] [--no-replay] [--target-backend hf|megatron [--tensor-model-parallel-size N]]
-    torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ...   (HF: N replicas, each its slice)
-    torchrun --nproc-per-node N python -m megatron_osprey.stages.rollout ... --target-backend megatron \\
+    torchrun --nproc-per-node N -m megatron_osprey rollout ...   (HF: N replicas, each its slice)
+    torchrun --nproc-per-node N -m megatron_osprey rollout ... --target-backend megatron \\
         --tensor-model-parallel-size T   (N / T data-parallel replicas, each rolling out its slice of the prompts)
         [--sequence-parallel] [--expert-model-parallel-size E --expert-tensor-parallel-size 1]   (MoE targets)
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_disjoint
@@ -446,7 +445,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door, as every stage's: the recipe registry resolves --recipe (the *_opd_* recipes hold this stage).
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey rollout`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("rollout", sys.argv[1:]))
+    deprecated_module_door("rollout")

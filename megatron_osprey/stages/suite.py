@@ -1,7 +1,7 @@
 """A public benchmark suite as an eval set: one user turn per row, as the paper's release builds each prompt.
 
-    python -m megatron_osprey.stages.suite --suite humaneval --source package --output eval/humaneval.jsonl
-    python -m megatron_osprey.stages.suite --suite mgsm --source data/mgsm/ --output eval/mgsm.jsonl --limit 250
+    python -m megatron_osprey suite --suite humaneval --source package --output eval/humaneval.jsonl
+    python -m megatron_osprey suite --suite mgsm --source data/mgsm/ --output eval/mgsm.jsonl --limit 250
 
 --suite is one of humaneval, math500, livecodebench, mtbench (its first turn), mgsm, global_mmlu and
 global_mmlu_native. --source is a JSONL (optionally .gz) or Parquet file, a `datasets` save_to_disk directory,
@@ -15,7 +15,6 @@ sha256), so a directory holding another stage's record is refused. The prompts a
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag
@@ -102,7 +101,8 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
 
 
 if __name__ == "__main__":
-    # The job door, as every stage's: the recipe registry resolves --recipe (no recipe holds this stage).
-    from megatron_osprey.recipes import run_stage
+    # Deprecated for one release: hands over to the job door (`python -m megatron_osprey suite`) by exec,
+    # so the job never imports this file twice; the recipe registry above the stages is the door's to import.
+    from megatron_osprey.stages.cli import deprecated_module_door
 
-    sys.exit(run_stage("suite", sys.argv[1:]))
+    deprecated_module_door("suite")

@@ -3,14 +3,19 @@ pointer, the recorded checksums, and reads that refuse crafted or damaged files 
 
 from __future__ import annotations
 
+import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from torch.distributed.checkpoint._traverse import set_element
 
-from megatron_osprey.base.checksums import verify_checksums
+from megatron_osprey.base.checksums import CHECKSUMS_FILE, verify_checksums
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+ITERATION_NAME = re.compile(r"iter_\d{7}")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -18,9 +23,17 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
 
 
 def read_latest_iteration(root: str | Path) -> int | None:
-    """The iteration the latest pointer names, or None when there is no complete checkpoint."""
+    """The iteration the latest pointer names, or None when there is no checkpoint; a directory that holds
+    iterations without its pointer is refused (a resume from init would overwrite them)."""
     pointer = Path(root) / LATEST_FILE
     if not pointer.is_file():
+        saved = sorted(p.name for p in Path(root).glob("iter_*") if ITERATION_NAME.fullmatch(p.name) and p.is_dir())
+        if saved:
+            raise FileNotFoundError(
+                f"{pointer} is missing but {Path(root)} holds {len(saved)} iterations (the last {saved[-1]}): "
+                f"restore the pointer (a file holding the iteration number, e.g. {int(saved[-1][5:])}) or name "
+                f"one with --ckpt-step."
+            )
         return None
     text = pointer.read_text().strip()
     if not text.isdigit():
@@ -101,14 +114,81 @@ def check_checkpoint_metadata(path: str | Path) -> None:
         ) from None
 
 
+# The byte entries of a .distcp file (a ShardedObject each: the RNG state, Transformer Engine's _extra_state)
+# are torch.save pickles that torch's DefaultLoadPlanner.load_bytes decodes with weights_only=False: a crafted
+# entry would run code on resume. They are decoded weights-only here (tensors and plain containers), plus the
+# NumPy array globals of an RNG state saved before capture_rng_state stored NumPy's keys as a tensor (an array's
+# reconstruction runs no code of the file's choosing). Transformer Engine 2.x keeps its _extra_state as a tensor.
+_UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _legacy_numpy_globals() -> list:
+    import numpy as np
+
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # NumPy 2 / 1
+    return [np.dtype, np.ndarray, multiarray._reconstruct, type(np.dtype(np.uint32))]
+
+
+def decode_byte_entry(value: io.BytesIO, key: str):
+    """One byte entry of a .distcp, decoded weights-only; a pickle naming anything else is refused by its key."""
+    try:
+        with torch.serialization.safe_globals(_legacy_numpy_globals()):
+            return torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _UNSAFE_GLOBAL.search(str(exc))
+        what = f"references {found.group(1)}" if found else f"is not plain data ({str(exc).splitlines()[0][:120]})"
+        raise _ForbiddenGlobal(f"its entry {key!r} {what}, which a checkpoint's byte entries never hold") from None
+
+
+class PlainDataLoadPlanner(mcore_torch.MCoreLoadPlanner):
+    """MCoreLoadPlanner whose byte entries go through decode_byte_entry."""
+
+    # DefaultLoadPlanner.load_bytes (torch 2.13) with the decoding replaced.
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        decoded = decode_byte_entry(value, fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], decoded)
+        else:
+            self.state_dict[fqn] = decoded
+
+
+class PlainDataLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+    """megatron-core's torch_dist load strategy with PlainDataLoadPlanner (every dist checkpoint load uses it)."""
+
+    # TorchDistLoadShardedStrategy.load of megatron-core 0.16.1, which builds its planner inline (a test pins
+    # that method's source), with PlainDataLoadPlanner in place of MCoreLoadPlanner.
+    def load(self, sharded_state_dict, checkpoint_dir):
+        tensors = [v for v in mcore_torch.nested_values(sharded_state_dict) if isinstance(v, mcore_torch.ShardedTensor)]
+        original = sharded_state_dict
+        sharded_state_dict, flat_mapping, rename_mapping = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict
+        )
+        pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, True)
+        reader = mcore_torch._get_filesystem_reader(checkpoint_dir, cache_metadata=True)
+        mcore_torch.checkpoint.load_state_dict(
+            pyt_state_dict,
+            reader,
+            planner=PlainDataLoadPlanner(
+                shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
+                allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
+            ),
+        )
+        self.cached_global_metadata = reader.read_metadata()
+        loaded = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        loaded = mcore_torch._replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
+        mcore_torch._restore_dict_types(loaded, original)
+        return loaded
+
+
 SKIP_CHECKSUM_HINT = "pass --skip-checksum"
 
 
 def check_checkpoint_files(path: str | Path, verify: bool = True) -> None:
     """Collective: rank 0 compares PATH's files with the checksums the save recorded; every rank raises its refusal.
 
-    One rank reads the bytes (all ranks share the checkpoint's filesystem); a checkpoint saved before
-    checksums were recorded loads unchecked.
+    One rank reads the bytes (all ranks share the checkpoint's filesystem); a checkpoint without its
+    checksums.json is refused like a damaged one.
     """
     if not verify:
         return
@@ -116,7 +196,11 @@ def check_checkpoint_files(path: str | Path, verify: bool = True) -> None:
     message = [None]
     if not distributed or torch.distributed.get_rank() == 0:
         try:
-            verify_checksums(path, SKIP_CHECKSUM_HINT)
+            if not verify_checksums(path, SKIP_CHECKSUM_HINT):
+                message = [
+                    f"{Path(path) / CHECKSUMS_FILE} is missing: every save records it, so these files cannot be "
+                    f"checked; {SKIP_CHECKSUM_HINT} to load them unverified (only a copy you trust)."
+                ]
         except (ValueError, OSError) as exc:
             message = [str(exc)]
     if distributed:
@@ -132,11 +216,19 @@ def load_sharded(sharded_state_dict: dict, path: Path) -> dict:
 
     check_checkpoint_metadata(path)
     try:
-        return dist_checkpointing.load(sharded_state_dict, str(path))
+        return dist_checkpointing.load(sharded_state_dict, str(path), sharded_strategy=PlainDataLoadStrategy())
     except (CheckpointException, RuntimeError, OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-        # torch gathers every rank's failure into a CheckpointException (a BaseException): name the first.
-        cause = next(iter(exc.failures.values()), exc) if isinstance(exc, CheckpointException) else exc
-        cause = getattr(cause, "exc", cause)  # torch wraps it with its traceback
+        # torch gathers every rank's failure into a CheckpointException (a BaseException), each step's failures
+        # in another, each failure with its traceback: name the first.
+        cause = exc
+        while isinstance(cause, CheckpointException) and cause.failures:
+            cause = next(iter(cause.failures.values()))
+            cause = getattr(cause, "exc", cause)
+            cause = cause[0] if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException) else cause
+        if isinstance(cause, _ForbiddenGlobal):
+            raise ValueError(
+                f"{path}: refusing to load this checkpoint: {cause}. Load only checkpoints you trust."
+            ) from None
         lines = str(cause).strip().splitlines()
         first = lines[0] if lines else ""
         exc = cause if isinstance(cause, BaseException) else exc

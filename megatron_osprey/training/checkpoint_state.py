@@ -23,15 +23,17 @@ def parallel_layout() -> dict[str, int]:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) generators and Megatron's RNG-tracker streams."""
+    """Python, NumPy, torch (and CUDA) generators and Megatron's RNG-tracker streams, as plain data and tensors
+    (what a weights-only load decodes: NumPy's key array travels as a tensor, not a pickled ndarray)."""
     import random
 
     import numpy as np
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
@@ -48,7 +50,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    # A tensor since capture_rng_state saves one; an ndarray in checkpoints saved before.
+    keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((name, keys, *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -234,12 +234,14 @@ def load_model_weights(
     return iteration
 
 
-def load_backbone_weights(megatron_dir: str | Path, model_chunks: list, fresh: tuple[str, ...] = ()) -> int:
+def load_backbone_weights(
+    megatron_dir: str | Path, model_chunks: list, fresh: tuple[str, ...] = (), *, verify: bool = True
+) -> int:
     """Initial weights from a Stage 1 checkpoint (model only, resharded to this layout); returns its iteration."""
     iteration = None
     for i, chunk in enumerate(model_chunks):
         # The files once; keys starting with `fresh` keep their init.
-        iteration = load_model_weights(megatron_dir, unwrap_model(chunk), verify=i == 0, fresh=fresh)
+        iteration = load_model_weights(megatron_dir, unwrap_model(chunk), verify=verify and i == 0, fresh=fresh)
     return iteration
 
 

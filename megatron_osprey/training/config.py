@@ -226,7 +226,11 @@ CHECKPOINT_FLAGS = [
     Flag(
         "--skip-checksum",
         "skip_checksum",
-        {**STORE_TRUE, "help": "load --load without verifying its files against the sha256 recorded at save"},
+        {
+            **STORE_TRUE,
+            "help": "load --load (and pretrain's --backbone) without verifying its files against the sha256 "
+            "recorded at save, or without that record (checksums.json)",
+        },
     ),
 ]
 LOGGING_FLAGS = [

@@ -67,7 +67,9 @@ def initial_weights(arch: ModelArch, cfg, state: ParallelState) -> Callable[[lis
 
     def initialize(chunks: list) -> None:
         if cfg.model.backbone:
-            checkpointing.load_backbone_weights(Path(cfg.model.backbone) / "megatron", chunks)
+            checkpointing.load_backbone_weights(
+                Path(cfg.model.backbone) / "megatron", chunks, verify=not cfg.checkpoint.skip_checksum
+            )
         else:
             for chunk in chunks:
                 load_hf_weights(chunk, cfg.model.hf_model, arch, state.tp_rank, cfg.parallel.tensor_model_parallel_size)

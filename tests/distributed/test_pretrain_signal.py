@@ -1,4 +1,4 @@
-"""SIGTERM to one rank of a `python -m megatron_osprey.stages.pretrain` job: both save at one iteration, exit 0."""
+"""SIGTERM to one rank of a `python -m megatron_osprey pretrain` job: both save at one iteration, exit 0."""
 
 import os
 import re
@@ -31,7 +31,8 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=127.0.0.1:0",
         "-m",
-        "megatron_osprey.stages.pretrain",
+        "megatron_osprey",
+        "pretrain",
         "--recipe",
         "tiny_cpu_backbone_pretrain_2proc_fp32",
         "--backbone",

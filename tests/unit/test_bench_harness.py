@@ -195,16 +195,20 @@ def quick_workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bench")  # shared: the two model pairs share the adapted drafter
 
 
-@pytest.mark.parametrize("name", ["distillation", "speculative"])
-def test_quick_model_pairs_build_and_run_once(name, tiny_target, quick_workdir, monkeypatch):
+@pytest.mark.parametrize("name, bf16", [("distillation", True), ("speculative", True), ("distillation", False)])
+def test_quick_model_pairs_build_and_run_once(name, bf16, tiny_target, quick_workdir, tmp_path, monkeypatch):
+    """bf16=False: a CPU without native bf16, where both sides of the distillation step compute in float32."""
     import megatron_osprey.assets
 
     monkeypatch.setattr(megatron_osprey.assets, "get_model_dir", lambda _name: tiny_target)
-    pair = bench.build_pair(name, bench.Sizes.quick(), quick_workdir)
+    pair = bench.build_pair(name, bench.Sizes.quick(), quick_workdir if bf16 else tmp_path, bf16=bf16)
     row = run_pair(pair, runs=1, warmup=0, say=lambda _: None)  # runs the pair's check: same batch / same tokens
     assert row.runs == 1 and row.peer_name
     if name == "distillation":
         assert row.limit_s is not None and row.limit_s > 0 and "GFLOP" in row.limit_name
+        dtype = "bf16" if bf16 else "float32"
+        assert row.stage.endswith(f"TTT 5, {dtype})") and f"measured {dtype} matmul rate" in row.limit_name
+        assert ("bf16 autocast" in row.peer_name) is bf16
         import torch
 
         assert not torch.distributed.is_initialized()  # the pair's close released the stage's process groups

@@ -221,7 +221,7 @@ def test_the_offline_benchmark_suite_is_written_by_osprey_suite_and_evaluated_on
     suites = build_suite_sets(steps, cfg, tmp_path)
     assert OFFLINE_SUITES == ("humaneval",) and suites == [tmp_path / "data" / "suites" / "humaneval.jsonl"]
     written = steps.commands["suite_humaneval"]
-    assert written[:2] == ["-m", "megatron_osprey.stages.suite"] and written[written.index("--limit") + 1] == "32"
+    assert written[:3] == ["-m", "megatron_osprey", "suite"] and written[written.index("--limit") + 1] == "32"
     assert written[written.index("--source") + 1] == "package"
     base = [{"name": f"{m}_chat_s{s}", "method": m, "domain": "chat", "seed": s, "path": tmp_path} for m in
             ("osprey", "eagle3") for s in (0, 1)]  # fmt: skip

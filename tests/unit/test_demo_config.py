@@ -99,6 +99,20 @@ def test_a_resumed_run_reports_the_seconds_of_the_steps_it_skipped(tmp_path):
     assert "Resumed" not in _time_line({"seconds": 60.0, "step_seconds": {"other": 30.0}})
 
 
+def test_a_step_recorded_before_the_job_door_still_counts_as_finished(tmp_path):
+    # Runs recorded `-m megatron_osprey.stages.STAGE`; the door spells the same step `-m megatron_osprey STAGE`.
+    import json
+
+    from megatron_osprey.demo.step_runner import StepRunner
+
+    steps = StepRunner(tmp_path, total_steps=1)
+    old = ["-m", "megatron_osprey.stages.data", "--input", "chat=x.jsonl", "--seed", "0"]
+    (steps.done / "data.json").write_text(json.dumps({"command": old, "seconds": 12.5}))
+    assert steps.finished("data", ["-m", "megatron_osprey", "data", "--input", "chat=x.jsonl", "--seed", "0"]) == 12.5
+    assert steps.finished("data", ["-m", "megatron_osprey", "data", "--input", "chat=x.jsonl", "--seed", "1"]) is None
+    assert steps.finished("data", ["-m", "megatron_osprey", "ngram", "--input", "chat=x.jsonl", "--seed", "0"]) is None
+
+
 def test_speed_names_the_batch_that_really_ran():
     from megatron_osprey.demo.report import speed
 
@@ -185,7 +199,7 @@ def test_the_data_step_is_osprey_data_on_the_user_files(tmp_path):
     cfg = DemoConfig.smoke()
     files = {d: tmp_path / "raw" / f"{d}.jsonl" for d in cfg.domains()}
     argv = user_data_argv(cfg, files, tmp_path / "target", tmp_path / "user")
-    assert argv[:2] == ["-m", "megatron_osprey.stages.data"]
+    assert argv[:3] == ["-m", "megatron_osprey", "data"]
     inputs = [argv[i + 1] for i, word in enumerate(argv) if word == "--input"]
     assert inputs == [f"chat={files['chat']}", f"math={files['math']}"]
     assert _flag(argv, "--eval-size") == str(cfg.n_eval) and _flag(argv, "--seed") == str(cfg.seed)

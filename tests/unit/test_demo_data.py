@@ -36,7 +36,7 @@ def test_osprey_data_splits_the_user_files_and_the_mix_leaves_the_held_out_texts
     data = build_data(StepRunner(tmp_path, total_steps=1), cfg, tmp_path, target)
 
     record = json.loads((tmp_path / ".steps" / "data.json").read_text())["command"]
-    assert record[:2] == ["-m", "megatron_osprey.stages.data"]  # the job door, its command line recorded
+    assert record[:3] == ["-m", "megatron_osprey", "data"]  # the job door, its command line recorded
     for domain in ("code", "math"):
         raw = {c.id for c in read_conversations(tmp_path / "data" / "raw" / f"{domain}.jsonl")}
         train = {c.id for c in read_conversations(data["splits"][domain]["train"])}

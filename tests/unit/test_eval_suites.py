@@ -129,7 +129,7 @@ def test_humaneval_from_the_pinned_package(tmp_path, monkeypatch):
 
 
 def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_path, capsys):
-    """`osprey suite` / `python -m megatron_osprey.stages.suite`: the eval set evaluate reads; one-line errors
+    """`osprey suite` / `python -m megatron_osprey suite`: the eval set evaluate reads; one-line errors
     naming the flag; an existing output kept unless --overwrite."""
     from megatron_osprey.stages.suite import main
 
@@ -185,5 +185,5 @@ def test_osprey_suite_is_a_door_to_the_suite_stage():
     shown = subprocess.run(
         [sys.executable, "-c", script, "suite", "--help"], cwd=repo, capture_output=True, text=True, timeout=300
     )
-    assert shown.returncode == 0 and "python -m megatron_osprey.stages.suite" in shown.stdout, shown.stderr
+    assert shown.returncode == 0 and "python -m megatron_osprey suite" in shown.stdout, shown.stderr
     assert "--source" in shown.stdout and "humaneval" in shown.stdout

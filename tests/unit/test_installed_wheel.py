@@ -106,7 +106,9 @@ def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_
     shipped = {p.name for p in (site / "launcher" / "slurm").glob("*.sbatch")}
     assert shipped == {p.name for p in (REPO / "slurm").glob("*.sbatch")}  # every template of the checkout
     assert shipped >= {"distributed.sbatch", "stage.sbatch", "regenerate.sbatch", "eval_sglang.sbatch"}
-    # Every command the launcher runs is a module the wheel holds (no tools/*.py: the wheel has none).
+    # Every command the launcher runs is a module the wheel holds (no tools/*.py: the wheel has none): the job door
+    # and the stage modules it imports.
+    assert (site / "megatron_osprey" / "__main__.py").is_file()
     for stage, module in out["modules"].items():
         where = site / Path(*module.split("."))
         assert where.with_suffix(".py").is_file() or (where / "__main__.py").is_file(), (stage, module)
@@ -115,15 +117,15 @@ def test_osprey_from_an_installed_wheel_renders_modules_and_templates_under_the_
     # A local run: a module, started in the user's directory, where its relative paths then resolve. The job
     # resolves the recipe itself: it receives --recipe and the run directory every path derives from.
     assert out["export_rc"] == 0 and out["export_cwd"] == str(cwd)
-    assert out["export_argv"][1:] == ["-m", "megatron_osprey.stages.export", "--recipe", RECIPE, "--run-dir", RUN_DIR]
-    assert f"-m megatron_osprey.stages.export --recipe {RECIPE} --run-dir {RUN_DIR}" in export_out
+    assert out["export_argv"][1:] == ["-m", "megatron_osprey", "export", "--recipe", RECIPE, "--run-dir", RUN_DIR]
+    assert f"-m megatron_osprey export --recipe {RECIPE} --run-dir {RUN_DIR}" in export_out
     assert out["plan_rc"] == 0 and f"recipe   {RECIPE}_chat (stage export, cpu, fp32)" in plan_out
 
     # An sbatch script from the wheel's template: the job runs the module from the user's directory.
     assert out["submit_rc"] == 0 and sbatch.startswith("# --- preprocess ---\n#!/bin/bash")  # a dry run's header
     assert f'OSPREY_REPO="${{OSPREY_REPO:-{cwd}}}"' in sbatch
     assert f"{cwd}:{cwd}" in sbatch  # the default container mount
-    assert f"ENTRY=(-m megatron_osprey.stages.preprocess --recipe {RECIPE} --run-dir {cwd / 'runs' / 'x'})" in sbatch
+    assert f"ENTRY=(-m megatron_osprey preprocess --recipe {RECIPE} --run-dir {cwd / 'runs' / 'x'})" in sbatch
     # The jobs' interpreter defaults to the one `osprey` ran on (this venv's, which happens to live in the
     # checkout); nothing else points into the checkout.
     assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in sbatch

@@ -142,7 +142,8 @@ def test_a_job_receives_the_recipe_and_its_overrides_not_a_flag_list(tmp_path):
     args = job_args("qwen3_8b_osprey_distill_2gpu_h100_bf16:code", "distill", str(tmp_path), ["training.lr=2e-4"])
     assert args == [
         "-m",
-        "megatron_osprey.stages.distill",
+        "megatron_osprey",
+        "distill",
         "--recipe",
         "qwen3_8b_osprey_distill_2gpu_h100_bf16:code",
         "--run-dir",
@@ -173,7 +174,7 @@ def test_the_config_a_job_resolves_is_what_plan_prints(tmp_path, capsys):
     # The stage module's own parse of the job's argv gives the very config the plan printed.
     from megatron_osprey.stages.distill import config_from_args
 
-    config, invocation = config_from_args(job_args(spec, "distill", run_dir, overrides)[2:], recipes=stage_resolver)
+    config, invocation = config_from_args(job_args(spec, "distill", run_dir, overrides)[3:], recipes=stage_resolver)
     assert to_plain(config) == to_plain(resolved) == printed["config"] and invocation.recipe == spec
     assert config.optimizer.lr == 2e-4
 
@@ -202,7 +203,7 @@ def test_every_stage_of_every_recipe_renders_a_script_that_bash_and_shellcheck_a
         paths.append(path)
         assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, stage
         if "sglang.launch_server" not in script or stage == "regenerate":  # GPU eval serves the export instead
-            assert "--recipe" in script and f"megatron_osprey.stages.{stage}" in script, stage
+            assert f"ENTRY=(-m megatron_osprey {stage} --recipe " in script, stage
         assert "--gpus-per-node" in script or recipe.hardware == "cpu", stage
     if shutil.which("shellcheck"):  # .ci/run installs it
         lint = subprocess.run(["shellcheck", "-S", "warning", *map(str, paths)], capture_output=True, text=True)
@@ -283,7 +284,7 @@ def test_osprey_ngram_runs_the_ngram_stage_with_its_own_flags(tmp_path):
     script = "import sys; from launcher.cli import main; sys.exit(main(sys.argv[1:]))"
     run = [sys.executable, "-c", script, "ngram"]
     shown = subprocess.run([*run, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0 and "python -m megatron_osprey.stages.ngram" in shown.stdout, shown.stderr
+    assert shown.returncode == 0 and "python -m megatron_osprey ngram" in shown.stdout, shown.stderr
     assert "--order" in shown.stdout and "--tokenizer" in shown.stdout
     refused = subprocess.run(
         [*run, "--tokenizer", str(tmp_path), "--output", str(tmp_path / "ng")],
@@ -362,7 +363,7 @@ def test_the_cpu_smoke_regenerates_through_vllm_where_the_checkout_has_its_envir
     assert "--enforce-eager --kv-cache-memory-bytes 1073741824" in server
     assert "api-key" not in server.replace("--api-key-env OSPREY_SERVER_API_KEY", "")  # the key travels in the env
     assert server in (tmp_path / "srun.log.keyed").read_text().splitlines()
-    (client,) = [line for line in lines if "megatron_osprey.stages.regenerate" in line]
+    (client,) = [line for line in lines if "-m megatron_osprey regenerate" in line]
     assert "--api-key-env OSPREY_SERVER_API_KEY" in client and "--server-url http://127.0.0.1:" in client
 
 
@@ -413,7 +414,7 @@ def test_each_regeneration_server_step_asks_for_its_share_of_the_node_memory(nam
     assert len(shares) == 1 and len([line for line in servers if "--mem=" in line]) == len(servers)
     # The servers of one node together ask for the job's memory per node, so they all start at once.
     assert 0 <= _mib(node_mem) - per_node * _mib(shares.pop()) < per_node
-    client = [line for line in lines if "megatron_osprey.stages.regenerate" in line]
+    client = [line for line in lines if "-m megatron_osprey regenerate" in line]
     assert len(client) == 1 and "--overlap" in client[0] and "--mem=" not in client[0]
 
 
@@ -487,7 +488,8 @@ def test_every_megatron_stage_of_a_gpu_recipe_trains_with_one_cuda_connection(na
         env, args = _task_environment(render(recipe, name, stage, str(tmp_path / "run")), tmp_path)
         assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1", (stage, env)
         # The training process itself, past srun and the task wrapper: its rank and its stage's module.
-        assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and f"megatron_osprey.stages.{stage}" in args, args
+        assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1", env
+        assert args[args.index("-m") :][:4] == ["-m", "megatron_osprey", stage, "--recipe"], args
 
 
 def test_osprey_demo_runs_the_demo_with_its_own_flags():
@@ -520,12 +522,15 @@ def test_a_vllm_recipe_evaluates_in_vllm_with_its_tensor_parallel_size_and_concu
     tp = recipe.servers.tensor_parallel_size
     assert tp > 1
     script = render(recipe, name, "evaluate", str(tmp_path / "run"))
-    assert script.startswith("#!/bin/bash\n# Evaluate the exported drafter in vLLM") and "stages.evaluate" in script
+    assert (
+        script.startswith("#!/bin/bash\n# Evaluate the exported drafter in vLLM")
+        and "-m megatron_osprey evaluate" in script
+    )
     assert f"#SBATCH --gpus-per-node={tp}" in script
     python = _fake_vllm_venv(tmp_path, with_preload=False)
     done, (line,) = _run_stage_job(script, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert f"--gpus={tp} " in line and "-m megatron_osprey.stages.evaluate --recipe " + name in line
+    assert f"--gpus={tp} " in line and "-m megatron_osprey evaluate --recipe " + name in line
     assert line.endswith(
         f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4 16 --vllm-tensor-parallel-size {tp}"
     )
@@ -554,4 +559,4 @@ def test_the_cpu_chain_can_evaluate_in_vllm_where_the_job_finds_it(tmp_path):
     bare.mkdir()
     done, (line,) = _run_stage_job(script, bare)
     assert done.returncode == 0 and "--engine" not in line
-    assert line.endswith(f"-m megatron_osprey.stages.evaluate --recipe {name} --run-dir {tmp_path / 'run'}")
+    assert line.endswith(f"-m megatron_osprey evaluate --recipe {name} --run-dir {tmp_path / 'run'}")

@@ -32,3 +32,36 @@ def test_the_job_key_is_the_default_bearer_key_and_an_explicit_variable_wins():
     assert server_api_key("MINE", env) == "mine"
     assert server_api_key(None, {"OPENAI_API_KEY": "openai-key"}) == "openai-key"
     assert server_api_key(None, {}) is None
+
+
+def test_log_lines_of_any_logger_carry_no_url_secret_or_key():
+    """What httpx logs at INFO (the request URL), a traceback holding a URL, and a header line with the key."""
+    import io
+    import logging
+
+    from megatron_osprey.base.redact import RedactingFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(RedactingFormatter("%(name)s %(message)s", secrets=("sk-KEY-31",)))
+    logger = logging.getLogger("httpx")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info('HTTP Request: GET %s "HTTP/1.1 200 OK"', "http://u:pw@127.0.0.1:9/v1/models?token=SECRET#FRAG")
+        try:
+            raise ConnectionError("cannot reach https://gw/v1?sig=SECRET")
+        except ConnectionError:
+            logger.exception("request failed")
+        logger.setLevel(logging.DEBUG)
+        logger.debug("headers: Authorization: Bearer sk-OTHER-1 key=sk-KEY-31")
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+    text = stream.getvalue()
+    assert 'httpx HTTP Request: GET http://***@127.0.0.1:9/v1/models?token=***#*** "HTTP/1.1 200 OK"' in text
+    assert "https://gw/v1?sig=***" in text and "Traceback" in text
+    assert "Authorization: Bearer *** key=***" in text
+    assert all(s not in text for s in ("SECRET", "FRAG", "pw@", "sk-OTHER", "sk-KEY"))

@@ -26,7 +26,7 @@ from megatron_osprey.data.regenerate import (
     regenerate_conversation,
     regenerate_file,
 )
-from megatron_osprey.data.regenerate.backends import merge_reasoning, normalize_server_url
+from megatron_osprey.data.regenerate.backends import endpoint_url, merge_reasoning, normalize_server_url
 from megatron_osprey.data.regenerate.local_server import ChatCompletionServer
 from megatron_osprey.data.regenerate.runner import recover_output, regenerate_settings, settings_path_for
 from megatron_osprey.data.regenerate.tiny_target import write_tiny_target
@@ -295,6 +295,30 @@ def test_api_key_sent_but_never_printed(tmp_path, prompts, hf_backend, reference
     errors = failures_path_for(wrong).read_text()
     assert "401" in errors and "after 1 attempt" in errors  # auth errors are not retried
     assert "sk-wrong" not in errors
+
+
+def test_a_token_in_the_server_url_reaches_the_server_and_no_log(tmp_path, prompts, hf_backend, reference):
+    """The issue's case: `--server-url http://127.0.0.1:PORT/v1?token=SECRET#FRAG` under regenerate's INFO logging."""
+    secret, key = "SECRET-q-8231", "sk-test-key-5522"
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "MY_REGEN_KEY": key}
+    with ChatCompletionServer(hf_backend, api_key=key) as server:
+        url = f"{server.url}/v1?token={secret}#FRAG-9913"
+        args = ["--input", str(prompts), "--output", str(out), "--server-url", url, "--api-key-env", "MY_REGEN_KEY",
+                "--max-tokens", "6", "--concurrency", "3", "--no-progress"]  # fmt: skip
+        done = subprocess.run(_cli(args), env=env, capture_output=True, text=True, timeout=120)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed  # /v1/models and /v1/chat/completions reached with the query kept
+    assert out.read_bytes() == reference
+    assert secret not in printed and "FRAG-9913" not in printed and key not in printed
+    assert endpoint_url(normalize_server_url(url), "/v1/models") == f"{server.url}/v1/models?token={secret}"
+
+
+def test_endpoints_go_before_the_query_and_the_fragment_is_never_sent():
+    root = normalize_server_url("https://gw.example:8443/llm/v1/?sig=a&token=b#frag")
+    assert root == "https://gw.example:8443/llm?sig=a&token=b"
+    assert endpoint_url(root, "/v1/chat/completions") == "https://gw.example:8443/llm/v1/chat/completions?sig=a&token=b"
+    assert endpoint_url(normalize_server_url("http://h:1"), "/v1/models") == "http://h:1/v1/models"
 
 
 def test_cli_rejects_bad_flags(tmp_path, prompts):

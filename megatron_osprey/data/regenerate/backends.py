@@ -91,11 +91,24 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
 
 
 def normalize_server_url(url: str) -> str:
-    """Return the server root for ``url`` (accepts a trailing ``/v1``)."""
+    """Return the server root for ``url``: a trailing ``/v1`` of its path dropped, its query kept (a gateway's
+    token), its fragment dropped (never sent)."""
+    from urllib.parse import urlsplit, urlunsplit
+
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--server-url {url!r} must start with http:// or https://.")
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+        raise ValueError(f"--server-url {redact_urls(url)!r} must start with http:// or https://.")
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def endpoint_url(root: str, route: str) -> str:
+    """``route`` (e.g. ``/v1/models``) under the server root's path, before its query: not after it."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(root)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path + route, parts.query, ""))
 
 
 @dataclass(frozen=True)
@@ -146,12 +159,13 @@ class ServerBackend:
         with self._lock:
             if base in self._model_names:
                 return self._model_names[base]
-        response = self._client.get(f"{base}/v1/models", auth=self._auth[base])
+        url = endpoint_url(base, "/v1/models")
+        response = self._client.get(url, auth=self._auth[base])
         if response.status_code != 200:
-            raise _HTTPFailure(response.status_code, f"GET {base}/v1/models answered {response.status_code}")
+            raise _HTTPFailure(response.status_code, redact_urls(f"GET {url} answered {response.status_code}"))
         data = response.json().get("data") or []
         if not data or "id" not in data[0]:
-            raise BackendRequestError(f"{base}/v1/models lists no model; pass --served-model-name.")
+            raise BackendRequestError(redact_urls(f"{url} lists no model; pass --served-model-name."))
         with self._lock:
             self._model_names[base] = data[0]["id"]
         return data[0]["id"]
@@ -169,16 +183,19 @@ class ServerBackend:
         if params.enable_thinking is not None:
             # SGLang and vLLM forward this to the chat template (Qwen3's thinking switch).
             body["chat_template_kwargs"] = {"enable_thinking": params.enable_thinking}
-        response = self._client.post(f"{base}/v1/chat/completions", json=body, auth=self._auth[base])
+        url = endpoint_url(base, "/v1/chat/completions")
+        response = self._client.post(url, json=body, auth=self._auth[base])
         if response.status_code != 200:
             raise _HTTPFailure(
                 response.status_code,
-                f"POST {base}/v1/chat/completions answered {response.status_code}: {response.text[:300]}",
+                redact_urls(f"POST {url} answered {response.status_code}: {response.text[:300]}"),
             )
         try:
             message = response.json()["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise _HTTPFailure(502, f"{base} returned a malformed chat completion: {response.text[:300]}") from None
+            raise _HTTPFailure(
+                502, redact_urls(f"{url} returned a malformed chat completion: {response.text[:300]}")
+            ) from None
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         return merge_reasoning(message.get("content"), reasoning)
 

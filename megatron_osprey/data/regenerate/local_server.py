@@ -15,6 +15,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 from megatron_osprey.data.regenerate.backends import ChatBackend, SamplingParams
 
@@ -68,16 +69,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "code": status}})
 
+    def _route(self) -> str:
+        # The path without its query, as real servers route (a gateway's token may ride in the query).
+        return urlsplit(self.path).path.rstrip("/")
+
     def _authorized(self) -> bool:
         key = self.server.app.api_key
         return key is None or self.headers.get("Authorization") == f"Bearer {key}"
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        if self.path.rstrip("/") == "/health":  # as SGLang's: liveness only, no key needed, nothing disclosed
+        if self._route() == "/health":  # as SGLang's: liveness only, no key needed, nothing disclosed
             return self._send(HTTPStatus.OK, {})
         if not self._authorized():
             return self._error(HTTPStatus.UNAUTHORIZED, "invalid API key")
-        if self.path.rstrip("/") != "/v1/models":
+        if self._route() != "/v1/models":
             return self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
         self._send(HTTPStatus.OK, {"object": "list", "data": [{"id": self.server.app.model_name, "object": "model"}]})
 
@@ -86,7 +91,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         if not self._authorized():
             return self._error(HTTPStatus.UNAUTHORIZED, "invalid API key")
-        if self.path.rstrip("/") != "/v1/chat/completions":
+        if self._route() != "/v1/chat/completions":
             return self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
         try:
             messages, params = _parse_request(json.loads(raw))
