@@ -532,7 +532,8 @@ def test_a_vllm_recipe_evaluates_in_vllm_with_its_tensor_parallel_size_and_concu
     assert done.returncode == 0, done.stderr
     assert f"--gpus={tp} " in line and "-m megatron_osprey evaluate --recipe " + name in line
     assert line.endswith(
-        f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4 16 --vllm-tensor-parallel-size {tp} --vllm-compile"
+        f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4 16 "
+        f"--vllm-tensor-parallel-size {tp} --vllm-compile"
     )
     # Named vLLM but not installed: the install sentence, no job step.
     bare = tmp_path / "bare"
