@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """The prepared device check: one call on one GPU proves what a CPU cannot. One JSON line per check.
 
-    python benchmarks/gpu_check.py               # one GPU (sized for one H200, about 5 minutes)
+    python benchmarks/gpu_check.py               # one GPU (sized for one H100, about 8 minutes)
     python benchmarks/gpu_check.py --dry-run     # CPU, toy sizes: the same code paths (tests run this)
     python benchmarks/gpu_check.py --only ttt_memory ttt_loss
 
-Checks (each line: {"check": NAME, "ok": true|false, ...figures}; a check that raises, or runs past its time,
+Checks (each line: {"check": NAME, "ok": true|false, ...figures, with "peak_gib", the device's peak allocated
+memory, and where the plan sizes the same shapes "plan_gib", `osprey plan`'s figure; models are freed with
+gc.collect() between the models of a check and between checks); a check that raises, or runs past its time,
 prints ok false and its error, and the next check still runs). A lent GPU gives about 15 minutes of device time,
 start-up included, so the checks share --total-budget seconds (default 480): each gets its weighted share of what
 remains, at most --check-timeout; a check left without time prints "skipped: budget spent"; a check stuck where the
@@ -21,8 +23,17 @@ alarm cannot reach it (inside a C call) ends the run at the budget. The last lin
   ttt_memory   peak memory of one layer's TTT attention (forward + backward) at seq 4096, K = 1..5
                with Osprey's Qwen3 drafter heads (32 q, 8 kv, head_dim 128, BF16) against
                `ttt_attention_bytes` (what `osprey plan` budgets), and the old exact attention at K 1-2.
-  ttt_loss     the Megatron drafter's TTT loss on the GPU (float32) against the plain-PyTorch
-               reference drafter's on the CPU, same weights and batch.
+  ttt_loss     the Megatron drafter's TTT loss on the GPU (float32, the local spec: TE would run its GEMMs in
+               TF32) against the plain-PyTorch reference drafter's on the CPU, same weights and batch.
+  te_spec      Megatron-Core's Transformer Engine spec (what every GPU recipe builds): one BF16 training step
+               of the backbone GPT and one with FP8 delayed scaling (hybrid), and that FP8 model saved and
+               loaded with TE's _extra_state (bitwise equal weights). Without TE: a line saying it is absent
+               (failing on a GPU).
+  drafter_te   the drafter built with TE as the recipes build it: one BF16 TTT training step, and its TTT
+               logits on the local spec's weights against the local spec's.
+  target_path  a tiny Qwen3 HF checkpoint written here (no download), every linear FP8 block-scaled (16x16):
+               HF -> Megatron loaded on the device (dequantized there), the online target's forward and layer
+               capture against the HF forward on the dequantized values.
   throughput   BF16 tokens/s and MFU of the 2-layer Qwen3-4B backbone shape with the local spec
                (benchmarks/train_throughput.py, seq 4096).
 """
@@ -46,11 +57,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CHECKS = ("init", "placement", "train_steps", "checkpoint", "ttt_memory", "ttt_loss", "throughput")
+CHECKS = (
+    "init", "placement", "train_steps", "checkpoint", "ttt_memory", "ttt_loss", "te_spec", "drafter_te",
+    "target_path", "throughput",
+)  # fmt: skip
 # Relative shares of the total budget, by the work each does (the real run is not timed yet): train_steps builds
 # four models and pays the first step's compilation of the fused ops, checkpoint builds three and saves, ttt_memory
 # runs seven attention passes at seq 4096, throughput 13 steps; init builds nothing, placement and ttt_loss two.
-WEIGHTS = dict(init=1, placement=1, train_steps=3, checkpoint=2, ttt_memory=2, ttt_loss=1, throughput=2)
+# te_spec builds three models and saves one, drafter_te three, target_path writes and loads one tiny target.
+WEIGHTS = dict(
+    init=1, placement=1, train_steps=3, checkpoint=2, ttt_memory=2, ttt_loss=1, te_spec=2, drafter_te=2,
+    target_path=1, throughput=2,
+)  # fmt: skip
 MIN_CHECK_S = 1.0  # a share below this cannot even build a model: the check is skipped
 WATCHDOG_GRACE_S = 5.0  # past the budget, a check the alarm could not stop ends the run
 
@@ -67,6 +85,7 @@ from gpu_checks import (  # noqa: E402  (benchmarks/ is on sys.path above)
     check_ttt_memory,
     emit,
 )
+from gpu_checks_te import check_drafter_te, check_target_path, check_te_spec  # noqa: E402
 
 
 def _free_memory() -> None:
@@ -198,7 +217,7 @@ def main(argv=None) -> int:
     sizes = TOY if args.dry_run else GPU
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
-    in_context = [c for c in ("init", "placement", "train_steps", "checkpoint", "ttt_loss") if c in args.only]
+    in_context = [c for c in CHECKS if c not in ("ttt_memory", "throughput") and c in args.only]
     alone = [c for c in ("ttt_memory", "throughput") if c in args.only]
     budget = Budget(args.total_budget, args.check_timeout, in_context + alone)
     if in_context:
@@ -209,6 +228,9 @@ def main(argv=None) -> int:
                 "train_steps": check_train_steps,
                 "checkpoint": check_checkpoint,
                 "ttt_loss": check_ttt_loss,
+                "te_spec": check_te_spec,
+                "drafter_te": check_drafter_te,
+                "target_path": check_target_path,
             }
             for name in in_context:
                 budget.run(name, table[name], sizes, state)

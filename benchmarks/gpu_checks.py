@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import tempfile
@@ -12,6 +13,7 @@ import tempfile
 import torch
 
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,35 @@ TOY = Sizes(
 )
 
 
+def release() -> None:
+    """Free what the last model built (Megatron's DDP hooks close over the module: cycles only gc breaks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_fields(plan_bytes: int | None = None) -> dict:
+    """The device's peak allocated memory since the last reset, beside the plan's figure for the same shapes."""
+    fields = {"plan_gib": round(plan_bytes / GIB, 3)} if plan_bytes is not None else {}
+    if torch.cuda.is_available():
+        fields["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        fields["peak_gib"] = None  # the CPU dry run: no device allocator to ask
+    return fields
+
+
+def drafter_plan_bytes(arch, seq: int, bf16: bool, ttt_steps: int) -> int:
+    """`osprey plan`'s figure for one drafter training step at these shapes (launcher.plan.drafter_step_memory)."""
+    from launcher.plan import drafter_step_memory
+    from megatron_osprey.stages.distill import DistillConfig
+
+    config = DistillConfig()
+    config.drafter.bf16, config.ttt.ttt_steps = bf16, ttt_steps
+    config.training.seq_length, config.training.micro_batch_size, config.training.global_batch_size = seq, 1, 1
+    return sum(b for _, b in drafter_step_memory(arch, config))
+
+
 def emit(check: str, ok: bool, **fields) -> dict:
     line = {"check": check, "ok": bool(ok), **fields}
     print(json.dumps(line, default=str), flush=True)
@@ -118,13 +149,14 @@ def _run(model, state, seq: int, distributed_optimizer: bool):
     ), section
 
 
-def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool):
+def _drafter_chunks(sizes: Sizes, state, distributed_optimizer: bool, impl: str = "auto"):
     from megatron_osprey.models.drafter.model import build_drafter_model
     from megatron_osprey.training.setup import build_model_chunks
 
     arch = _drafter_arch(sizes.body, sizes.target_hidden)
     bf16 = state.device.type == "cuda"
-    provider = lambda **_: build_drafter_model(arch, state.config, params_dtype=torch.bfloat16 if bf16 else None)  # noqa: E731
+    dtype = torch.bfloat16 if bf16 else None
+    provider = lambda **_: build_drafter_model(arch, state.config, transformer_impl=impl, params_dtype=dtype)  # noqa: E731
     return arch, build_model_chunks(provider, state.config, bf16=bf16, use_distributed_optimizer=distributed_optimizer)
 
 
@@ -142,13 +174,16 @@ def _backbone_chunks(sizes: Sizes, state, distributed_optimizer: bool):
     )
 
 
-def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
+def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool, impl: str = "auto") -> dict:
     from megatron_osprey.models.target.lm_head import TargetHead
     from megatron_osprey.stages.distill import DistillConfig
     from megatron_osprey.training.distillation import distill_forward_step
     from megatron_osprey.training.loop import train_step
 
-    arch, model = _drafter_chunks(sizes, state, distributed_optimizer)
+    release()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    arch, model = _drafter_chunks(sizes, state, distributed_optimizer, impl)
     run, _ = _run(model, state, sizes.seq, distributed_optimizer)
     gen = torch.Generator().manual_seed(0)
     v, ht = arch.vocab_size, arch.target_hidden_size
@@ -171,7 +206,9 @@ def _drafter_step(sizes: Sizes, state, distributed_optimizer: bool) -> dict:
             }
 
     result = train_step(distill_forward_step(None, head, cfg, v, None), batches(), run)
-    return {"loss": result.loss, "grad_norm": result.grad_norm}
+    # The plan's drafter terms plus the TargetHead's float32 rows this step holds (as the plan's "target LM head").
+    plan = drafter_plan_bytes(arch, sizes.seq, state.device.type == "cuda", cfg.ttt.ttt_steps) + v * ht * 4
+    return {"loss": result.loss, "grad_norm": result.grad_norm, **peak_fields(plan)}
 
 
 def _backbone_batches(vocab: int, seq: int, device, seed: int = 0):
@@ -190,10 +227,13 @@ def _backbone_step(sizes: Sizes, state, distributed_optimizer: bool):
     from megatron_osprey.training.gpt_step import gpt_forward_step
     from megatron_osprey.training.loop import train_step
 
+    release()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     arch, model = _backbone_chunks(sizes, state, distributed_optimizer)
     run, section = _run(model, state, sizes.seq, distributed_optimizer)
     result = train_step(gpt_forward_step, _backbone_batches(arch.vocab_size, sizes.seq, state.device), run)
-    return {"loss": result.loss, "grad_norm": result.grad_norm}, run, section
+    return {"loss": result.loss, "grad_norm": result.grad_norm, **peak_fields()}, run, section
 
 
 # ----------------------------------------------------------------------------- checks
@@ -233,7 +273,7 @@ def check_placement(sizes: Sizes, state) -> dict:
     _, drafter = _drafter_chunks(sizes, state, False)
     _, backbone = _backbone_chunks(sizes, state, False)
     off = _off_device(drafter[0], state.device) + _off_device(backbone[0], state.device)
-    return emit("placement", not off, device=str(state.device), off_device=off[:20])
+    return emit("placement", not off, device=str(state.device), off_device=off[:20], **peak_fields())
 
 
 def check_train_steps(sizes: Sizes, state) -> dict:
@@ -241,7 +281,9 @@ def check_train_steps(sizes: Sizes, state) -> dict:
     for distributed_optimizer in (False, True):
         tag = "distopt" if distributed_optimizer else "ddp"
         results[f"drafter_{tag}"] = _drafter_step(sizes, state, distributed_optimizer)
+        release()  # each model and its Adam states go before the next is built
         results[f"backbone_{tag}"] = _backbone_step(sizes, state, distributed_optimizer)[0]
+        release()
     finite = all(
         math.isfinite(r["loss"]) and r["grad_norm"] is not None and math.isfinite(r["grad_norm"])
         for r in results.values()
@@ -279,6 +321,7 @@ def check_checkpoint(sizes: Sizes, state) -> dict:
         resumed_max_abs_diff=same,
         other_layout_max_abs_diff=other_diff,
         note="one device: TP/PP resharding is covered by tests/distributed on CPU",
+        **peak_fields(),
     )
 
 
@@ -337,7 +380,8 @@ def check_ttt_loss(sizes: Sizes, state) -> dict:
         cpu_loss, _ = ttt_loss(
             reference.ttt_forward(drafter_inputs(ids), aux, 5), target_logits, mask, in_draft, v, config
         )
-        model = build_drafter_model(arch, state.config)
+        # The local spec: TE runs float32 GEMMs in TF32, which is no defect but would fail a 1e-4 comparison.
+        model = build_drafter_model(arch, state.config, transformer_impl="local")
         load_reference_state(model, reference.state_dict(), 0, 1)
         place_on_device([model], state.device)
         logits, _ = model.ttt_forward(drafter_inputs(ids).to(state.device), aux.to(state.device), 5)
@@ -353,6 +397,8 @@ def check_ttt_loss(sizes: Sizes, state) -> dict:
         loss_device=float(dev_loss),
         loss_cpu_reference=float(cpu_loss),
         relative_diff=rel,
+        transformer_impl="local",
+        **peak_fields(),
     )
 
 

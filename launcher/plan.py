@@ -10,8 +10,9 @@ Memory model (estimates that catch layouts which cannot fit, not a profiler):
   FP32 master weights (12), the last divided by DP under the distributed optimizer; float32 runs: 4 + 4 + 8.
 - activations: 34 * s * b * h bytes per layer and micro-batch (Korthikanti et al. 2022, flash attention, no
   recomputation), divided by TP under sequence parallelism, times the TTT steps for distillation, plus the LM-head
-  logits and the TTT loss (megatron_osprey.base.memory.ttt_logits_bytes: 8 bytes saved per entry per step, measured,
-  plus the logits and one float32 gradient); under pipeline parallelism the first stage holds PP micro-batches.
+  logits and the TTT loss (megatron_osprey.base.memory.ttt_logits_bytes: every step's logits, the float32 target
+  logits, one logits gradient and the loss's float32 chunk, measured); under pipeline parallelism the first stage
+  holds PP micro-batches.
 - TTT attention (distillation): megatron_osprey.base.memory.ttt_attention_bytes per layer (measured in bf16).
 - frozen target: megatron_osprey.base.memory.estimate_target_memory (weights / (TP*PP*EP) and prefill activations).
 """
@@ -23,8 +24,9 @@ import dataclasses
 import json
 import math
 
+from launcher.node import node_check
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
-from megatron_osprey.base.hardware import GPU_CAPABILITY, CpuCapability, fp8_recipe_refusal
+from megatron_osprey.base.hardware import FP8_RECIPE_CUDA, GPU_CAPABILITY, CpuCapability, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
     GIB,
     RUNTIME_RESERVE_BYTES,
@@ -34,6 +36,7 @@ from megatron_osprey.base.memory import (
     ttt_logits_bytes,
 )
 from megatron_osprey.models.backbone.gpu_support import refuse_without_transformer_engine
+from megatron_osprey.models.drafter.arch import DrafterArch, eagle3_body
 from megatron_osprey.recipes.distill import EAGLE3_DENSE_FFN
 from megatron_osprey.recipes.recipe import GPU_MEMORY_GIB, Recipe
 from megatron_osprey.recipes.targets import model_arch
@@ -156,38 +159,36 @@ def backbone_arch(recipe: Recipe) -> ModelArch:
 
 
 def eagle3_arch(target: ModelArch, num_layers: int, target_name: str | None) -> ModelArch:
-    """EAGLE-3's drafter: `num_layers` dense decoder layers as wide as the target, untied, full rotary."""
-    return dataclasses.replace(
-        target,
-        family="llama",
-        num_layers=num_layers,
-        ffn_hidden_size=EAGLE3_DENSE_FFN.get(target_name or "", target.ffn_hidden_size),
-        tie_word_embeddings=False,
-        num_experts=0,
-        moe_ffn_hidden_size=0,
-        moe_router_topk=0,
-        rotary_dim=0,
+    """EAGLE-3's drafter body (eagle3_body); a MoE preset without mlp_intermediate_size gets the recipe's width."""
+    width = EAGLE3_DENSE_FFN.get(target_name or "")
+    if target.is_moe and width and not target.hf_config.get("mlp_intermediate_size"):
+        target = dataclasses.replace(target, hf_config={**target.hf_config, "mlp_intermediate_size": width})
+    return eagle3_body(target, num_layers)
+
+
+def planned_drafter(recipe: Recipe, config, target: ModelArch | None = None) -> tuple[DrafterArch, int, int]:
+    """(the drafter the distill stage builds, its trainable and frozen parameters, DrafterArch.num_parameters)."""
+    target = target if target is not None else target_arch(recipe)
+    drafter = config.drafter
+    common = dict(
+        target_hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        aux_layer_ids=(),  # which target layers feed fusion_fc does not change a shape (_target_summary reports them)
+        hidden_post_norm=drafter.hidden_post_norm,
+        aux_hidden_norm=drafter.aux_hidden_norm,
     )
-
-
-def osprey_drafter_parameters(backbone: ModelArch, target: ModelArch, draft_vocab: int | None) -> int:
-    """Trainable parameters of the adapted Osprey drafter (2H-wide QKV input, fusion_fc, target vocab)."""
-    h, d = backbone.hidden_size, backbone.head_dim
-    q, kv = backbone.num_attention_heads * d, backbone.num_query_groups * d
-    layer = 2 * h * (q + 2 * kv) + q * h + 2 * d + 3 * h * backbone.ffn_hidden_size + 3 * h
-    embed = target.vocab_size * h
-    head = draft_vocab * h if draft_vocab else (0 if backbone.tie_word_embeddings else embed)
-    return backbone.num_layers * layer + embed + head + 3 * target.hidden_size * h + h
-
-
-def eagle3_parameters(drafter: ModelArch, target: ModelArch, draft_vocab: int | None) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the EAGLE-3 baseline; the frozen part is the target's embedding."""
-    h, d = drafter.hidden_size, drafter.head_dim
-    q, kv = drafter.num_attention_heads * d, drafter.num_query_groups * d
-    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * drafter.ffn_hidden_size + 3 * h
-    head = (draft_vocab or target.vocab_size) * h
-    trainable = drafter.num_layers * layer + 3 * target.hidden_size * h + head + h
-    return trainable, target.vocab_size * target.hidden_size
+    if drafter.baseline:
+        arch = DrafterArch(
+            body=eagle3_arch(target, drafter.eagle3_num_layers, recipe.target),
+            draft_vocab_size=min(drafter.draft_vocab_size, target.vocab_size),
+            variant="eagle3",
+            eagle3_extra_layers=drafter.eagle3_extra_layers,
+            **common,
+        )
+    else:
+        draft_vocab = recipe.adapt.draft_vocab_size if recipe.adapt is not None else None
+        arch = DrafterArch(body=backbone_arch(recipe), draft_vocab_size=draft_vocab or target.vocab_size, **common)
+    return (arch, *arch.num_parameters())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,15 +207,8 @@ def _trained(recipe: Recipe, stage: str, config, target: ModelArch | None) -> _T
     if stage == "pretrain":
         arch = backbone_arch(recipe)
         return _Trained(arch, arch.num_parameters(), 0, arch.vocab_size, config.model.bf16, 1)
-    drafter = config.drafter
-    if drafter.baseline:
-        arch = eagle3_arch(target, drafter.eagle3_num_layers, recipe.target)
-        trainable, frozen = eagle3_parameters(arch, target, drafter.draft_vocab_size)
-        return _Trained(arch, trainable, frozen, drafter.draft_vocab_size, drafter.bf16, config.ttt.ttt_steps)
-    arch = backbone_arch(recipe)
-    draft_vocab = recipe.adapt.draft_vocab_size if recipe.adapt is not None else None
-    trainable = osprey_drafter_parameters(arch, target, draft_vocab)
-    return _Trained(arch, trainable, 0, draft_vocab or target.vocab_size, drafter.bf16, config.ttt.ttt_steps)
+    arch, trainable, frozen = planned_drafter(recipe, config, target)
+    return _Trained(arch.body, trainable, frozen, arch.draft_vocab_size, config.drafter.bf16, config.ttt.ttt_steps)
 
 
 def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
@@ -245,6 +239,14 @@ def _trained_memory(model: _Trained, config, dp: int) -> list[tuple[str, int]]:
     if model.frozen:
         memory.append(("frozen embedding", model.frozen * weight_bytes // tp))
     return memory
+
+
+def drafter_step_memory(arch: DrafterArch, config, dp: int = 1) -> list[tuple[str, int]]:
+    """The plan's per-GPU terms for training drafter `arch` under a distill `config` (no target, no reserve): what
+    the device check prints beside the peak it measures."""
+    trainable, frozen = arch.num_parameters()
+    model = _Trained(arch.body, trainable, frozen, arch.draft_vocab_size, config.drafter.bf16, config.ttt.ttt_steps)
+    return _trained_memory(model, config, dp)
 
 
 def _target_memory(target: ModelArch, parallel, training, bf16: bool) -> list[tuple[str, int]]:
@@ -299,7 +301,10 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
     config = recipe.config(stage, run_dir)
     res = recipe.stage_resources(stage)
     world = res.world_size
-    checks: list[str] = []
+    try:
+        checks: list[str] = [node_check(recipe, stage)] if recipe.cpus_per_node else []
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
     memory: list[tuple[str, int]] = []
     target = target_arch(recipe) if stage in TARGET_STAGES or stage == "adapt" else None
     parallel = copy.deepcopy(getattr(config, "parallel", None))
@@ -329,10 +334,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
     budget = ""
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
-        try:
-            model.arch.validate_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
-        except ValueError as err:
-            raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
+        checks += _validate_trained(recipe, stage, model, parallel)
         checks.append(f"global batch {config.training.global_batch_size} divisible by micro batch x DP {dp}")
         memory += _trained_memory(model, config, dp)
         t, opt = config.training, config.optimizer
@@ -372,6 +374,24 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
     )
 
 
+def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> list[str]:
+    """The trained model's sizes divide the layout it is built with: the drafter is dense, built at EP 1 inside
+    the job's layout (ParallelConfig.dense_layout, as build_drafter_model does). Returns the check lines."""
+    built = parallel.dense_layout() if stage == "distill" else parallel
+    try:
+        model.arch.validate_parallel(
+            built.tensor_model_parallel_size, built.pipeline_model_parallel_size, built.expert_model_parallel_size
+        )
+    except ValueError as err:
+        raise LayoutError(f"recipe {recipe.run_name} ({stage}, trained model): {err}") from None
+    if built.expert_model_parallel_size == parallel.expert_model_parallel_size:
+        return []
+    return [
+        f"drafter: dense, built at expert parallel size 1 inside the job's EP {parallel.expert_model_parallel_size} "
+        f"layout (replicated over the expert-parallel ranks)"
+    ]
+
+
 def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
     """The check an FP8 model passes on the recipe's GPU (None without FP8 or a known GPU); LayoutError otherwise."""
     fp8 = getattr(config, "model", None)
@@ -381,7 +401,9 @@ def _fp8_check(recipe: Recipe, stage: str, config) -> str | None:
     refusal = fp8_recipe_refusal(fp8.fp8_recipe, capability, f"its hardware {gpu}")
     if refusal:
         raise LayoutError(f"recipe {recipe.run_name} ({stage}.model.fp8_recipe): {refusal}")
-    return f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]})"
+    cuda = FP8_RECIPE_CUDA.get(fp8.fp8_recipe)
+    needs = f"; it needs CUDA {cuda[0]}.{cuda[1]}+ in the container, checked at start" if cuda else ""
+    return f"FP8 recipe {fp8.fp8_recipe} runs on {gpu} (compute capability {capability[0]}.{capability[1]}){needs}"
 
 
 def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, parallel) -> list[tuple[str, int]]:

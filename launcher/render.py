@@ -27,7 +27,7 @@ from launcher.commands import job_args, work_dir
 from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES
 from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes.layout import logs_dir, stage_dir
-from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, Recipe
+from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, NODE_GPUS, Recipe
 from megatron_osprey.recipes.registry import split_overrides
 
 # The templates: the top-level slurm/ of a checkout, or the copy an installed wheel carries (package data).
@@ -40,7 +40,7 @@ GPU_EVAL_TEMPLATE = "eval_sglang"
 VLLM_EVAL_TEMPLATE = "eval_vllm"
 DEFAULT_TEMPLATE = "stage"
 # GPUs in one H100 / B200 node: the regeneration server pool fills whole nodes.
-GPUS_PER_NODE = 8
+GPUS_PER_NODE = NODE_GPUS
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 # Characters that would change the meaning of a double-quoted shell word.
 _UNSAFE = re.compile(r"[\"'$`\\\n\r]")
@@ -145,9 +145,8 @@ def template_context(
     for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
         if int(getattr(res, key)) < 1:
             raise ValueError(f"resources.{stage}.{key} must be at least 1, got {getattr(res, key)}.")
-    servers_per_node = max(1, GPUS_PER_NODE // pool.tensor_parallel_size) if recipe.hardware != "cpu" else 1
+    servers_per_node = recipe.tasks_per_node("regenerate")
     nodes = math.ceil(pool.servers / servers_per_node) if stage == "regenerate" else res.nodes
-    tasks = res.gpus_per_node if stage in STAGE_TEMPLATES else 1
     training = getattr(config, "training", None)
     repo = work_dir()
     context = {
@@ -157,7 +156,7 @@ def template_context(
         "stage": stage,
         "hardware": recipe.hardware,
         "nodes": nodes,
-        "ntasks_per_node": servers_per_node if stage == "regenerate" else tasks,
+        "ntasks_per_node": recipe.tasks_per_node(stage),
         "cpus_per_task": res.cpus_per_task,
         "time": options.time or res.time,
         "sbatch_options": "\n".join(_sbatch_lines(recipe, stage, options, pool.tensor_parallel_size)),

@@ -8,9 +8,13 @@ from pathlib import Path
 
 
 def have_transformer_engine() -> bool:
-    """True when Transformer Engine imports (it needs CUDA to run)."""
+    """True when Transformer Engine's PyTorch extension imports (it needs CUDA to run).
+
+    `import transformer_engine` alone is not the test: TE 2.x's top-level __init__ swallows the failure of its
+    framework import, so it succeeds with a broken transformer_engine.pytorch, which Megatron-Core's TE spec needs.
+    """
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except ImportError:
         return False
     return True
@@ -26,16 +30,19 @@ def transformer_engine_usable() -> bool:
 # CUDA compute capability of each GPU type a recipe names (its `hardware`).
 GPU_CAPABILITY = {"h100": (9, 0), "b200": (10, 0)}
 
-# The compute capabilities each --fp8-recipe runs on, [lowest, first refused), as Transformer Engine 2.x checks
+# The compute capabilities each --fp8-recipe runs on, [lowest, first refused), as Transformer Engine 2.11 checks
 # them when the autocast starts (check_fp8_support, check_mxfp8_support, check_fp8_block_scaling_support):
-# per-tensor scaling (delayed, tensorwise) from Ada on; 1x128/128x128 block scaling has Hopper GEMMs only;
-# MXFP8 needs data-centre Blackwell (12.x workstation parts have no MXFP8 for every GEMM layout).
+# per-tensor scaling (delayed, tensorwise) from Ada on; 1x128/128x128 block scaling from Hopper on (B200
+# included) with CUDA 12.9 or newer; MXFP8 needs data-centre Blackwell (12.x workstation parts have no MXFP8 for
+# every GEMM layout).
 FP8_RECIPE_CAPABILITY = {
     "delayed": ((8, 9), None, "Ada, Hopper or Blackwell"),
     "tensorwise": ((8, 9), None, "Ada, Hopper or Blackwell"),
-    "blockwise": ((9, 0), (10, 0), "Hopper"),
+    "blockwise": ((9, 0), None, "Hopper or Blackwell"),
     "mxfp8": ((10, 0), (12, 0), "data-centre Blackwell (B200, B300)"),
 }
+# The CUDA version (torch.version.cuda) a recipe needs beyond its compute capability (TE 2.11's block scaling).
+FP8_RECIPE_CUDA = {"blockwise": (12, 9)}
 
 
 def fp8_recipe_runs(fp8_recipe: str, capability: tuple[int, int]) -> bool:
@@ -44,9 +51,19 @@ def fp8_recipe_runs(fp8_recipe: str, capability: tuple[int, int]) -> bool:
     return capability >= low and (high is None or capability < high)
 
 
-def fp8_recipe_refusal(fp8_recipe: str, capability: tuple[int, int], gpu: str) -> str | None:
-    """Why `fp8_recipe` cannot run on `gpu` of compute `capability` (a sentence naming the flag), or None."""
+def fp8_recipe_refusal(
+    fp8_recipe: str, capability: tuple[int, int], gpu: str, cuda_version: tuple[int, int] | None = None
+) -> str | None:
+    """Why `fp8_recipe` cannot run on `gpu` of compute `capability` under CUDA `cuda_version` (None: unknown, as
+    when planning) — a sentence naming the flag — or None."""
+    needs_cuda = FP8_RECIPE_CUDA.get(fp8_recipe)
     if fp8_recipe_runs(fp8_recipe, capability):
+        if needs_cuda and cuda_version is not None and cuda_version < needs_cuda:
+            return (
+                f"--fp8-recipe {fp8_recipe} needs CUDA {_version(needs_cuda)} or newer (Transformer Engine's block "
+                f"scaling GEMMs); this torch is built for CUDA {_version(cuda_version)}: use a newer container "
+                f"or --fp8-recipe delayed."
+            )
         return None
     low, high, needs = FP8_RECIPE_CAPABILITY[fp8_recipe]
     others = [name for name in FP8_RECIPE_CAPABILITY if name != fp8_recipe and fp8_recipe_runs(name, capability)]
@@ -57,6 +74,14 @@ def fp8_recipe_refusal(fp8_recipe: str, capability: tuple[int, int], gpu: str) -
         f"--fp8-recipe {fp8_recipe} needs {needs}, compute capability {span}; {gpu} is "
         f"{_version(capability)}: {instead}."
     )
+
+
+def cuda_version() -> tuple[int, int] | None:
+    """The CUDA version this torch is built for (torch.version.cuda), or None for a CPU build."""
+    import torch
+
+    version = torch.version.cuda
+    return tuple(int(part) for part in version.split(".")[:2]) if version else None
 
 
 def cuda_capability() -> tuple[int, int] | None:

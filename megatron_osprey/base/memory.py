@@ -176,17 +176,27 @@ def ttt_attention_bytes(
     return total
 
 
-# What the TTT loss (losses/ttt.py) saves for backward per drafter-logit entry and step: the float32
-# exp(shifted logits) and the float32 target probabilities p (the drafter's logits and their float32 copy
-# are not saved). Measured with saved-tensor hooks in tests/unit/test_ttt_loss.py, in bf16 and float32.
-TTT_LOSS_SAVED_BYTES_PER_LOGIT = 8
+# The TTT loss (losses/ttt.py) keeps for backward each step's drafter logits as given (its own autograd function
+# recomputes the softmaxes in backward) and reads the float32 target logits in place. Its float32 work runs over
+# TTT_LOSS_CHUNK_ENTRIES rows x vocabulary entries at a time, three float32 temporaries of that chunk at its peak.
+# Measured with a storage tracker over forward and backward in tests/unit/test_ttt_loss.py, in bf16 and float32.
+TTT_LOSS_CHUNK_ENTRIES = 1 << 24
+TTT_LOSS_CHUNK_BYTES_PER_ENTRY = 12
+TTT_TARGET_LOGIT_BYTES = 4  # the TargetHead's float32 logits
+
+
+def ttt_loss_chunk_rows(local_vocab: int) -> int:
+    """Rows of one chunk of the TTT loss's float32 work."""
+    return max(1, TTT_LOSS_CHUNK_ENTRIES // max(1, local_vocab))
 
 
 def ttt_logits_bytes(rows: int, local_vocab: int, steps: int, dtype_bytes: int = 2) -> int:
-    """Peak bytes of the LM-head logits and the TTT loss over a `steps`-step unroll on one rank: what the loss
-    saves (TTT_LOSS_SAVED_BYTES_PER_LOGIT per entry per step), the target's logits in the compute dtype,
-    and the backward's float32 logits gradient of one step."""
-    return rows * local_vocab * (TTT_LOSS_SAVED_BYTES_PER_LOGIT * steps + dtype_bytes + 4)
+    """Peak bytes of the LM-head logits and the TTT loss over a `steps`-step unroll on one rank: every step's
+    logits in the compute dtype (what the loss keeps), the target's float32 logits, one step's logits gradient in
+    backward, and the loss's float32 chunk (TTT_LOSS_CHUNK_BYTES_PER_ENTRY per entry of one chunk)."""
+    per_entry = steps * dtype_bytes + TTT_TARGET_LOGIT_BYTES + dtype_bytes
+    chunk = min(rows, ttt_loss_chunk_rows(local_vocab)) * local_vocab
+    return rows * local_vocab * per_entry + chunk * TTT_LOSS_CHUNK_BYTES_PER_ENTRY
 
 
 # Bytes per element of the dtypes `osprey eval --dtype` loads a HF target in.
@@ -205,15 +215,22 @@ def estimate_eval_target_memory(arch: ModelArch, dtype: str, tokens: int, batch_
 
 
 def check_eval_target_fits(
-    estimate: MemoryEstimate, target: str, dtype: str, device: str, device_bytes: int, host_bytes: int
+    estimate: MemoryEstimate,
+    target: str,
+    dtype: str,
+    device: str,
+    device_bytes: int,
+    host_bytes: int,
+    host_holds_weights: bool = True,
 ) -> None:
     """Refuse (TargetMemoryError naming --target and --dtype, with the numbers) a local eval whose target
-    cannot fit: transformers first loads the weights into host memory, then moves them to `device`, whose
-    `device_bytes` must hold the weights, the KV cache and the runtime reserve (on "cpu", the host's)."""
+    cannot fit: transformers first loads the weights into host memory (`host_holds_weights`; the Megatron
+    backend reads them slice by slice instead), then moves them to `device`, whose `device_bytes` must hold the
+    weights, the KV cache and the runtime reserve (on "cpu", the host's)."""
     on_cpu = device == "cpu"
     need = estimate.weight_bytes + estimate.activation_bytes + (0 if on_cpu else estimate.reserve_bytes)
     problems = []
-    if estimate.weight_bytes > host_bytes and not on_cpu:
+    if host_holds_weights and estimate.weight_bytes > host_bytes and not on_cpu:
         problems.append(
             f"its weights alone ({estimate.weight_bytes / GIB:.1f} GiB) exceed the host's available "
             f"{host_bytes / GIB:.1f} GiB, where they are loaded first"

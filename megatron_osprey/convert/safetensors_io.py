@@ -67,6 +67,18 @@ def _open_safetensors(path: Path):
         ) from None
 
 
+def load_safetensors(path: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """safetensors' load_file, with a truncated or corrupt file named in one sentence (as _open_safetensors)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=device)
+    except Exception as exc:  # SafetensorError is not exported under a stable name
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt: write or copy it again."
+        ) from None
+
+
 class SafetensorsCheckpoint:
     """A HF checkpoint directory; `read` returns a slice without loading whole files, on `device`, with FP8
     tensors dequantized there into `dequantized_dtype`."""

@@ -15,7 +15,10 @@ or ``prompt``/``response``.
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -140,13 +143,39 @@ def _valid_tool_call(call: Any, at: str) -> dict[str, Any]:
     return clean
 
 
-def parse_line(line: str, where: str) -> Conversation:
-    """Decode and validate one JSONL line."""
+# A \uD800-\uDFFF escape: a pair (high then low) encodes one character, one alone is no text at all.
+_SURROGATE_ESCAPES = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F][0-9a-fA-F]{2}"
+)
+# What a truncated or damaged gzip stream raises while it is read (EOFError and zlib.error are not OSErrors).
+GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+
+
+def load_json(text: str, where: str) -> Any:
+    """json.loads, with each way a line can be unreadable as one ConversationFormatError naming WHERE (file:line):
+    invalid JSON, brackets nested past Python's recursion limit, and a lone surrogate escape ("\\ud800"), which
+    json accepts but no UTF-8 writer or tokenizer can encode."""
     try:
-        row = json.loads(line)
+        row = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConversationFormatError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
-    return validate_row(row, where)
+    except RecursionError:
+        raise ConversationFormatError(f"{where}: not readable JSON (brackets nested too deeply).") from None
+    lone = next((m for m in _SURROGATE_ESCAPES.finditer(text) if len(m.group()) == 6), None)
+    if lone is not None:
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConversationFormatError(
+                f"{where}: {lone.group()} at column {lone.start() + 1} is a lone surrogate escape, not text; fix or "
+                f"drop the row."
+            ) from None
+    return row
+
+
+def parse_line(line: str, where: str) -> Conversation:
+    """Decode and validate one JSONL line."""
+    return validate_row(load_json(line, where), where)
 
 
 def read_conversations(path: str | Path, unique_ids: bool = True) -> Iterator[Conversation]:

@@ -12,6 +12,7 @@ import gzip
 import io
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional
 
@@ -82,6 +83,10 @@ def _stat_fingerprint(path: str) -> dict:
     return {}
 
 
+# What a truncated or damaged gzip stream raises while it is read (EOFError and zlib.error are not OSErrors).
+_DAMAGED_STREAM = (EOFError, zlib.error, gzip.BadGzipFile)
+
+
 class JsonlSource(TextSource):
     """JSON Lines, optionally gzip or zstd compressed (detected from the file's magic bytes)."""
 
@@ -107,22 +112,34 @@ class JsonlSource(TextSource):
     def count_records(self) -> int:
         """Lines in the (decompressed) file; a last line without newline counts too."""
         count, last = 0, b"\n"
-        with self._open() as f:
-            for block in iter(lambda: f.read(_READ_BLOCK), b""):
-                count += block.count(b"\n")
-                last = block[-1:]
+        try:
+            with self._open() as f:
+                for block in iter(lambda: f.read(_READ_BLOCK), b""):
+                    count += block.count(b"\n")
+                    last = block[-1:]
+        except _DAMAGED_STREAM as err:
+            raise self._damaged(err, count) from None
         return count + (0 if last == b"\n" else 1)
 
     def batches(self, batch_bytes: int) -> Iterator[RecordBatch]:
         record = 0
-        with self._open() as f:
-            while True:
-                # readlines(hint) stops at the first line boundary past `hint` bytes, in C.
-                lines = f.readlines(batch_bytes)
-                if not lines:
-                    return
-                yield RecordBatch(record, JSONL, lines)
-                record += len(lines)
+        try:
+            with self._open() as f:
+                while True:
+                    # readlines(hint) stops at the first line boundary past `hint` bytes, in C.
+                    lines = f.readlines(batch_bytes)
+                    if not lines:
+                        return
+                    yield RecordBatch(record, JSONL, lines)
+                    record += len(lines)
+        except _DAMAGED_STREAM as err:
+            raise self._damaged(err, record) from None
+
+    def _damaged(self, err: BaseException, lines: int) -> ValueError:
+        return ValueError(
+            f"--input {self.name}: the {self.compression} stream is truncated or damaged after line {lines} ({err}); "
+            f"compress it again."
+        )
 
 
 class ParquetSource(TextSource):

@@ -74,6 +74,9 @@ class BatchEncoder:
                 except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
                     skip(i, INVALID_JSON, f" ({err})")
                     continue
+                except RecursionError:
+                    skip(i, INVALID_JSON, " (brackets nested too deeply)")
+                    continue
                 if not isinstance(record, dict):
                     skip(i, NOT_AN_OBJECT)
                     continue
@@ -91,6 +94,9 @@ class BatchEncoder:
                 continue
             if batch.kind != JSONL:
                 nbytes += len(text.encode("utf-8"))
+            elif b"\\u" in raw and not _encodable(text):  # a lone surrogate escape ("\\ud800") is no text
+                skip(i, INVALID_JSON, " (a lone surrogate escape)")
+                continue
             # Whitespace-only documents would train nothing but an EOD token.
             if not text or text.isspace():
                 skip(i, EMPTY_DOCUMENT)
@@ -147,3 +153,12 @@ def split_long_text(text: str, limit: int) -> List[str]:
         start = cut
     pieces.append(text[start:])
     return pieces
+
+
+def _encodable(text: str) -> bool:
+    """Whether text is UTF-8 encodable: JSON decodes a lone surrogate escape, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

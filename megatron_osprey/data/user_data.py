@@ -13,7 +13,9 @@ prompt/response form (data/conversations.py). Output, in one directory:
 
 The eval split is drawn per domain with the seed, after duplicates (the same normalized first prompt)
 are removed; a training conversation any of whose user turns equals an eval prompt of any domain is left
-out, so no eval prompt is ever trained on or regenerated. The result is checked before it is written.
+out, so no eval prompt is ever trained on or regenerated. The result is checked before it is written, into an
+output claimed for this stage (base/outputs.py: one writer at a time; --overwrite empties only a directory whose
+provenance.json names the data stage, or that the data stage left partial) and recorded in provenance.json last.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import gzip
 import json
 import random
 import re
-import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from megatron_osprey.base.arch import hf_config_file, load_target_config, looks_like_hub_id
-from megatron_osprey.base.atomic_io import fsync_dir, make_staging_dir, write_json_atomic
-from megatron_osprey.base.outputs import check_output
+from megatron_osprey.base.atomic_io import write_json_atomic
+from megatron_osprey.base.outputs import check_output, claimed_output
+from megatron_osprey.base.provenance import PROVENANCE_FILE, write_provenance
 from megatron_osprey.data.chat_template import (
     REASONING_MODES,
     TOOL_MODES,
@@ -42,16 +44,19 @@ from megatron_osprey.data.chat_template import (
     template_defaults,
 )
 from megatron_osprey.data.conversations import (
+    GZIP_ERRORS,
     Conversation,
     ConversationFormatError,
     from_user_row,
+    load_json,
     write_conversations,
 )
 
 SUMMARY_FILE = "data_summary.json"
 TOKEN_COUNTS_FILE = "token_counts.json"
 PROMPT_TURNS = ("all", "first")
-_DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# A domain names files (prompts/{domain}.jsonl), job names and log paths: no separator, no leading dot.
+DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PARQUET_MAGIC = b"PAR1"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -94,7 +99,7 @@ def parse_inputs(specs: Iterable[str]) -> dict[str, list[Path]]:
     domains: dict[str, list[Path]] = {}
     for spec in specs:
         name, sep, path = str(spec).partition("=")
-        if not sep or not path or not _DOMAIN_NAME.match(name):
+        if not sep or not path or not DOMAIN_NAME.match(name):
             raise ValueError(
                 f"--input {spec!r} must be DOMAIN=PATH, the domain a name of letters, digits, '_', '-' or '.' "
                 f"(e.g. --input code=code.jsonl)."
@@ -128,36 +133,51 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
         yield from _json_rows(path, gzip.open if magic[:2] == _GZIP_MAGIC else open)
 
 
-def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
-    with opener(path, "rb") as handle:
-        head = handle.read(4096).lstrip()
-    if head.startswith(b"["):  # one JSON array (ShareGPT dumps often are), not JSON Lines
+def _gzip_damaged(path: Path, error: Exception, lineno: int) -> ConversationFormatError:
+    return ConversationFormatError(
+        f"{path}: the gzip stream is truncated or damaged after line {lineno} ({error}); compress it again."
+    )
+
+
+def _lines(path: Path, opener) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of a plain or gzip file; a gzip stream that ends early or is damaged is one error
+    naming the file and the last whole line."""
+    lineno = 0
+    try:
         with opener(path, "rb") as handle:
-            try:
-                rows = json.load(handle)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ConversationFormatError(f"{path}: not a valid JSON array ({error}).") from None
+            for lineno, raw in enumerate(handle, start=1):
+                yield lineno, raw
+    except GZIP_ERRORS as error:
+        raise _gzip_damaged(path, error, lineno) from None
+
+
+def _json_rows(path: Path, opener) -> Iterator[tuple[str, Any]]:
+    try:
+        with opener(path, "rb") as handle:
+            head = handle.read(4096).lstrip()
+    except GZIP_ERRORS as error:
+        raise _gzip_damaged(path, error, 0) from None
+    if head.startswith(b"["):  # one JSON array (ShareGPT dumps often are), not JSON Lines
+        text = b"".join(raw for _, raw in _lines(path, opener))
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConversationFormatError(f"{path}: not a valid JSON array ({error}).") from None
+        rows = load_json(decoded, str(path))
         for index, row in enumerate(rows):
             yield f"{path} item {index}", row
         return
-    with opener(path, "rb") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ConversationFormatError(
-                    f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})."
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConversationFormatError(
-                    f"{where}: not valid JSON ({error.msg} at column {error.colno})."
-                ) from None
-            yield where, row
+    for lineno, raw in _lines(path, opener):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConversationFormatError(
+                f"{where} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})."
+            ) from None
+        if not line.strip():
+            continue
+        yield where, load_json(line, where)
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -316,22 +336,30 @@ def with_reasoning(conversation: Conversation, mode: str) -> Conversation:
     return dataclasses.replace(conversation, messages=tuple(apply_reasoning(conversation.messages, mode)))
 
 
-def prompt_conversation(conversation: Conversation, turns: str) -> Conversation:
-    """What regenerate answers: the messages before the first tool turn (before the first reply for "first").
+def prompt_conversation(conversation: Conversation, turns: str) -> Conversation | None:
+    """What regenerate answers: the messages before the first tool turn (before the first reply for "first"); None
+    when no user message comes before the first tool turn, so there is nothing to answer (the row is left out).
 
-    Assistant turns stay, answer text only, to keep the turn structure; regenerate replaces every one. A tool
+    Assistant turns stay, answer text only, to keep the turn structure; regenerate replaces every one. An assistant
+    turn before the first user message answers nothing here and is dropped, as regeneration drops it. A tool
     result answers a call the target may not make again, so nothing from the first tool call on is kept.
     """
     messages: list[dict[str, Any]] = []
+    asked = False  # a user message has been kept
     for message in conversation.messages:
         if message["role"] == "tool" or message.get("tool_calls"):
             break
         if message["role"] == "assistant":
+            if not asked:
+                continue
             if turns == "first":
                 break
             messages.append({"role": "assistant", "content": split_reasoning(message["content"])[1]})
         else:
+            asked = asked or message["role"] == "user"
             messages.append(dict(message))
+    if not asked:
+        return None
     while messages[-1]["role"] == "assistant":
         messages.pop()
     extra = {k: v for k, v in conversation.extra.items() if k != "tools"}
@@ -365,16 +393,28 @@ def _write_rows(path: Path, rows: Iterable[Conversation]) -> None:
     write_conversations(path, rows)
 
 
-def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
+def data_outputs(output: Path) -> dict[str, Path]:
+    """Every file `osprey data` wrote into OUTPUT, by the name its provenance.json records it under."""
+    outputs = {"summary": output / SUMMARY_FILE}
+    for kind in ("prompts", "eval", "conversations"):
+        outputs |= {f"{kind}/{p.stem}": p for p in sorted((output / kind).glob("*.jsonl"))}
+    if (output / TOKEN_COUNTS_FILE).is_file():
+        outputs["token_counts"] = output / TOKEN_COUNTS_FILE
+    return outputs
+
+
+def build_user_data(config: UserDataConfig, tokenizer=None, record: Callable[[Path], None] | None = None) -> dict:
     """Read, split, render and write every file (module docstring); returns the summary it wrote.
 
     `tokenizer`: the target's, already loaded from config.target (a caller that holds it saves the load).
+    `record(output)` writes OUTPUT/provenance.json once every file is written (the stage records its checked
+    inputs and command); by default a record of the outputs alone.
     """
     config.validate()
     domains_in = parse_inputs(config.inputs)
     output = Path(config.output)
-    inputs = {f"--input {p}": p for paths in domains_in.values() for p in paths}
-    check_output(output, inputs, SUMMARY_FILE, config.overwrite)
+    inputs = {f"--input {p}": p for paths in domains_in.values() for p in paths} | {"--target": config.target}
+    check_output(output, inputs, PROVENANCE_FILE, config.overwrite, stage="data")  # again when claimed, below
     tokenizer = tokenizer or _load_tokenizer(config.target)
     template_reasoning, template_tools = template_defaults(tokenizer)
     reasoning, tools = config.reasoning or template_reasoning, config.tools or template_tools
@@ -395,30 +435,26 @@ def build_user_data(config: UserDataConfig, tokenizer=None) -> dict:
     trained = [c for split in splits.values() for c in split.train if has_reply(c)]
     counts = count_assistant_tokens(trained, chat, len(tokenizer)) if trained else None
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = make_staging_dir(output.parent, output.name)
-    try:
-        summary = _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
-        fsync_dir(output.parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Claimed only now, after every input is read and checked: until here an earlier output stays whole.
+    with claimed_output(output, inputs, config.overwrite, stage="data") as output:
+        summary = _write_all(output, splits, counts, config, reasoning, tools, target, domains_in)
+        if record is None:
+            write_provenance(output, "data", {}, data_outputs(output), config=config)
+        else:
+            record(output)
     return summary
 
 
-def _write_all(staging, splits, counts, config, reasoning, tools, target, domains_in) -> dict:
+def _write_all(output, splits, counts, config, reasoning, tools, target, domains_in) -> dict:
     per_domain = {}
     for domain, split in splits.items():
-        _write_rows(
-            staging / "prompts" / f"{domain}.jsonl", (prompt_conversation(c, config.prompt_turns) for c in split.train)
-        )
+        prompts = [prompt_conversation(c, config.prompt_turns) for c in split.train]
+        _write_rows(output / "prompts" / f"{domain}.jsonl", (p for p in prompts if p is not None))
         if split.eval:
-            _write_rows(staging / "eval" / f"{domain}.jsonl", split.eval)
+            _write_rows(output / "eval" / f"{domain}.jsonl", split.eval)
         replies = [c for c in split.train if has_reply(c)]
         if replies:
-            _write_rows(staging / "conversations" / f"{domain}.jsonl", replies)
+            _write_rows(output / "conversations" / f"{domain}.jsonl", replies)
         per_domain[domain] = {
             "inputs": [str(p) for p in domains_in[domain]],
             "rows": split.rows,
@@ -427,10 +463,11 @@ def _write_all(staging, splits, counts, config, reasoning, tools, target, domain
             "eval": len(split.eval),
             "train": len(split.train),
             "train_with_eval_prompt_removed": split.leaks_removed,
+            "prompts_without_user_turn": prompts.count(None),  # a tool call before any user message
             "conversations": len(replies),
         }
     if counts is not None:
-        write_json_atomic(staging / TOKEN_COUNTS_FILE, counts.tolist(), indent=None)
+        write_json_atomic(output / TOKEN_COUNTS_FILE, counts.tolist(), indent=None)
     summary = {
         "seed": config.seed,
         "eval_size": config.eval_size,
@@ -442,5 +479,5 @@ def _write_all(staging, splits, counts, config, reasoning, tools, target, domain
         "assistant_tokens": None if counts is None else int(counts.sum()),
         "domains": per_domain,
     }
-    write_json_atomic(staging / SUMMARY_FILE, summary)
+    write_json_atomic(output / SUMMARY_FILE, summary)
     return summary

@@ -90,7 +90,8 @@ def check_target_fits(config, device: str) -> None:
         return
     estimate = estimate_eval_target_memory(arch, config.dtype, config.max_new_tokens, config.batch_size)
     device_bytes, host_bytes = visible_memory(device)
-    check_eval_target_fits(estimate, str(config.target), config.dtype, device, device_bytes, host_bytes)
+    hf = config.target_backend == "hf"  # the Megatron backend reads slices straight onto the device
+    check_eval_target_fits(estimate, str(config.target), config.dtype, device, device_bytes, host_bytes, hf)
 
 
 def fit_prompts(prompts: list, path: Path, config, max_positions: int | None, draft_tokens: int) -> tuple[list, int]:

@@ -91,9 +91,12 @@ def _stage_run_config(directory: Path) -> dict:
 
 def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
     """Load a drafter from any of the layouts in the module docstring; one clear error (naming `flag`) otherwise."""
+    from megatron_osprey.base.outputs import check_not_partial
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory.")
+    check_not_partial(path, flag)  # an export or n-gram table its stage stopped writing
     if is_ngram_dir(path):
         return LoadedDrafter(NgramDrafter.load(path), "ngram")
     if is_megatron_checkpoint(path):

@@ -117,8 +117,9 @@ def _load_target(config):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
     if config.target_backend not in ("hf", "megatron"):
         raise ValueError(f"--target-backend must be hf or megatron, got {config.target_backend!r}.")
-    if config.target_backend == "hf":
-        check_target_fits(config, device)  # from config.json alone, before any weight is read
+    if config.target_backend == "megatron":
+        _check_megatron_target(config, device)
+    check_target_fits(config, device)  # from config.json alone, before any weight is read
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     if config.target_backend == "megatron":
         return None, tokenizer, "cpu"
@@ -139,6 +140,31 @@ def _target_facts(config, model) -> tuple[object, object]:
     return AutoConfig.from_pretrained(str(config.target)), generation
 
 
+MEGATRON_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_megatron_target(config, device: str) -> None:
+    """What --target-backend megatron cannot run, refused naming evaluate's own flags before anything loads."""
+    from megatron_osprey.base.arch import load_target_config
+    from megatron_osprey.base.hardware import have_transformer_engine
+
+    if config.dtype not in MEGATRON_DTYPES:
+        raise ValueError(
+            f"--dtype {config.dtype} with --target-backend megatron: Megatron-Core builds the target in "
+            f"{', '.join(MEGATRON_DTYPES)}; pick one, or use --target-backend hf."
+        )
+    try:
+        arch = load_target_config(config.target)
+    except ValueError:
+        return
+    if arch.is_moe and device != "cpu" and not have_transformer_engine():
+        raise ValueError(
+            f"--target {config.target} is a mixture-of-experts model, which --target-backend megatron runs on CUDA "
+            "only with Transformer Engine (megatron-core's MoE router calls TE's GEMM): install it "
+            "(pip install -e '.[gpu]') or use --target-backend hf."
+        )
+
+
 @contextlib.contextmanager
 def _target_factory(config, model):
     """Yields make(aux_layer_ids) -> TargetModel, for the HF model or a Megatron-Core stage."""
@@ -150,7 +176,10 @@ def _target_factory(config, model):
     from megatron_osprey.parallel import ParallelConfig, parallel_context
 
     with parallel_context(ParallelConfig()) as state:
-        stage = load_target(config.target, state.config, state.device, with_lm_head=True, transformer_impl="local")
+        # At --dtype, with TE on a GPU where it is installed (the spec a MoE target needs there), else local.
+        stage = load_target(
+            config.target, state.config, state.device, params_dtype=DTYPES[config.dtype], with_lm_head=True
+        )
         yield lambda aux: MegatronTargetModel(stage.model, aux, stage.arch.vocab_size)
 
 

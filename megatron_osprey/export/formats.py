@@ -1,4 +1,4 @@
-"""Write a drafter in a serving layout (sglang, hf, speculators) and read it back exactly."""
+"""Write a drafter in a serving layout (sglang, hf, speculators, vllm) and read it back exactly."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ DEFAULT_MAX_POSITIONS = 131072
 def detect_format(config: dict) -> str | None:
     """Which exported layout a config.json describes (None: not one of ours)."""
     archs = config.get("architectures") or []
+    if (config.get("megatron_osprey") or {}).get("layout") == layouts.VLLM_LAYOUT:
+        return "vllm"
     if layouts.SPECULATORS_ARCH in archs or config.get("speculators_model_type") == "eagle3":
         return "speculators"
     if any(a in layouts.SGLANG_ARCHS for a in archs):
@@ -28,10 +30,14 @@ def detect_format(config: dict) -> str | None:
 
 
 def _check_output(output: Path) -> None:
-    """A free output directory: writers never delete (the export stage empties only its own earlier export)."""
+    """A free output directory: writers never delete (the export stage empties only its own earlier export). The
+    stage's claim (its lock and writing marker, base/outputs.py) may already be there."""
+    from megatron_osprey.base.outputs import WRITER_LOCK
+    from megatron_osprey.base.provenance import WRITING_MARKER
+
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"--output {output} is a file, not a directory.")
-    if output.exists() and any(output.iterdir()):
+    if output.exists() and any(p.name not in (WRITER_LOCK, WRITING_MARKER) for p in output.iterdir()):
         raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
     output.mkdir(parents=True, exist_ok=True)
 
@@ -52,6 +58,14 @@ def _write_json(path: Path, payload: dict) -> None:
 def _max_positions(run_config: dict) -> int:
     body = (run_config.get("drafter") or {}).get("body_hf_config") or {}
     return int(body.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
+
+
+def _target_config(run_config: dict) -> dict | None:
+    """The run's target config.json, when its directory is still there."""
+    target = run_config.get("target")
+    if target and (Path(target) / "config.json").is_file():
+        return json.loads((Path(target) / "config.json").read_text())
+    return None
 
 
 def _verifier(run_config: dict) -> dict:
@@ -85,6 +99,8 @@ def export_drafter(
     cfg, run_config = drafter.config, run_config or {}
     if fmt == "speculators" and layouts.speculators_refusal(cfg):
         raise ValueError(layouts.speculators_refusal(cfg))  # before touching --output
+    if fmt == "vllm" and layouts.vllm_refusal(cfg, _target_config(run_config)):
+        raise ValueError(layouts.vllm_refusal(cfg, _target_config(run_config)))
     output = Path(output)
     _check_output(output)
     state = {k: v for k, v in drafter.state_dict().items()}
@@ -96,6 +112,9 @@ def export_drafter(
         _save_tensors(output / WEIGHTS_NAME, layouts.sglang_state(state, cfg))
         config = layouts.sglang_config(cfg, dtype, _max_positions(run_config), provenance, architecture_names)
         _write_json(output / CONFIG_NAME, config)
+    elif fmt == "vllm":
+        _save_tensors(output / WEIGHTS_NAME, layouts.vllm_state(state, cfg))
+        _write_json(output / CONFIG_NAME, layouts.vllm_config(cfg, dtype, _max_positions(run_config), provenance))
     else:
         _save_tensors(output / WEIGHTS_NAME, layouts.speculators_state(state, cfg))
         _write_json(
@@ -108,17 +127,20 @@ def export_drafter(
 
 
 def read_export(directory: str | Path) -> ReferenceDrafter:
-    """Load an sglang or speculators export back into a ReferenceDrafter (bit-exact inverse of export)."""
-    from safetensors.torch import load_file
+    """Load an sglang, speculators or vllm export back into a ReferenceDrafter (bit-exact inverse of export)."""
+    from megatron_osprey.convert.safetensors_io import load_safetensors
 
     directory = Path(directory)
     config = json.loads((directory / CONFIG_NAME).read_text())
     fmt = detect_format(config)
     if fmt is None:
-        raise ValueError(f"{directory / CONFIG_NAME} is neither an SGLang nor a speculators EAGLE-3 draft config.")
+        raise ValueError(f"{directory / CONFIG_NAME} is not an SGLang, speculators or vLLM EAGLE-3 draft config.")
     cfg = layouts.drafter_config_from_export(config)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
-    state = layouts.reference_state_from_sglang(tensors, cfg) if fmt == "sglang" else dict(tensors)
+    tensors = load_safetensors(directory / WEIGHTS_NAME)
+    if fmt == "sglang":
+        state = layouts.reference_state_from_sglang(tensors, cfg)
+    else:
+        state = layouts.reference_state_from_vllm(tensors, cfg)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     drafter = ReferenceDrafter(cfg).to(state["embed_tokens.weight"].dtype)

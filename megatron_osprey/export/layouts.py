@@ -14,8 +14,17 @@ Layouts (all HF-style, no ``model.`` prefix; ``d2t`` int64 [Vd] and ``t2d`` bool
   drafter (Llama layer, no plugin); the reference names already match SGLang's (``input_layernorm`` on
   the embedding, ``hidden_norm`` on g). Deeper EAGLE-3 drafters write ``layers.{i}`` and
   ``eagle3_extra_layers`` (fused or plain) under the plugin's ``OspreyLlamaForCausalLMEagle3``.
+* ``vllm``: the reference names unchanged (``layers.{i}.*``; ``d2t``/``t2d`` only with a draft vocabulary)
+  and vLLM's config keys (``fc_norm``, ``norm_output``, ``draft_vocab_size``). vLLM counts its aux taps
+  as "hidden state after L layers" (its default ``(2, L//2, L-3)``), one more than this project's and
+  SGLang's 0-based layer ids, so ``eagle_aux_hidden_state_layer_ids`` holds ``id + 1``. EAGLE-3 drafters
+  whose extra layers are plain, without q/k norms, go to stock ``LlamaForCausalLMEagle3``
+  (``Eagle3LlamaForCausalLM``); Osprey, fused multi-layer EAGLE-3 and q/k-norm bodies to the plugin's
+  ``Eagle3OspreyLlamaForCausalLM`` / ``Eagle3OspreyQwen3ForCausalLM`` with ``draft_layer_kinds``
+  (megatron_osprey.export.vllm_plugin).
 * ``speculators``: vLLM speculators' ``Eagle3Speculator`` (one fused Llama layer, ``layers.0.*``,
-  ``transformer_layer_config``); only the one-layer EAGLE-3 drafter fits it.
+  ``transformer_layer_config``); only the one-layer EAGLE-3 drafter fits it. Its aux taps are vLLM's
+  count (id + 1), as in the ``vllm`` layout.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 
 from megatron_osprey.export.config import ARCHITECTURE_NAMES
 from megatron_osprey.export.sglang_plugin.weight_names import PLUGIN_ARCHITECTURES
+from megatron_osprey.export.vllm_plugin import weight_names as vllm_names
 from megatron_osprey.models.drafter.reference import DrafterConfig
 
 EXPORT_TAG = "megatron_osprey.export/1"
@@ -197,13 +207,11 @@ def speculators_refusal(cfg: DrafterConfig) -> str | None:
 
 
 def speculators_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """Reference state -> speculators names (identical for the one-layer EAGLE-3 drafter)."""
+    """Reference state -> speculators names (identical for the one-layer EAGLE-3 drafter; vLLM's loader)."""
     reason = speculators_refusal(cfg)
     if reason:
         raise ValueError(reason)
-    out = dict(state)
-    out.setdefault("lm_head.weight", state["embed_tokens.weight"])
-    return out
+    return vllm_state(state, cfg)  # vLLM loads it: no d2t/t2d without a draft vocabulary
 
 
 def speculators_config(
@@ -227,7 +235,8 @@ def speculators_config(
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": False,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # vLLM reads these as "hidden state after L layers": this project's layer id + 1 (see vllm_aux_layer_ids).
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(cfg),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -246,6 +255,105 @@ def speculators_config(
     }
 
 
+# ----------------------------------------------------------------------------- vllm
+
+VLLM_LAYOUT = "vllm"
+
+
+def vllm_layer_kinds(cfg: DrafterConfig) -> list[str]:
+    """What each layer's attention reads (export/vllm_plugin/weight_names.py)."""
+    if cfg.variant == "osprey":
+        return ["osprey"] * cfg.num_layers
+    return ["eagle3"] + ["eagle3" if cfg.eagle3_extra_layers == "fused" else "plain"] * (cfg.num_layers - 1)
+
+
+def vllm_uses_stock(cfg: DrafterConfig) -> bool:
+    """Whether stock Eagle3LlamaForCausalLM computes exactly this drafter (one fused layer, then plain ones)."""
+    return cfg.variant == "eagle3" and not cfg.qk_layernorm and "eagle3" not in vllm_layer_kinds(cfg)[1:]
+
+
+def vllm_aux_layer_ids(cfg: DrafterConfig) -> list[int]:
+    """This project's 0-based layer ids (output of layer i) as vLLM counts them (hidden state after i+1 layers)."""
+    return [int(i) + 1 for i in cfg.aux_layer_ids]
+
+
+def vllm_refusal(cfg: DrafterConfig, target: dict | None = None) -> str | None:
+    """Why vLLM 0.32 cannot serve this drafter for `target` (its config.json, when known), or None."""
+    if len(cfg.aux_layer_ids) != 3:
+        return (
+            f"--format vllm: aux_layer_ids {list(cfg.aux_layer_ids)} must name three target layers "
+            "(vLLM's fc reads three captured states)."
+        )
+    if not target:
+        return None
+    layers = target.get("num_hidden_layers")
+    if layers is not None and max(cfg.aux_layer_ids) >= int(layers) - 1:
+        return (
+            f"--format vllm: aux_layer_ids {list(cfg.aux_layer_ids)} taps the target's last layer ({int(layers) - 1}); "
+            "vLLM hands the drafter that layer's output before the final norm, the training data after it."
+        )
+    for field_name, ours, theirs in (
+        ("vocab_size", cfg.vocab_size, target.get("vocab_size")),
+        ("target_hidden_size", cfg.target_hidden_size, target.get("hidden_size")),
+    ):
+        if theirs is not None and int(theirs) != ours:
+            return (
+                f"--format vllm: the drafter's {field_name} is {ours} but the target's config.json says {theirs}; "
+                "vLLM would index the wrong rows."
+            )
+    return None
+
+
+def vllm_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Reference state -> vLLM draft checkpoint (the same names; d2t/t2d only with a draft vocabulary)."""
+    out = dict(state)
+    out.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        out.pop("d2t"), out.pop("t2d")  # identity maps; stock vLLM has no parameter for them then
+    return out
+
+
+def reference_state_from_vllm(tensors: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """Inverse of vllm_state (and of speculators_state)."""
+    out = dict(tensors)
+    if "d2t" not in out:
+        out["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+        out["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return out
+
+
+def vllm_config(
+    cfg: DrafterConfig, dtype: torch.dtype, max_position_embeddings: int, extra: dict | None = None
+) -> dict:
+    """config.json for vLLM's EAGLE-3 draft loader (stock Eagle3LlamaForCausalLM or the plugin)."""
+    reason = vllm_refusal(cfg)
+    if reason:
+        raise ValueError(reason)
+    stock = vllm_uses_stock(cfg)
+    aux = vllm_aux_layer_ids(cfg)
+    config = {
+        "architectures": [
+            vllm_names.STOCK_ARCHITECTURE if stock else vllm_names.PLUGIN_ARCHITECTURES[int(cfg.qk_layernorm)]
+        ],
+        "model_type": "qwen3" if cfg.qk_layernorm else "llama",
+        **_body_config(cfg, max_position_embeddings),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "torch_dtype": _dtype_name(dtype),
+        # vLLM's model runner reads the top-level key first, its draft model the eagle_config one.
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": cfg.aux_hidden_norm,
+        "norm_output": cfg.hidden_post_norm,
+    }
+    if not stock:
+        config[vllm_names.KINDS_KEY] = vllm_layer_kinds(cfg)
+    config["megatron_osprey"] = {**_reference_fields(cfg), "layout": VLLM_LAYOUT, **(extra or {})}
+    return config
+
+
 # ----------------------------------------------------------------------------- reading back
 
 
@@ -259,6 +367,8 @@ def drafter_config_from_export(config: dict) -> DrafterConfig:
     aux = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
         "eagle_aux_hidden_state_layer_ids", []
     )
+    if config.get("speculators_model_type") or SPECULATORS_ARCH in config.get("architectures", []):
+        aux = [int(i) - 1 for i in aux]  # vLLM's count (hidden state after L layers) -> 0-based layer ids
     return DrafterConfig(
         hidden_size=body["hidden_size"],
         target_hidden_size=config.get("target_hidden_size") or body["hidden_size"],

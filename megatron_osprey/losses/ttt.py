@@ -37,6 +37,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from megatron_osprey.base.memory import TTT_LOSS_CHUNK_ENTRIES
 from megatron_osprey.losses.config import TTTLossConfig
 
 
@@ -98,40 +99,98 @@ class SoftCEResult:
     accept: Tensor  # [rows] sum_v min(p, q)
 
 
-def vocab_parallel_soft_cross_entropy(
-    drafter_logits: Tensor, target_logits: Tensor, vocab_size: int, group=None
-) -> SoftCEResult:
-    """Per-row -sum_v p_target(v) log q_drafter(v) over the real vocab columns, both [rows, V/TP].
+# Rows x local vocabulary entries one pass of the soft CE holds in float32 temporaries at a time (the plan's
+# figure). The loss keeps no [rows, V] float32 tensor between passes: its forward saves the drafter's logits (as
+# given) and per-row scalars, and its backward recomputes softmax(q) - p chunk by chunk into the logits' dtype.
+SOFT_CE_CHUNK_ENTRIES = TTT_LOSS_CHUNK_ENTRIES
 
-    Each [rows, V] pass counts (this is the step's hot loop on CPU): padding columns are masked only where this
-    rank has some, and each side's one max pass gives both the softmax shift and the argmax.
-    """
-    local = drafter_logits.shape[-1]
-    valid = _valid_columns(local, vocab_size, group)
-    # At least float32 (bf16 logits are promoted); float64 stays float64 for exactness checks.
-    dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
-    q_logits = _mask_padding(drafter_logits.to(dtype), valid, float("-inf"))
-    t_logits = _mask_padding(target_logits.to(dtype), valid, float("-inf"))
 
-    t_local_max, t_index = t_logits.max(dim=-1)
-    t_max = _all_reduce(t_local_max, group, op=torch.distributed.ReduceOp.MAX)
-    t_exp = torch.exp(t_logits - t_max[:, None])
-    p = t_exp / _all_reduce(t_exp.sum(dim=-1), group)[:, None]
+def _row_chunks(rows: int, local_vocab: int):
+    step = max(1, SOFT_CE_CHUNK_ENTRIES // max(1, local_vocab))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
-    q_local_max, q_index = q_logits.detach().max(dim=-1)
-    q_max = _all_reduce(q_local_max, group, op=torch.distributed.ReduceOp.MAX)
-    q_shift = q_logits - q_max[:, None]
-    q_sum = _all_reduce(torch.exp(q_shift).sum(dim=-1), group, differentiable=True)
-    log_z = torch.log(q_sum)
-    # sum_v p log q = sum_v p (z_v - max) - log Z, since sum_v p = 1.
-    expected_logit = _all_reduce((p * _mask_padding(q_shift, valid, 0.0)).sum(dim=-1), group, differentiable=True)
-    loss = log_z - expected_logit
 
-    with torch.no_grad():
-        q = torch.exp(q_shift - log_z[:, None])
-        accept = _all_reduce(torch.minimum(p, q).sum(dim=-1), group)
+def _chunk_logits(logits: Tensor, rows: slice, index: Tensor | None, valid: Tensor | None, dtype) -> Tensor:
+    """Rows `rows` (of `index` into logits when given) in the compute dtype, padding columns at -inf."""
+    chunk = logits[rows] if index is None else logits[index[rows]]
+    return _mask_padding(chunk.to(dtype), valid, float("-inf"))
+
+
+def _finite(maxima: Tensor) -> Tensor:
+    """Row maxima as softmax shifts: 0 where a rank's shard of a row has no finite logit (all padding or -inf)."""
+    return torch.where(torch.isfinite(maxima), maxima, torch.zeros_like(maxima))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Per-row log Z_q - sum_v p_v (z_v - max z) over vocab-sharded logits, with the target's rows picked by
+    `index` (None: row for row); the gradient is (softmax(z) - p) scaled by the rows' incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, drafter_logits, target_logits, index, vocab_size, group):
+        rows, local = drafter_logits.shape[0], drafter_logits.shape[-1]
+        valid = _valid_columns(local, vocab_size, group)
+        dtype = torch.promote_types(drafter_logits.dtype, torch.float32)
+        chunks = _row_chunks(rows, local)
+        # One pass: each side's local max (the softmax shift and the argmax) and its sum of exp relative to it;
+        # the sums are then rescaled to the global max, so only per-row scalars cross TP ranks.
+        stats = drafter_logits.new_empty((2, rows), dtype=dtype)  # local maxima of q and t
+        sums = torch.empty_like(stats)
+        q_index = torch.empty(rows, dtype=torch.long, device=drafter_logits.device)
+        t_index = torch.empty_like(q_index)
+        for part in chunks:
+            for side, (logits, rows_of, arg) in enumerate(
+                ((drafter_logits, None, q_index), (target_logits, index, t_index))
+            ):
+                chunk = _chunk_logits(logits, part, rows_of, valid, dtype)
+                stats[side, part], arg[part] = chunk.max(dim=-1)
+                sums[side, part] = torch.exp(chunk - _finite(stats[side, part])[:, None]).sum(-1)
+        maxima = _all_reduce(stats, group, op=torch.distributed.ReduceOp.MAX)
+        if _tp(group)[0] > 1:
+            sums = _all_reduce(sums * torch.exp(_finite(stats) - maxima), group)
+        log_z = torch.log(sums[0])
+        shifts = torch.stack([maxima[0] + log_z, maxima[1] + torch.log(sums[1])])  # log-softmax shifts of q and p
+        terms = torch.empty_like(stats)  # sum_v p (z_v - max z) and sum_v min(p, q)
+        for part in chunks:
+            q_shift = _chunk_logits(drafter_logits, part, None, valid, dtype) - maxima[0, part, None]
+            p = torch.exp(_chunk_logits(target_logits, part, index, valid, dtype) - shifts[1, part, None])
+            # sum_v p log q = sum_v p (z_v - max) - log Z, since sum_v p = 1.
+            terms[0, part] = (p * _mask_padding(q_shift, valid, 0.0)).sum(-1)
+            terms[1, part] = torch.minimum(p, torch.exp(q_shift - log_z[part, None])).sum(-1)
+        terms = _all_reduce(terms, group)
+        loss = log_z - terms[0]
         # float32 keeps the order (and ties) of bf16 logits: the same argmax as on the logits as given.
-        agree = _global_argmax(q_local_max, q_index, local, group) == _global_argmax(t_local_max, t_index, local, group)
+        agree = _global_argmax(stats[0], q_index, local, group) == _global_argmax(stats[1], t_index, local, group)
+        accept = terms[1]
+        ctx.save_for_backward(drafter_logits, target_logits, index, shifts)
+        ctx.vocab_size, ctx.group = vocab_size, group
+        ctx.mark_non_differentiable(agree, accept)
+        return loss, agree, accept
+
+    @staticmethod
+    def backward(ctx, grad_loss, _agree, _accept):
+        drafter_logits, target_logits, index, shifts = ctx.saved_tensors
+        local = drafter_logits.shape[-1]
+        valid = _valid_columns(local, ctx.vocab_size, ctx.group)
+        dtype = shifts.dtype
+        grad = torch.empty_like(drafter_logits)
+        for part in _row_chunks(drafter_logits.shape[0], local):
+            q = torch.exp(_chunk_logits(drafter_logits, part, None, valid, dtype) - shifts[0, part, None])
+            q -= torch.exp(_chunk_logits(target_logits, part, index, valid, dtype) - shifts[1, part, None])
+            grad[part] = q.mul_(grad_loss[part, None].to(dtype))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_soft_cross_entropy(
+    drafter_logits: Tensor, target_logits: Tensor, vocab_size: int, group=None, target_rows: Tensor | None = None
+) -> SoftCEResult:
+    """Per-row -sum_v p_target(v) log q_drafter(v) over the real vocab columns, drafter_logits [rows, V/TP].
+
+    target_logits: [rows, V/TP], or with `target_rows` [rows] the table [N, V/TP] those rows index (each step's
+    rows are then read in place, never copied out whole). Only per-row scalars cross TP ranks; the float32
+    work runs over SOFT_CE_CHUNK_ENTRIES entries at a time, and what stays for backward is drafter_logits itself
+    (the target's logits are the caller's) plus four scalars per row.
+    """
+    loss, agree, accept = _SoftCrossEntropy.apply(drafter_logits, target_logits, target_rows, vocab_size, group)
     return SoftCEResult(loss=loss, agree=agree, accept=accept)
 
 
@@ -204,35 +263,49 @@ def ttt_step_terms(
     (full-vocabulary) argmax at j lies in the draft vocabulary.
     """
     terms = []
+    b, s = loss_mask.shape
+    table = target_logits.reshape(b * s, target_logits.shape[-1])  # read in place by row index, never copied
+    position = torch.arange(b * s, device=target_logits.device).reshape(b, s)
     for k, logits in enumerate(drafter_logits):
         mask = step_mask(loss_mask, target_in_draft, k, mask_alignment)
         # Which sample each row belongs to, in the order of the rows given.
         sample = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+        # Row t reads the target at t+1+k; the mask's last 1+k rows are False (step_mask), so those rows may read
+        # any finite row (the sample's last) in place of shift_rows()' zeros: they are multiplied by zero.
+        rows = shift_rows(position, 1 + k, 0)
+        rows[:, s - min(1 + k, s) :] = position[:, -1:]
         if logits.dim() == 2:  # counted rows only: every row given counts
             if logits.shape[0] != int(mask.sum()):
                 raise ValueError(f"TTT step {k}: {logits.shape[0]} drafter rows for {int(mask.sum())} counted rows.")
-            # Row t reads the target at t+1+k; the mask's last 1+k rows are False (step_mask), so gathering
-            # from the unshifted logits gives shift_rows(target_logits, 1 + k)[mask] without the full copy.
-            shift = min(1 + k, mask.shape[1])
-            target_k, sample = target_logits[:, shift:][mask[:, : mask.shape[1] - shift]], sample[mask]
+            rows, sample = rows[mask], sample[mask]
             mask = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         else:
-            logits, target_k, mask, sample = (
+            logits, rows, mask, sample = (
                 logits.reshape(-1, logits.shape[-1]),
-                shift_rows(target_logits, 1 + k).reshape(-1, target_logits.shape[-1]),
+                rows.reshape(-1),
                 mask.reshape(-1),
                 sample.reshape(-1),
             )
-        terms.append(soft_ce_terms(logits, target_k, mask, sample, loss_mask.shape[0], draft_vocab_size, group))
+        terms.append(
+            soft_ce_terms(logits, table, mask, sample, b, draft_vocab_size, group, target_rows=rows.to(table.device))
+        )
     return terms
 
 
 def soft_ce_terms(
-    logits: Tensor, target: Tensor, mask: Tensor, sample: Tensor, samples: int, draft_vocab_size: int, group=None
+    logits: Tensor,
+    target: Tensor,
+    mask: Tensor,
+    sample: Tensor,
+    samples: int,
+    draft_vocab_size: int,
+    group=None,
+    target_rows: Tensor | None = None,
 ) -> TTTStepTerms:
     """One TTT step's sums over the rows `mask` counts: the soft CE per sample (rows belong to `sample`), the
-    count, the argmax agreement and sum min(p, q). logits, target: [n, Vd/TP]; mask, sample: [n]."""
-    result = vocab_parallel_soft_cross_entropy(logits, target, draft_vocab_size, group)
+    count, the argmax agreement and sum min(p, q). logits: [n, Vd/TP]; target: [n, Vd/TP], or the table
+    `target_rows` [n] indexes; mask, sample: [n]."""
+    result = vocab_parallel_soft_cross_entropy(logits, target, draft_vocab_size, group, target_rows)
     masked = result.loss * mask
     return TTTStepTerms(
         sample_loss=masked.new_zeros(samples).index_add(0, sample, masked),

@@ -35,6 +35,15 @@ class ParallelConfig:
         """Ranks that hold one copy of the (dense) model."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
+    def dense_layout(self) -> ParallelConfig:
+        """The layout a dense model (the drafter) is built with inside this job: expert parallel size 1.
+
+        Megatron-Core carves the expert-parallel group out of the data-parallel ranks, so a dense model in a job
+        laid out for a mixture-of-experts target keeps the job's TP/PP/CP and DP and is replicated over the EP
+        ranks (its TransformerConfig refuses an expert-parallel size without experts).
+        """
+        return dataclasses.replace(self, expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+
     def validate(self, world_size: int) -> None:
         """Raise one clear error when the layout does not fit `world_size` ranks."""
         for name in (

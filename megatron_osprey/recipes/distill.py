@@ -146,7 +146,7 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             "adapt": Resources(cpus_per_task=16, time="01:00:00"),
             # The server pool fills whole nodes; each server's srun step asks for its share of this memory, else on a
             # cluster that schedules memory the first step takes all of it and the others wait (launcher/render.py).
-            "regenerate": Resources(gpus_per_node=8, cpus_per_task=16, time="24:00:00", mem=whole_node_mem(hardware)),
+            "regenerate": Resources(gpus_per_node=8, time="24:00:00", mem=whole_node_mem(hardware)),
             "distill": Resources(gpus_per_node=lay.gpus, time="48:00:00"),
             "export": Resources(cpus_per_task=8, time="00:30:00"),
             "evaluate": Resources(gpus_per_node=max(lay.server_tp, 1), time="08:00:00"),

@@ -13,9 +13,9 @@
     RUN_DIR/evaluate/     results.json, matrix.md, matrix.png
     RUN_DIR/logs/         job logs and rendered sbatch scripts
 
-Every stage also writes its provenance.json there (preprocess: beside each shard's output). A stage whose
-producer is not in the recipe's chain reads the recipe's external input instead (paths.backbone,
-paths.conversations, ...).
+Every stage also writes its provenance.json there (a stage whose output is one file or prefix among others,
+preprocess, regenerate and suite, writes OUTPUT.provenance.json beside it instead). A stage whose producer is not
+in the recipe's chain reads the recipe's external input instead (paths.backbone, paths.conversations, ...).
 """
 
 from __future__ import annotations

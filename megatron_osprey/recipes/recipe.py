@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
+from megatron_osprey.data.user_data import DOMAIN_NAME
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -36,6 +37,12 @@ GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
 # Host memory of one 8-GPU node in GiB: NVIDIA's DGX H100 and DGX B200 datasheets both give 2 TB (the B200 may be
 # configured with 4 TB; this assumes the base figure).
 NODE_MEMORY_GIB = {"h100": 2048, "b200": 2048}
+# CPUs one GPU node gives Slurm jobs: the smallest of the common 8-GPU nodes (cloud H100 nodes with 96 vCPUs;
+# a DGX gives 224 threads). A task's default CPUs are the node's share per GPU; `--set slurm.cpus_per_node=N`
+# states another node, and `osprey plan` refuses a stage that asks more of one node than it has.
+NODE_CPUS = {"h100": 96, "b200": 96}
+NODE_GPUS = 8
+DEFAULT_CPUS_PER_TASK = 16  # where the node is not known (hardware cpu)
 # Stages that run one process per GPU (or per CPU task) with torch.distributed.
 DISTRIBUTED_STAGES = ("prune", "pretrain", "adapt", "extract", "rollout", "distill")
 
@@ -57,7 +64,7 @@ class Resources:
     nodes: int = 1
     gpus_per_node: int = 1  # also the tasks per node of a distributed stage
     array_tasks: int = 1  # > 1: a Slurm array (preprocess files, extract shards)
-    cpus_per_task: int = 16
+    cpus_per_task: int | None = None  # None: the node's CPUs per GPU (Recipe.stage_resources)
     time: str = "04:00:00"
     mem: str | None = None  # per node (#SBATCH --mem), e.g. 64G; None: the partition's default
 
@@ -74,6 +81,7 @@ class Slurm:
     account: str | None = None
     container_image: str | None = None
     container_mounts: str | None = None
+    cpus_per_node: int | None = None  # None: NODE_CPUS of the recipe's hardware
     templates: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> template name override
 
 
@@ -140,6 +148,9 @@ class Recipe:
 
     def validate(self) -> None:
         """Raise one clear sentence for a field outside its allowed values."""
+        for key, value in [("domain", self.domain)] + [("eval_domains", d) for d in self.eval_domains]:
+            if value is not None:
+                check_domain_name(value, f"recipe {self.name}: {key}")
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
         self._refuse_fp8_the_gpu_lacks()
@@ -155,7 +166,7 @@ class Recipe:
                 raise ValueError(f"recipe {self.name}: its chain runs {stage} but it has no {stage} config.")
         for stage, res in self.resources.items():
             for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
-                if int(getattr(res, key)) < 1:
+                if getattr(res, key) is not None and int(getattr(res, key)) < 1:
                     raise ValueError(f"recipe {self.name}: resources.{stage}.{key} must be at least 1.")
 
     def _refuse_fp8_the_gpu_lacks(self) -> None:
@@ -196,9 +207,28 @@ class Recipe:
                 f"{{root}}, {{name}}, {{target}}, {{source}}, {{domain}}."
             ) from None
 
+    @property
+    def cpus_per_node(self) -> int | None:
+        """The CPUs one node of the recipe's hardware gives a job (slurm.cpus_per_node, else NODE_CPUS)."""
+        return self.slurm.cpus_per_node or NODE_CPUS.get(self.hardware)
+
+    def tasks_per_node(self, stage: str) -> int:
+        """The Slurm tasks the stage's job runs on one node: one per GPU for a distributed stage, one per server
+        for regeneration (the node's GPUs over each server's TP), else one."""
+        if stage == "regenerate":
+            return max(1, NODE_GPUS // self.servers.tensor_parallel_size) if self.hardware != "cpu" else 1
+        return (self.resources.get(stage) or Resources()).gpus_per_node if stage in DISTRIBUTED_STAGES else 1
+
     def stage_resources(self, stage: str) -> Resources:
-        """The job resources of `stage` (one process on one node unless the recipe says otherwise)."""
-        return self.resources.get(stage) or Resources()
+        """The job resources of `stage` (one process on one node unless the recipe says otherwise); where the
+        recipe leaves its CPUs per task unset, each task gets the node's CPUs in proportion to its GPUs."""
+        res = copy.copy(self.resources.get(stage) or Resources())
+        if res.cpus_per_task is None:
+            node = self.cpus_per_node
+            gpus = NODE_GPUS if stage == "regenerate" else res.gpus_per_node
+            per_task = max(1, gpus // self.tasks_per_node(stage))
+            res.cpus_per_task = max(1, node * per_task // NODE_GPUS) if node else DEFAULT_CPUS_PER_TASK
+        return res
 
     def config(self, stage: str, run_dir: str | None = None) -> Any:
         """The config `stage` runs, its paths those of `run_dir` (default: paths.run_dir)."""
@@ -211,3 +241,13 @@ class Recipe:
         config = copy.deepcopy(base)
         wire_paths(self, stage, config, run_dir or self.path("run_dir"))
         return config
+
+
+def check_domain_name(value: Any, where: str) -> None:
+    """Refuse a domain that could leave the run directory or a job name (`/`, `..`, a leading dot): it names files
+    ({root}/data/prompts/{domain}.jsonl), Slurm jobs and their logs."""
+    if not (isinstance(value, str) and DOMAIN_NAME.match(value)):
+        raise ValueError(
+            f"{where} {value!r} is not a domain name: letters, digits, '_', '-' or '.', starting with a letter or "
+            f"digit (it names files, jobs and logs in the run directory)."
+        )

@@ -18,7 +18,7 @@ import yaml
 
 from megatron_osprey.config.overrides import apply_overrides, parse_override, with_override
 from megatron_osprey.recipes import backbone, cpu, distill
-from megatron_osprey.recipes.recipe import STAGES, Recipe
+from megatron_osprey.recipes.recipe import STAGES, Recipe, check_domain_name
 
 
 def _registered(name: str, build: Callable[..., Recipe], doc: str) -> Callable[..., Recipe]:
@@ -139,6 +139,7 @@ def get_recipe(spec: str) -> Recipe:
     if domain:
         if not takes_domain(name):
             raise ValueError(f"recipe {name} takes no domain; drop ':{domain}'.")
+        check_domain_name(domain, f"recipe {name}: domain")
         return RECIPES[name](domain)
     return RECIPES[name]()
 

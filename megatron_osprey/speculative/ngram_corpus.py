@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_osprey.data.chat_template import ChatTemplateConfig, ChatTokenizer
-from megatron_osprey.data.conversations import read_conversations
+from megatron_osprey.data.conversations import load_json, read_conversations
 
 from .ngram import NgramCounter, NgramDrafter
 
@@ -55,7 +55,7 @@ def corpus_kind(path: Path, options: CorpusOptions) -> str:
             if raw.strip():
                 try:
                     row = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise ValueError(f"--input {path}: its first row is not JSON; a JSONL file is expected.") from None
                 if isinstance(row, dict) and isinstance(row.get("conversations"), list):
                     return "conversations"
@@ -76,7 +76,11 @@ def _text_rows(path: Path, options: CorpusOptions) -> Iterator[str]:
                 continue
             if options.limit is not None and count >= options.limit:
                 return
-            row = json.loads(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--input {path}:{lineno} is not UTF-8 text ({error.reason}).") from None
+            row = load_json(line, f"--input {path}:{lineno}")
             text = row.get(options.json_key) if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f"--input {path}:{lineno} has no string {options.json_key!r} (--json-key).")

@@ -49,6 +49,13 @@ class Invocation:
             directory, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
         )
 
+    def record_file(self, file: str | Path, config, inputs: dict, outputs: str | dict[str, str | Path]) -> Path:
+        """Write FILE.provenance.json for this run's output FILE (others may share its directory): `outputs` names
+        FILE, or maps names to the files written under that stem (a preprocessed PREFIX's .bin and .idx)."""
+        return provenance.write_file_provenance(
+            file, self.stage, inputs, outputs, config=config, recipe=self.recipe, command=list(self.command)
+        )
+
 
 def check_inputs(paths: dict[str, str | Path | None]) -> dict[str, dict[str, str]]:
     """Each named input's path and sha256, refusing one whose producer recorded other bytes (None: skipped)."""

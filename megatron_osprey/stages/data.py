@@ -20,10 +20,9 @@ from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.data.chat_template import REASONING_MODES, TOOL_MODES
 from megatron_osprey.data.user_data import (
     PROMPT_TURNS,
-    SUMMARY_FILE,
-    TOKEN_COUNTS_FILE,
     UserDataConfig,
     build_user_data,
+    data_outputs,
     parse_inputs,
 )
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
@@ -67,7 +66,11 @@ FLAGS = {
             {"choices": list(PROMPT_TURNS), "help": "regenerate every user turn (all) or the first only"},
         ),
         Flag("--seq-length", "seq_length", {"type": int, "help": "tokens per conversation counted (default 4096)"}),
-        Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an earlier osprey data output"}),
+        Flag(
+            "--overwrite",
+            "overwrite",
+            {**STORE_TRUE, "help": "replace an earlier osprey data output (one whose provenance.json names data)"},
+        ),
     ],
 }
 
@@ -86,15 +89,9 @@ def run(config: DataConfig, invocation: Invocation = Invocation("data")) -> dict
         {f"input {name}": path for name, path in files.items() if Path(path).exists()}
         | {name: path for name, path in tokenizer_files.items() if path.is_file()}
     )
-    summary = build_user_data(config)
-    output = Path(config.output)
-    outputs = {"summary": output / SUMMARY_FILE}
-    for kind in ("prompts", "eval", "conversations"):
-        outputs |= {f"{kind}/{p.stem}": p for p in sorted((output / kind).glob("*.jsonl"))}
-    if (output / TOKEN_COUNTS_FILE).is_file():
-        outputs["token_counts"] = output / TOKEN_COUNTS_FILE
-    invocation.record(output, config, inputs, outputs)
-    return summary
+    return build_user_data(
+        config, record=lambda output: invocation.record(output, config, inputs, data_outputs(output))
+    )
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:
@@ -110,6 +107,11 @@ def main(argv: list[str] | None = None, recipes=None) -> int:
                 f"({counts['duplicates_removed']} duplicates, {counts['train_with_eval_prompt_removed']} repeating an "
                 f"eval prompt, {counts['tool_conversations_dropped']} with tool turns left out)"
             )
+            if counts["prompts_without_user_turn"]:
+                print(
+                    f"{domain}: {counts['prompts_without_user_turn']} training conversations call a tool before any "
+                    f"user message, so prompts/{domain}.jsonl leaves them out (nothing for regenerate to answer)"
+                )
         print(f"wrote {config.output}")
 
     return exit_code(build_and_report)

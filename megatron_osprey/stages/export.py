@@ -1,6 +1,6 @@
 """Export a drafter checkpoint for serving.
 
-    python -m megatron_osprey export --checkpoint CKPT --format sglang|hf|speculators --output DIR [--overwrite]
+    python -m megatron_osprey export --checkpoint CKPT --format sglang|hf|speculators|vllm --output DIR [--overwrite]
 
 CKPT: a Megatron drafter checkpoint (Stage 3 OUT/megatron, a Stage 4 save directory), a Stage 3 OUT directory,
 or a reference drafter directory (OUT/hf). Everything comes from the checkpoint's run_config.yaml /
@@ -12,6 +12,13 @@ config.json; nothing is fetched.
                one-layer EAGLE-3 -> stock SGLang LlamaForCausalLMEagle3 (midlayer.*), no plugin.
   hf           the reference drafter layout (ReferenceDrafter.from_pretrained reads it).
   speculators  vLLM speculators Eagle3Speculator (one-layer Llama EAGLE-3 only).
+  vllm         vLLM 0.32 (--speculative-config '{"method": "eagle3", "model": DIR, ...}'): EAGLE-3 with plain
+               extra layers -> stock LlamaForCausalLMEagle3; Osprey, fused multi-layer EAGLE-3 and q/k-norm
+               bodies -> Eagle3OspreyLlamaForCausalLM / Eagle3OspreyQwen3ForCausalLM, which this package's
+               vLLM plugin registers (installed into vLLM's environment by `osprey engine install vllm`).
+               Aux taps are written in vLLM's count (this project's layer id + 1). Refused, naming the field,
+               when vLLM cannot serve the drafter for the run's target (tap count, last-layer tap,
+               vocab_size, target_hidden_size).
 
 Trust: a Megatron checkpoint is torch distributed-checkpoint data, which torch unpickles. Its .metadata is
 checked against an allow-list first, but load only checkpoints you trust. The exports written here
@@ -61,8 +68,7 @@ FLAGS = {
 
 def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> Path:
     """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
-    from megatron_osprey.base.outputs import prepare_output
-    from megatron_osprey.base.provenance import PROVENANCE_FILE
+    from megatron_osprey.base.outputs import claimed_output
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.export.formats import export_drafter
 
@@ -71,22 +77,22 @@ def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> 
             raise ValueError(f"{flag} is required.")
     if config.format not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {config.format!r}.")
-    output = Path(config.output)
-    # Refused before the drafter loads; emptied only when it holds this stage's own earlier export.
-    prepare_output(output, {"--checkpoint": config.checkpoint}, PROVENANCE_FILE, config.overwrite, stage="export")
-    loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
-    inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
-    target = loaded.run_config.get("target")
-    tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
-    written = export_drafter(
-        loaded.drafter,
-        config.format,
-        output,
-        loaded.run_config,
-        tokenizer_dir=tokenizer_dir,
-        architecture_names=config.architecture_names,
-    )
-    invocation.record(written, config, inputs, {"export": written})
+    # Refused before the drafter loads; emptied only when it holds this stage's own earlier (or partial) export. The
+    # marker written first and provenance.json written last make an export stopped midway a partial one to evaluate.
+    with claimed_output(config.output, {"--checkpoint": config.checkpoint}, config.overwrite, stage="export") as output:
+        loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
+        inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
+        target = loaded.run_config.get("target")
+        tokenizer_dir = Path(target) if target and Path(target).is_dir() else None
+        written = export_drafter(
+            loaded.drafter,
+            config.format,
+            output,
+            loaded.run_config,
+            tokenizer_dir=tokenizer_dir,
+            architecture_names=config.architecture_names,
+        )
+        invocation.record(written, config, inputs, {"export": written})
     return written
 
 

@@ -7,8 +7,8 @@ CORPUS: text JSONL (one string under --json-key per row) or conversations JSONL,
 counted as the target writes them (rendered through its chat template; their contexts may reach into the
 prompt). Writes DIR/ngram.npz (hashed contexts of 1..order-1 tokens, sorted, with the next id and counts),
 DIR/config.json (tagged megatron_osprey.ngram_drafter/1: order, tokenizer, vocabulary) and
-DIR/provenance.json. The evaluate stage takes DIR as a drafter (`--drafter NAME=DIR`, chains only). The
-counting is speculative/ngram.py.
+DIR/provenance.json (last: a DIR the stage stopped writing is partial, and evaluate refuses it). The evaluate
+stage takes DIR as a drafter (`--drafter NAME=DIR`, chains only). The counting is speculative/ngram.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megatron_osprey.base.outputs import check_output, prepare_output
+from megatron_osprey.base.outputs import check_output, claimed_output
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
@@ -89,9 +89,10 @@ def run(config: NgramConfig, invocation: Invocation = Invocation("ngram")):
         drafter = build_ngram_drafter(
             config.inputs, tokenizer, config.order, options, config.min_count, str(config.tokenizer), progress
         )
-    output = prepare_output(config.output, config.paths_read(), PROVENANCE_FILE, config.overwrite, stage="ngram")
-    drafter.save(output)
-    invocation.record(output, config, inputs, {"tables": output / TABLES_NAME, "config": output / CONFIG_NAME})
+    # The marker first and provenance.json last: a table stopped midway reads as partial to evaluate.
+    with claimed_output(config.output, config.paths_read(), config.overwrite, stage="ngram") as output:
+        drafter.save(output)
+        invocation.record(output, config, inputs, {"tables": output / TABLES_NAME, "config": output / CONFIG_NAME})
     return drafter
 
 

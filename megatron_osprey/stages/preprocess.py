@@ -6,9 +6,10 @@
 Input: JSONL (plain, .gz or .zst), Parquet, a `datasets` save_to_disk directory, or a directory of such
 files (shards, e.g. FineWeb's sample/100BT/*.parquet as the Hub stores it); --input-list names inputs one per
 line. Shards and list lines are tokenized each into DIR/0000i/NAME_<key>_document (PREFIX = DIR/NAME; i: its
-place in the sorted listing or the list), with its own provenance.json; a Slurm array task takes every N-th
-of them (N: SLURM_ARRAY_TASK_COUNT), so any number of tasks covers any number of shards. Stage 2 reads them
-all as one blend (`--data-path P0 P1 ...`, weighted by token count). The pipeline is data/preprocess.py.
+place in the sorted listing or the list). Every output prefix gets its own record, OUTPUT.provenance.json beside
+its .bin and .idx, so prefixes sharing a directory stay checked each. A Slurm array task takes every N-th of
+them (N: SLURM_ARRAY_TASK_COUNT), so any number of tasks covers any number of shards. Stage 2 reads them all as
+one blend (`--data-path P0 P1 ...`, weighted by token count). The pipeline is data/preprocess.py.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def run(config: PreprocessConfig, invocation: Invocation = Invocation("preproces
         results.append(preprocess(job))
         prefix = job.output_path()
         outputs = {"bin": f"{prefix}.bin", "idx": f"{prefix}.idx"}
-        invocation.record(Path(prefix).parent, job, inputs, outputs)
+        # PREFIX.provenance.json: several prefixes may share a directory (one record each, each checked).
+        invocation.record_file(prefix, job, inputs, outputs)
     return results
 
 
@@ -203,10 +205,11 @@ def shard_done(prefix: str, source: str, tokenizer: str) -> bool:
     """Whether an earlier run tokenized `source` into `prefix` completely: the provenance.json beside it records
     this input and tokenizer with the bytes they have now, and the .bin and .idx with theirs (a requeued array
     task goes on from there; a shard or tokenizer changed since is tokenized again)."""
-    from megatron_osprey.base.provenance import records_unchanged
+    from megatron_osprey.base.provenance import file_record, records_unchanged
 
     outputs = {"bin": f"{prefix}.bin", "idx": f"{prefix}.idx"}
-    return records_unchanged(Path(prefix).parent, {"input": source, "tokenizer": tokenizer}, outputs)
+    record = file_record(prefix)
+    return records_unchanged(record.parent, {"input": source, "tokenizer": tokenizer}, outputs, record.name)
 
 
 def main(argv: list[str] | None = None, recipes=None) -> int:

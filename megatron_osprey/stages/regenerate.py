@@ -336,7 +336,7 @@ def run(
         finally:
             backend.close()
     if not summary.failed:
-        invocation.record(Path(config.output).parent, config, inputs, {"conversations": config.output})
+        invocation.record_file(config.output, config, inputs, "conversations")
     return summary
 
 

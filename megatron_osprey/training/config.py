@@ -228,8 +228,8 @@ CHECKPOINT_FLAGS = [
         "skip_checksum",
         {
             **STORE_TRUE,
-            "help": "load --load (and pretrain's --backbone) without verifying its files against the sha256 "
-            "recorded at save, or without that record (checksums.json)",
+            "help": "load --load (and pretrain's --backbone, distill's --drafter-init) without verifying its files "
+            "against the sha256 recorded at save, or without that record (checksums.json)",
         },
     ),
 ]

@@ -325,13 +325,17 @@ def initial_drafter_weights(
 ) -> Callable[[list], None]:
     """Loads Stage 3's drafter (--drafter-init) or initializes EAGLE-3 from the target into fresh chunks."""
 
+    verify = not cfg.checkpoint.skip_checksum  # --skip-checksum covers --drafter-init too, as pretrain's --backbone
+
     def initialize(chunks: list) -> None:
         if cfg.data.mode == "on-policy":  # the SFT-distilled checkpoint, every weight
-            checkpointing.load_backbone_weights(cfg.drafter.drafter_init, chunks)
+            checkpointing.load_backbone_weights(cfg.drafter.drafter_init, chunks, verify=verify)
         elif cfg.drafter.drafter_init:
             # Stage 3 writes no aux_norms: under --aux-hidden-norm they start at their init (ones, the identity).
             fresh = ("aux_norms.",) if arch.aux_hidden_norm else ()
-            checkpointing.load_backbone_weights(Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh)
+            checkpointing.load_backbone_weights(
+                Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh, verify=verify
+            )
         else:
             init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
 

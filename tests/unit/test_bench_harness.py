@@ -100,11 +100,12 @@ def test_table_has_the_columns_and_one_line_per_row():
 
 
 def test_main_writes_bench_json_with_the_schema(tmp_path, monkeypatch):
-    def fake_build(name, sizes, workdir):
-        assert sizes == bench.Sizes.quick()
+    def fake_build(name, sizes, workdir, bf16):
+        assert sizes == bench.Sizes.quick() and bf16 is False  # forced below: no native bf16, float32
         return Pair(name, ours=lambda: None, peer=lambda: None, limit_seconds=lambda: 1.0)
 
     monkeypatch.setattr(bench, "build_pair", fake_build)
+    monkeypatch.setenv("OSPREY_CPU_CAPABILITY", "avx2")
     assert bench.main(["--quick", "--runs", "3", "--output", str(tmp_path), "--only", "preprocessing", "decoding"]) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [r["stage"] for r in rows] == ["preprocessing", "decoding"]

@@ -145,8 +145,8 @@ def test_the_suite_stage_writes_the_eval_set_and_refuses_to_overwrite_it(tmp_pat
     assert capsys.readouterr().err.strip() == f"error: --output {out} exists; pass --overwrite to replace it."
     assert out.read_bytes() == written
     assert main([*argv, "--limit", "1", "--overwrite"]) == 0 and len(list(read_conversations(out))) == 1
-    # Its provenance.json beside the eval set: what it read and wrote, by sha256, so evaluate can check it.
-    record = json.loads((out.parent / "provenance.json").read_text())
+    # Its own record beside the eval set: what it read and wrote, by sha256, so evaluate can check it.
+    record = json.loads((out.parent / "math500.jsonl.provenance.json").read_text())
     assert record["stage"] == "suite" and record["config"]["limit"] == 1
     assert record["inputs"]["source"]["sha256"] == file_sha256(source)
     assert record["outputs"]["eval_set"] == {"path": "math500.jsonl", "sha256": file_sha256(out)}

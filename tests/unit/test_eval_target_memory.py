@@ -89,3 +89,52 @@ def test_a_family_the_plan_cannot_size_is_loaded_unchecked(tmp_path, monkeypatch
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12}))
     monkeypatch.setattr(checks, "visible_memory", lambda device: (0, 0))
     assert checks.check_target_fits(_config(tmp_path, "float32"), "cuda") is None
+
+
+def test_the_megatron_backend_is_sized_too_without_the_host_term(target, monkeypatch, nothing_loaded):
+    """--target-backend megatron reads slices straight onto the device: a 70B target on one 80 GiB GPU is refused
+    before anything loads, and a small host is no reason to refuse."""
+    monkeypatch.setattr(checks, "visible_memory", lambda device: (80 * GIB, 16 * GIB))
+    config = _config(target, "bfloat16")
+    config.target_backend = "megatron"
+    with pytest.raises(TargetMemoryError, match="cuda's memory is 80.0 GiB") as refused:
+        run._load_target(config)
+    assert "host" not in str(refused.value)
+
+
+def test_the_megatron_backend_refuses_a_dtype_it_cannot_build(target, nothing_loaded):
+    config = _config(target, "float64")
+    config.target_backend = "megatron"
+    with pytest.raises(ValueError, match="--dtype float64 with --target-backend megatron"):
+        run._load_target(config)
+
+
+def test_a_moe_target_on_cuda_without_te_names_evaluates_own_flags(tmp_path, monkeypatch, nothing_loaded):
+    from megatron_osprey.base import hardware
+    from megatron_osprey.testing.tiny_models import qwen3_moe_config
+
+    qwen3_moe_config(layers=2).save_pretrained(str(tmp_path))
+    monkeypatch.setattr(hardware, "have_transformer_engine", lambda: False)
+    config = _config(tmp_path, "bfloat16")
+    config.target_backend = "megatron"
+    with pytest.raises(ValueError, match="mixture-of-experts .* install it .* or use --target-backend hf") as refused:
+        run._load_target(config)
+    assert "--transformer-impl" not in str(refused.value)  # evaluate has no such flag
+
+
+def test_the_megatron_backend_builds_the_target_at_dtype(tmp_path, monkeypatch):
+    """--dtype reaches the Megatron target (it was always float32 with the local spec)."""
+    from megatron_osprey.models.target import pipeline_stage
+
+    seen = {}
+
+    def load_target(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(pipeline_stage, "load_target", load_target)
+    config = _config(tmp_path, "bfloat16", device="cpu")
+    with pytest.raises(RuntimeError, match="stop"):
+        with run._target_factory(config, None):
+            pass
+    assert seen["params_dtype"] == run.DTYPES["bfloat16"] and "transformer_impl" not in seen  # auto: TE where usable

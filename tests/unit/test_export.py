@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from megatron_osprey.export import layouts
 from megatron_osprey.export.formats import export_drafter, read_export
 from megatron_osprey.export.sglang_plugin.weight_names import layer_kinds, plugin_param_name
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter, apply_rope
@@ -183,7 +184,11 @@ def test_speculators_round_trip_and_refusals(tmp_path):
     assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1 and config["norm_before_residual"] is False
     assert "layers.0.hidden_norm.weight" in load_file(str(tmp_path / "s" / "model.safetensors"))
+    # vLLM counts a tap as the hidden state after L layers: layer id i is written as i + 1.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.aux_layer_ids]
     _same_state(drafter, read_export(tmp_path / "s"))
+    third_party = {k: v for k, v in config.items() if k != "megatron_osprey"}
+    assert layouts.drafter_config_from_export(third_party).aux_layer_ids == list(drafter.config.aux_layer_ids)
     for case in ("osprey-2-qwen3", "eagle3-2-plain"):
         with pytest.raises(ValueError, match="--format speculators"):
             export_drafter(make_drafter(*CASES[case]), "speculators", tmp_path / case)
@@ -284,3 +289,54 @@ def test_checkpoint_errors_name_the_checkpoint_flag_and_help_says_what_to_trust(
     with pytest.raises(SystemExit):
         export_main(["--help"])
     assert "load only checkpoints you trust" in " ".join(capsys.readouterr().out.split())
+
+
+# A stage killed after writing its files, before its record: what kill -9 or a lost node leaves.
+KILLED_BEFORE_RECORD = """
+import os, sys
+from megatron_osprey.stages import cli
+cli.Invocation.record = lambda *args, **kwargs: os._exit(9)
+from megatron_osprey.stages.{stage} import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_killed_before_record(stage: str, argv: list[str]) -> int:
+    import os
+    import subprocess
+    import sys
+
+    script = KILLED_BEFORE_RECORD.replace("{stage}", stage)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", script, *argv], env=env, timeout=300).returncode
+
+
+def test_an_export_killed_midway_is_refused_by_evaluate_and_cleaned_by_overwrite(tmp_path, capsys):
+    from megatron_osprey.eval.loading import load_drafter
+
+    make_drafter("osprey", 2, True).save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--format", "sglang", "--output", str(out)]
+    assert run_killed_before_record("export", args) == 9
+    assert (out / "model.safetensors").is_file() and not (out / "provenance.json").exists()
+    with pytest.raises(ValueError, match=rf"^--drafter {out} is a partial export output: that stage stopped"):
+        load_drafter(out)
+    assert export_main(args) == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert export_main([*args, "--overwrite"]) == 0  # its own partial output
+    assert isinstance(load_drafter(out).drafter, ReferenceDrafter)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "hf"])
+def test_a_truncated_export_weights_file_is_one_line_naming_it(tmp_path, fmt, capsys):
+    # The case: safetensors' SafetensorError (a traceback) from evaluate or a second export reading it.
+    from megatron_osprey.eval.loading import load_drafter
+
+    export_drafter(make_drafter("osprey", 2, True), fmt, tmp_path / "x")
+    weights = tmp_path / "x" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{weights} is not a readable safetensors file \(.*\); it is truncated"):
+        load_drafter(tmp_path / "x")
+    args = ["--checkpoint", str(tmp_path / "x"), "--format", "sglang", "--output", str(tmp_path / "again")]
+    assert export_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights} is not a readable safetensors file") and err.count("\n") == 1

@@ -24,7 +24,7 @@ B200_MXFP8 = "qwen3_4b_backbone_pretrain_10k_64gpu_b200_mxfp8"
     [
         ("delayed", [(8, 9), (9, 0), (10, 0)], [(8, 0), (8, 6)]),
         ("tensorwise", [(8, 9), (9, 0), (10, 0)], [(8, 0)]),
-        ("blockwise", [(9, 0)], [(8, 9), (10, 0)]),
+        ("blockwise", [(9, 0), (10, 0)], [(8, 9)]),
         ("mxfp8", [(10, 0), (10, 3)], [(8, 9), (9, 0), (12, 0)]),
     ],
 )
@@ -39,12 +39,15 @@ def test_capability_table(fp8_recipe, runs_on, refused_on):
         )
 
 
-def test_plan_refuses_mxfp8_on_h100_and_blockwise_on_b200(capsys):
-    for name, wrong, gpu in ((H100_FP8, "mxfp8", "H100"), (B200_MXFP8, "blockwise", "B200")):
-        assert main(["plan", name, "--set", f"pretrain.model.fp8_recipe={wrong}"]) == 2
-        err = capsys.readouterr().err
-        assert f"recipe {name} (pretrain.model.fp8_recipe)" in err
-        assert f"--fp8-recipe {wrong} needs" in err and f"its hardware {gpu} is" in err
+def test_plan_refuses_mxfp8_on_h100_and_plans_blockwise_on_b200_naming_its_cuda(capsys):
+    assert main(["plan", H100_FP8, "--set", "pretrain.model.fp8_recipe=mxfp8"]) == 2
+    err = capsys.readouterr().err
+    assert f"recipe {H100_FP8} (pretrain.model.fp8_recipe)" in err
+    assert "--fp8-recipe mxfp8 needs" in err and "its hardware H100 is" in err
+    recipe = copy.deepcopy(get_recipe(B200_MXFP8))
+    recipe.pretrain.model.fp8_recipe = "blockwise"  # TE 2.11: block scaling from compute capability 9.0 on
+    checks = make_plan(recipe, "pretrain").checks
+    assert any(c.startswith("FP8 recipe blockwise runs on B200") and "CUDA 12.9+" in c for c in checks)
 
 
 def test_make_plan_refuses_without_recipe_validation():
@@ -82,14 +85,28 @@ def gpu_with_te(monkeypatch):
 
 @pytest.mark.parametrize(
     "capability, fp8_recipe, refused",
-    [((9, 0), "mxfp8", True), ((10, 0), "mxfp8", False), ((10, 0), "blockwise", True), ((9, 0), "blockwise", False)],
+    [((9, 0), "mxfp8", True), ((10, 0), "mxfp8", False), ((10, 0), "blockwise", False), ((9, 0), "blockwise", False)],
 )
-def test_start_refuses_from_the_device_capability(gpu_with_te, capability, fp8_recipe, refused):
+def test_start_refuses_from_the_device_capability(gpu_with_te, capability, fp8_recipe, refused, monkeypatch):
     gpu_with_te["value"] = capability
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
     model = BackboneConfig(hf_model="unused", transformer_impl="transformer_engine", fp8_format="e4m3")
     model.fp8_recipe = fp8_recipe
     if refused:
         with pytest.raises(ValueError, match=f"--fp8-recipe {fp8_recipe} needs .*this GPU is {capability[0]}"):
+            validate_numerics(model)
+    else:
+        validate_numerics(model)
+
+
+@pytest.mark.parametrize("cuda, refused", [("12.8", True), ("12.9", False), ("13.0", False)])
+def test_start_refuses_blockwise_below_cuda_12_9(gpu_with_te, monkeypatch, cuda, refused):
+    """TE 2.11's check_fp8_block_scaling_support: compute capability 9.0 or higher and CUDA 12.9 or newer."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    model = BackboneConfig(hf_model="unused", transformer_impl="transformer_engine", fp8_format="e4m3")
+    model.fp8_recipe = "blockwise"
+    if refused:
+        with pytest.raises(ValueError, match=f"--fp8-recipe blockwise needs CUDA 12.9 or newer.*CUDA {cuda}"):
             validate_numerics(model)
     else:
         validate_numerics(model)

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ["init", "placement", "train_steps", "checkpoint", "ttt_loss", "ttt_memory", "throughput"]
+CHECKS = [
+    "init", "placement", "train_steps", "checkpoint", "ttt_loss", "te_spec", "drafter_te", "target_path",
+    "ttt_memory", "throughput",
+]  # fmt: skip
 
 
 def _run(*args: str, timeout: int, command: list[str] | None = None) -> tuple[int, dict[str, dict], str]:
@@ -48,7 +51,13 @@ def test_dry_run_prints_one_passing_json_line_per_check():
     steps = lines["train_steps"]
     assert {"drafter_ddp", "drafter_distopt", "backbone_ddp", "backbone_distopt"} <= set(steps)
     assert lines["checkpoint"]["resumed_max_abs_diff"] == 0.0
-    assert lines["ttt_loss"]["relative_diff"] < 1e-4
+    assert lines["ttt_loss"]["relative_diff"] < 1e-4 and lines["ttt_loss"]["transformer_impl"] == "local"
+    # the drafter steps' peak beside the plan's figure for the same shapes (no device allocator on the CPU)
+    assert steps["drafter_ddp"]["plan_gib"] > 0 and "peak_gib" in steps["drafter_ddp"]
+    for name in ("te_spec", "drafter_te"):  # TE cannot be installed on a CPU machine: said, and no failure here
+        assert lines[name]["transformer_engine"].startswith("absent"), lines[name]
+    # the FP8 block-scaled checkpoint written here, through the online target, equals the HF forward (float32)
+    assert lines["target_path"]["aux_rel_diff"] < 1e-4 and lines["target_path"]["final_rel_diff"] < 1e-4
     assert [row["K"] for row in lines["ttt_memory"]["curve"] if row["impl"] == "linear"] == [1, 2, 3, 4, 5]
     assert lines["throughput"]["tokens_per_sec_per_device"] > 0
 

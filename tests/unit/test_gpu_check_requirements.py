@@ -23,7 +23,10 @@ from megatron_osprey.assets.download import SOURCES_SUBDIR, osprey_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "benchmarks" / "gpu_check.requirements.txt"
-CHECKS = ["init", "placement", "train_steps", "checkpoint", "ttt_loss", "ttt_memory", "throughput"]
+CHECKS = [
+    "init", "placement", "train_steps", "checkpoint", "ttt_loss", "te_spec", "drafter_te", "target_path",
+    "ttt_memory", "throughput",
+]  # fmt: skip
 
 
 def _pins() -> dict[str, str]:

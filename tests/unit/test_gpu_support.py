@@ -47,5 +47,34 @@ def test_fusions_are_off_without_a_c_compiler_with_one_logged_sentence(monkeypat
         assert fusions_usable(on_gpu=True) is False
     assert len(caplog.records) == 1 and "no C compiler" in caplog.records[0].message
     monkeypatch.setattr(gpu_support.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(gpu_support, "python_header", lambda: "/usr/include/python3.12/Python.h")
     assert fusions_usable(on_gpu=True) is True
     assert fusions_usable(on_gpu=False) is False
+
+
+def test_fusions_are_off_without_python_h_naming_the_include_directory(monkeypatch, caplog, tmp_path):
+    """A slim image with gcc and no python3-dev: Triton's launcher build would fail at step 1."""
+    monkeypatch.setattr(gpu_support.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(gpu_support.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    with caplog.at_level(logging.WARNING):
+        assert fusions_usable(on_gpu=True) is False
+    assert len(caplog.records) == 1
+    assert "no Python.h" in caplog.records[0].message and str(tmp_path) in caplog.records[0].message
+    (tmp_path / "Python.h").write_text("")
+    assert fusions_usable(on_gpu=True) is True
+
+
+def test_transformer_engine_counts_only_when_its_pytorch_extension_imports(monkeypatch):
+    """TE 2.x's top-level import succeeds even when transformer_engine.pytorch fails (its __init__ swallows it)."""
+    import sys
+    import types
+
+    from megatron_osprey.base.hardware import have_transformer_engine
+
+    package = types.ModuleType("transformer_engine")
+    package.__path__ = []  # a package without its pytorch submodule: that import fails
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch", raising=False)
+    assert have_transformer_engine() is False
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+    assert have_transformer_engine() is True

@@ -561,3 +561,49 @@ def test_the_cpu_chain_can_evaluate_in_vllm_where_the_job_finds_it(tmp_path):
     done, (line,) = _run_stage_job(script, bare)
     assert done.returncode == 0 and "--engine" not in line
     assert line.endswith(f"-m megatron_osprey evaluate --recipe {name} --run-dir {tmp_path / 'run'}")
+
+
+@pytest.mark.parametrize("domain", ["../../escape", "a/b", "..", ".hidden"])
+def test_a_recipe_domain_that_leaves_the_run_directory_is_refused_naming_it(tmp_path, capsys, domain):
+    # The case: RECIPE:../../x gave job names and log paths (prompts/../../x.jsonl) outside the run dir.
+    spec = f"qwen3_8b_osprey_distill_2gpu_h100_bf16:{domain}"
+    assert osprey(["plan", spec, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"domain {domain!r} is not a domain name" in err and err.count("\n") == 1, err
+    # A YAML recipe's domain and eval domains too.
+    recipe_file = tmp_path / "mine.yaml"
+    recipe_file.write_text(f"base: qwen3_8b_osprey_distill_2gpu_h100_bf16:code\neval_domains: [math, '{domain}']\n")
+    with pytest.raises(ValueError, match=rf"recipe mine: eval_domains {re.escape(repr(domain))} is not a domain name"):
+        resolve_recipe(str(recipe_file))
+    assert get_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16:code.v2-x_1").domain == "code.v2-x_1"
+
+
+def test_cpus_per_task_follow_the_node_and_plan_refuses_what_a_node_cannot_give(tmp_path, capsys):
+    """8 tasks x 16 CPUs never schedule on a 96-vCPU H100 node: a task gets the node's CPUs per GPU (12), a
+    regeneration server its GPUs' share, and a layout asking more CPUs or GPUs than a node has is refused."""
+    name = "llama33_70b_osprey_distill_8gpu_h100_bf16"
+    recipe = get_recipe(name)
+    assert recipe.stage_resources("distill").cpus_per_task == 12
+    assert recipe.stage_resources("regenerate").cpus_per_task == 96 // recipe.tasks_per_node("regenerate")
+    assert "node: 8 task(s) x 12 CPUs = 96 of 96 CPUs, 8 of 8 GPUs" in make_plan(recipe, "distill").checks
+    script = render(get_recipe(name), name, "distill", str(tmp_path))
+    assert "#SBATCH --cpus-per-task=12" in script and "--ntasks-per-node=8" in script
+    bigger = resolve_recipe(name, ["slurm.cpus_per_node=224"])
+    assert bigger.stage_resources("distill").cpus_per_task == 28
+    assert osprey(["plan", name, "--stage", "distill", "--set", "resources.distill.cpus_per_task=16"]) == 2
+    err = capsys.readouterr().err
+    assert "8 task(s) per node x resources.distill.cpus_per_task 16 = 128 CPUs, more than the 96" in err
+    assert osprey(["plan", name, "--stage", "distill", "--set", "resources.distill.gpus_per_node=16"]) == 2
+    assert "resources.distill.gpus_per_node 16 is more than the 8 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name", ["minimax_m25_osprey_distill_8gpu_h100_bf16", "minimax_m25_osprey_opd_distill_4gpu_b200_bf16"]
+)
+def test_a_moe_targets_distill_plans_the_dense_drafter_at_ep1_inside_the_jobs_ep(name):
+    """The job's EP is the MoE target's; the drafter is validated (and built) with EP 1 inside that layout."""
+    recipe = get_recipe(name)
+    ep = recipe.config("distill").parallel.expert_model_parallel_size
+    assert ep > 1
+    checks = make_plan(recipe, "distill").checks
+    assert f"drafter: dense, built at expert parallel size 1 inside the job's EP {ep} layout" in " ".join(checks)

@@ -236,3 +236,22 @@ def test_ngram_output_never_deletes_an_input_or_a_directory_it_did_not_write(tin
     inside.write_text(corpus.read_text())
     assert build(tmp_path / "mine", "--overwrite", corpus=inside) == 2
     assert f"contains the input --input {inside}" in capsys.readouterr().err and inside.is_file()
+
+
+def test_an_ngram_table_killed_midway_is_refused_by_evaluate_and_cleaned_by_overwrite(tiny_target, tmp_path, capsys):
+    from megatron_osprey.stages.ngram import main as ngram_main
+    from tests.unit.test_export import run_killed_before_record
+
+    out = tmp_path / "ng"
+    argv = ["--input", str(tiny_target / "chat.jsonl"), "--tokenizer", str(tiny_target / "target")]
+    argv += ["--order", "2", "--output", str(out), "--no-progress"]
+    assert run_killed_before_record("ngram", argv) == 9
+    assert is_ngram_dir(out) and not (out / "provenance.json").exists()
+    assert _evaluate(tiny_target, tmp_path / "eval", out) == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # the input check names it before the drafter is loaded
+    assert error == (
+        f"error: input drafter:ngram {out} lies in {out}, a partial ngram output: that stage stopped before it "
+        f"finished writing it (.osprey-writing.json is still there). Run the ngram stage again with --overwrite."
+    )
+    assert ngram_main([*argv, "--overwrite"]) == 0  # its own partial output
+    assert (out / "provenance.json").is_file() and not (out / ".osprey-writing.json").exists()

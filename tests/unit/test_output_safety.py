@@ -122,3 +122,39 @@ def test_an_output_that_cannot_be_created_or_written_is_named(tmp_path):
         check_output_writable(tmp_path / "file.txt" / "o", flag="--out")
     assert check_output_writable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
     assert list((tmp_path / "a" / "b").iterdir()) == []
+
+
+@pytest.mark.parametrize("stage", ["export", "prune", "ngram"])
+def test_a_symlinked_output_is_refused_by_name_before_anything_is_deleted(tmp_path, stage):
+    # The case: --output LINK --overwrite ran the whole stage, then failed in rmtree with no name.
+    real = _own_output(tmp_path / "real", stage=stage)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match=rf"^--output {link} is a symbolic link \(to {real}\); give the directory"):
+        prepare_output(link, {}, PROVENANCE_FILE, overwrite=True, stage=stage)
+    assert (real / "model.safetensors").read_bytes() == b"old" and link.is_symlink()
+
+
+def test_a_claimed_output_is_marked_until_its_record_and_a_partial_one_is_its_stages_own(tmp_path):
+    from megatron_osprey.base.outputs import WRITER_LOCK, check_not_partial, claimed_output
+    from megatron_osprey.base.provenance import WRITING_MARKER, write_provenance
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="bad input"):  # refused before writing anything: the output stays free
+        with claimed_output(out, {}, False, stage="ngram"):
+            raise ValueError("bad input")
+    assert [p.name for p in out.iterdir()] == [WRITER_LOCK]
+    with pytest.raises(RuntimeError):
+        with claimed_output(out, {}, False, stage="ngram"):
+            (out / "ngram.npz").write_bytes(b"half")
+            raise RuntimeError("killed")
+    with pytest.raises(ValueError, match=rf"--drafter {out} is a partial ngram output: .*{WRITING_MARKER}"):
+        check_not_partial(out, "--drafter")
+    with pytest.raises(ValueError, match="holds the output of the ngram stage, not of export"):
+        prepare_output(out, {}, PROVENANCE_FILE, overwrite=True, stage="export")
+    with claimed_output(out, {}, True, stage="ngram"):
+        assert sorted(p.name for p in out.iterdir()) == [WRITER_LOCK, WRITING_MARKER]
+        (out / "ngram.npz").write_bytes(b"whole")
+        write_provenance(out, "ngram", {}, {"tables": out / "ngram.npz"})
+    check_not_partial(out, "--drafter")
+    assert sorted(p.name for p in out.iterdir()) == [WRITER_LOCK, "ngram.npz", PROVENANCE_FILE]

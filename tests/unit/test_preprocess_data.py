@@ -391,7 +391,7 @@ def test_a_directory_of_shards_is_tokenized_shard_by_shard_and_array_tasks_share
     lengths = []  # per shard, read while its dataset (whose memory map the array views) is alive
     for i, (mine, theirs) in enumerate(zip(one.output_paths(), tasks.output_paths())):
         assert _bytes(mine) == _bytes(theirs)
-        record = json.loads((Path(theirs).parent / "provenance.json").read_text())  # each shard's own
+        record = json.loads(Path(f"{theirs}.provenance.json").read_text())  # each shard's own
         assert record["inputs"]["input"]["path"] == str(shards / f"{i:03d}_00000.jsonl")
         dataset = IndexedDataset(mine)
         lengths.append(dataset.sequence_lengths.tolist())
@@ -463,3 +463,45 @@ def test_the_backbone_recipe_pretrains_on_every_shard_its_preprocessing_array_wr
     assert recipe.config("pretrain", run_dir).data.data_path == [
         f"{run_dir}/preprocess/{i:05d}/text_text_document" for i in range(3)
     ]
+
+
+def test_a_lone_surrogate_or_deep_nesting_is_a_skipped_record_and_a_truncated_gzip_one_line(
+    tmp_path, tokenizer_dir, capsys
+):
+    # The cases: "\ud800" reached the tokenizer (TypeError), 100k brackets raised RecursionError, a truncated
+    # .jsonl.gz raised EOFError: each a traceback.
+    import gzip
+
+    lines = [json.dumps({"text": "good one"}), '{"text": "a\\ud800b"}', "[" * 100_000 + "]" * 100_000]
+    lines += [json.dumps({"text": "pair \ud83d\ude00 kept"}, ensure_ascii=True)]  # a valid pair is text
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    s = _run(inp, tokenizer_dir, tmp_path / "out").stats
+    assert s.documents == 2 and s.problem_counts == {"invalid JSON": 2}
+    assert s.problems == [f"{inp} line 2: invalid JSON (a lone surrogate escape)",
+                          f"{inp} line 3: invalid JSON (brackets nested too deeply)"]  # fmt: skip
+    packed = gzip.compress("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5000)).encode())
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(packed[: len(packed) // 2])
+    argv = ["--input", str(truncated), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(tmp_path / "cut")]
+    assert _tool_main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --input {truncated}: the gzip stream is truncated or damaged after line ")
+    assert err.count("\n") == 1 and "Compressed file ended" in err
+
+
+def test_two_prefixes_in_one_directory_each_keep_their_provenance(tmp_path, tokenizer_dir, capsys):
+    # The case (as the demo does with data/general_a and data/general_target): the second run's provenance.json
+    # replaced the first's, so the first .bin could be edited and pretraining read it unchecked.
+    from megatron_osprey.base.provenance import ProvenanceError, check_input
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3])
+    for name in ("a", "b"):
+        argv = ["--input", str(inp), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(tmp_path / "d" / name)]
+        assert _tool_main([*argv, "--no-progress"]) == 0
+    first = tmp_path / "d" / "a_text_document.bin"
+    check_input("data0.bin", first)
+    first.write_bytes(first.read_bytes()[:-2] + b"\x00\x00")
+    with pytest.raises(ProvenanceError, match=r"input data0\.bin .*a_text_document\.bin has sha256 .* preprocess"):
+        check_input("data0.bin", first)
+    check_input("data1.bin", tmp_path / "d" / "b_text_document.bin")

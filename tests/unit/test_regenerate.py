@@ -602,3 +602,49 @@ def test_serve_finds_the_engine_through_the_flag_then_vllm_python(prompts, targe
     assert regenerate.main(argv + ["--vllm-python", "/nowhere/flag/python"]) == 2
     assert "/nowhere/flag/python does not exist" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+class _EchoBackend:
+    def complete(self, messages, params):
+        return "ok"
+
+    def close(self):
+        pass
+
+
+def _raw_post(url: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    """Send a POST's head (and `body`, possibly much shorter than it declares); the first answer the server gives."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)  # a server still reading the declared body answers nothing: socket.timeout
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_the_local_server_checks_the_key_and_the_size_before_reading_a_body():
+    # The case: a 1 GB Content-Length without a key made the server read (and wait for) the whole body first.
+    with ChatCompletionServer(_EchoBackend(), api_key="sk-right") as server:
+        answer = _raw_post(server.url, {"Content-Length": str(1 << 30), "Authorization": "Bearer sk-wrong"})
+        assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer
+        answer = _raw_post(server.url, {"Content-Length": str(1 << 30)})
+        assert answer.startswith(b"HTTP/1.1 401")
+        from megatron_osprey.data.regenerate.local_server import MAX_BODY_BYTES
+
+        big = {"Content-Length": str(MAX_BODY_BYTES + 1), "Authorization": "Bearer sk-right"}
+        assert _raw_post(server.url, big, b"{").startswith(b"HTTP/1.1 413")
+        assert _raw_post(server.url, {**big, "Content-Length": "-5"}).startswith(b"HTTP/1.1 400")
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+        ok = _raw_post(server.url, {"Content-Length": str(len(body)), "Authorization": "Bearer sk-right"}, body)
+        assert ok.startswith(b"HTTP/1.1 200")
+        deep = b"[" * 100_000 + b"]" * 100_000
+        bad = _raw_post(server.url, {"Content-Length": str(len(deep)), "Authorization": "Bearer sk-right"}, deep)
+        assert bad.startswith(b"HTTP/1.1 400")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 
 import pytest
@@ -264,6 +265,7 @@ def test_osprey_data_writes_disjoint_splits_prompts_conversations_and_counts(inp
     assert summary["reasoning"] == "template" and summary["tools"] == "template"
     assert summary["target"]["aux_layer_ids"] == [1, 17, 32]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        ".lock-writer",  # the writer's lock, free (base/locks.py)
         "conversations/chat.jsonl",
         "conversations/code.jsonl",
         "data_summary.json",
@@ -271,6 +273,7 @@ def test_osprey_data_writes_disjoint_splits_prompts_conversations_and_counts(inp
         "eval/code.jsonl",
         "prompts/chat.jsonl",
         "prompts/code.jsonl",
+        "provenance.json",  # written last: the output is complete
         "token_counts.json",
     ]
     evals = {d: list(read_conversations(out / "eval" / f"{d}.jsonl")) for d in ("chat", "code")}
@@ -365,3 +368,158 @@ def test_stage_main_records_provenance_and_reports_a_bad_line(inputs, tmp_path, 
         main(["--input", "x=org/some-dataset", "--target", str(inputs["target"]), "--output", str(tmp_path / "o")]) == 2
     )
     assert "looks like a Hugging Face Hub dataset id" in capsys.readouterr().err
+
+
+def test_overwrite_never_deletes_a_folder_for_holding_a_file_named_data_summary(inputs, qwen3, tmp_path):
+    # The case: a user's folder that happens to hold data_summary.json was emptied by --overwrite.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data_summary.json").write_text("{}")
+    (mine / "thesis.tex").write_text("years")
+    with pytest.raises(ValueError, match=rf"--output {mine} is not empty and has no provenance.json"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    (mine / "provenance.json").write_text(json.dumps({"stage": "export"}))  # another stage's record
+    with pytest.raises(ValueError, match="holds the output of the export stage, not of data"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    (mine / "provenance.json").write_text("not json")  # a record that names no stage
+    with pytest.raises(ValueError, match="provenance.json names no stage"):
+        run_data(inputs, mine, overwrite=True, tokenizer=qwen3)
+    assert sorted(p.name for p in mine.iterdir()) == ["data_summary.json", "provenance.json", "thesis.tex"]
+
+
+def test_a_second_data_run_is_refused_while_one_writes_and_its_partial_output_is_its_own(inputs, qwen3, tmp_path):
+    from megatron_osprey.base import outputs
+    from tests.unit.test_checkpoint_writer_lock import start_holder
+
+    out = tmp_path / "data"
+    out.mkdir()
+    child = start_holder(out / outputs.WRITER_LOCK)  # a live `osprey data` writing there
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match=rf"--output {out} is being written by pid {child.pid} "):
+                run_data(inputs, out, overwrite=overwrite, tokenizer=qwen3)
+    finally:
+        child.kill()
+        child.wait()
+    # What that run left when it was killed: its marker and part of its files; --overwrite of data empties it.
+    (out / "eval").mkdir()
+    (out / "eval" / "chat.jsonl").write_text('{"half": ')
+    (out / ".osprey-writing.json").write_text(json.dumps({"stage": "data"}))
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        run_data(inputs, out, tokenizer=qwen3)
+    run_data(inputs, out, overwrite=True, tokenizer=qwen3)
+    assert not (out / ".osprey-writing.json").exists() and json.loads((out / "provenance.json").read_text())
+    assert len(list(read_conversations(out / "eval" / "chat.jsonl"))) == EVAL
+    # A partial output of another stage is not this stage's to delete.
+    (out / ".osprey-writing.json").write_text(json.dumps({"stage": "export"}))
+    (out / "provenance.json").unlink()
+    with pytest.raises(ValueError, match="holds the output of the export stage, not of data"):
+        run_data(inputs, out, overwrite=True, tokenizer=qwen3)
+
+
+def test_a_symlinked_output_is_refused_up_front_by_name(inputs, qwen3, tmp_path, capsys):
+    from megatron_osprey.stages.data import main
+
+    real = tmp_path / "real"
+    run_data(inputs, real, tokenizer=qwen3)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    argv = ["--input", f"chat={inputs['chat']}", "--input", f"code={inputs['code']}", "--target", str(inputs["target"])]
+    assert main([*argv, "--eval-size", str(EVAL), "--output", str(link), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --output {link} is a symbolic link (to {real}); give the directory itself ({real}) as --output.\n"
+    )
+    assert (real / "provenance.json").is_file() and link.is_symlink()
+
+
+def test_prompts_never_hold_a_row_without_a_user_message_nor_fail_on_an_assistant_first_turn(inputs, qwen3, tmp_path):
+    # The cases: with --tools template a tool call before any user message made a prompt row of the system message
+    # alone, which the prompts' own reader refuses; --prompt-turns first on an assistant-first row: IndexError.
+    call = {**CALL, "id": "c1"}
+    tool_first = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+        {"role": "user", "content": "Is it warm?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    assistant_first = [
+        {"role": "assistant", "content": "How can I help?"},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "11."},
+    ]
+    plain = [
+        {"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A."}]} for i in range(4)
+    ]
+    rows = [{"id": "tool-first", "messages": tool_first}, {"id": "assistant-first", "messages": assistant_first}]
+    source = _jsonl(tmp_path / "mixed.jsonl", [*rows, *plain])
+    for turns, expected in (("all", assistant_first[1:4]), ("first", [assistant_first[1]])):
+        out = tmp_path / turns
+        config = UserDataConfig(
+            inputs=[f"mixed={source}"], target=str(inputs["target"]), output=str(out), eval_size=1, seed=0,
+            tools="template", prompt_turns=turns,
+        )  # fmt: skip
+        summary = build_user_data(config, qwen3)
+        prompts = {c.id: c for c in read_conversations(out / "prompts" / "mixed.jsonl")}  # the reader accepts all
+        assert "tool-first" not in prompts and summary["domains"]["mixed"]["prompts_without_user_turn"] == 1
+        assert list(prompts["assistant-first"].messages) == expected
+        assert len(prompts) == summary["domains"]["mixed"]["train"] - 1
+
+
+@pytest.mark.parametrize("case", ["lone surrogate", "deep nesting", "truncated gzip", "deep JSON array"])
+def test_an_unreadable_input_is_one_line_naming_the_file_and_line(inputs, tmp_path, capsys, case):
+    # The cases: a traceback each (TypeError in the tokenizer, RecursionError, EOFError).
+    from megatron_osprey.stages.data import main
+
+    good = json.dumps(GOOD) + "\n"
+    path, expected = {
+        "lone surrogate": (tmp_path / "s.jsonl", r"s\.jsonl:2: \\ud800 at column 45 is a lone surrogate escape"),
+        "deep nesting": (tmp_path / "n.jsonl", r"n\.jsonl:2: not readable JSON \(brackets nested too deeply\)"),
+        "truncated gzip": (
+            tmp_path / "t.jsonl.gz",
+            r"t\.jsonl\.gz: the gzip stream is truncated or damaged after line",
+        ),
+        "deep JSON array": (tmp_path / "a.json", r"a\.json: not readable JSON \(brackets nested too deeply\)"),
+    }[case]
+    if case == "lone surrogate":
+        path.write_text(good + '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", '
+                        '"content": "x"}]}\n')  # fmt: skip
+    elif case == "deep nesting":
+        path.write_text(good + "[" * 100_000 + "]" * 100_000 + "\n")
+    elif case == "deep JSON array":
+        path.write_text("[" + json.dumps(GOOD) + ", " + "[" * 100_000 + "]" * 100_000 + "]")
+    else:
+        packed = gzip.compress("".join(json.dumps({**GOOD, "id": str(i)}) + "\n" for i in range(3000)).encode())
+        path.write_bytes(packed[: len(packed) // 2])
+    argv = ["--input", f"d={path}", "--target", str(inputs["target"]), "--output", str(tmp_path / "o")]
+    assert main([*argv, "--eval-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.match(rf"error: {re.escape(str(tmp_path))}/{expected}", err) and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+    if case in ("lone surrogate", "deep nesting"):  # the same line read as conversations (regenerate, evaluate)
+        line = path.read_text().splitlines()[1]
+        conversations = tmp_path / "c.jsonl"
+        conversations.write_text(line.replace('"messages"', '"id": "x", "conversations"') + "\n")
+        with pytest.raises(ConversationFormatError, match=r"c\.jsonl:1: (\\ud800 at column|not readable JSON)"):
+            list(read_conversations(conversations))
+
+
+def test_two_data_runs_to_one_output_never_replace_each_other(inputs, qwen3, tmp_path, monkeypatch):
+    # The case: both runs found --output empty at their start; the one that finished last removed the other's output.
+    import megatron_osprey.data.user_data as user_data
+
+    out = tmp_path / "data"
+    counting = user_data.count_assistant_tokens
+
+    def other_run_finishes_meanwhile(*args, **kwargs):
+        monkeypatch.setattr(user_data, "count_assistant_tokens", counting)
+        run_data(inputs, out, seed=1, tokenizer=qwen3)
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(user_data, "count_assistant_tokens", other_run_finishes_meanwhile)
+    with pytest.raises(FileExistsError, match=rf"--output {out} exists and is not empty; pass --overwrite"):
+        run_data(inputs, out, seed=0, tokenizer=qwen3)
+    assert json.loads((out / "data_summary.json").read_text())["seed"] == 1  # the other run's output, whole
+    assert json.loads((out / "provenance.json").read_text())["stage"] == "data"

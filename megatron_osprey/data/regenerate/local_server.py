@@ -1,14 +1,16 @@
 """A small OpenAI-compatible chat server on loopback, backed by any ChatBackend.
 
 Serves ``GET /health`` (no key, like SGLang's), ``GET /v1/models`` and ``POST /v1/chat/completions``
-(non-streaming). Meant for
-tests and the CPU demo; production regeneration talks to SGLang or vLLM instead.
+(non-streaming). Meant for tests and the CPU demo; production regeneration talks to SGLang or vLLM instead.
+A request body is read only after its key is checked and its declared length is within MAX_BODY_BYTES: an
+unauthenticated or oversized request is answered 401 or 413 (and its connection closed) without being read.
 
 To serve a local HF model directory: ``python tools/serve_local.py --model DIR --port 8000``.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
@@ -20,6 +22,8 @@ from urllib.parse import urlsplit
 from megatron_osprey.data.regenerate.backends import ChatBackend, SamplingParams
 
 LOOPBACK = "127.0.0.1"
+# A chat request of a few hundred thousand tokens of text is far below this.
+MAX_BODY_BYTES = 16 << 20
 
 
 class _BadRequest(Exception):
@@ -58,16 +62,19 @@ class _Handler(BaseHTTPRequestHandler):
         # Per-request lines on stderr would drown test and demo output.
         return
 
-    def _send(self, status: int, payload: dict[str, Any]) -> None:
+    def _send(self, status: int, payload: dict[str, Any], close: bool = False) -> None:
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if close:  # the request's body was not read: the connection cannot carry another request
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "code": status}})
+    def _error(self, status: int, message: str, close: bool = False) -> None:
+        self._send(status, {"error": {"message": message, "code": status}}, close)
 
     def _route(self) -> str:
         # The path without its query, as real servers route (a gateway's token may ride in the query).
@@ -75,7 +82,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _authorized(self) -> bool:
         key = self.server.app.api_key
-        return key is None or self.headers.get("Authorization") == f"Bearer {key}"
+        given = self.headers.get("Authorization") or ""
+        return key is None or hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode())
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         if self._route() == "/health":  # as SGLang's: liveness only, no key needed, nothing disclosed
@@ -87,15 +95,22 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.OK, {"object": "list", "data": [{"id": self.server.app.model_name, "object": "model"}]})
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length)
+        # Key, route and declared size first: nothing an unauthenticated or oversized client sends is read.
         if not self._authorized():
-            return self._error(HTTPStatus.UNAUTHORIZED, "invalid API key")
+            return self._error(HTTPStatus.UNAUTHORIZED, "invalid API key", close=True)
         if self._route() != "/v1/chat/completions":
-            return self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+            return self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}", close=True)
+        declared = self.headers.get("Content-Length") or "0"
+        if not declared.isdigit():
+            return self._error(HTTPStatus.BAD_REQUEST, "bad request: Content-Length is not a length", close=True)
+        if int(declared) > MAX_BODY_BYTES:
+            return self._error(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes", close=True
+            )
+        raw = self.rfile.read(int(declared))
         try:
             messages, params = _parse_request(json.loads(raw))
-        except (_BadRequest, json.JSONDecodeError, AttributeError) as exc:
+        except (_BadRequest, ValueError, RecursionError, AttributeError) as exc:  # ValueError: JSON, UTF-8
             return self._error(HTTPStatus.BAD_REQUEST, f"bad request: {exc}")
         app = self.server.app
         try:

@@ -8,6 +8,7 @@ from pathlib import Path
 from megatron_osprey.base.hardware import (
     FP8_RECIPE_CAPABILITY,
     cuda_capability,
+    cuda_version,
     fp8_recipe_refusal,
     transformer_engine_usable,
 )
@@ -69,7 +70,9 @@ def validate_numerics(model: BackboneConfig) -> None:
     if model.transformer_impl == "local":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine (or auto).")
     capability = cuda_capability()
-    refusal = fp8_recipe_refusal(model.fp8_recipe, capability, "this GPU") if capability is not None else None
+    refusal = (
+        fp8_recipe_refusal(model.fp8_recipe, capability, "this GPU", cuda_version()) if capability is not None else None
+    )
     if refusal:
         raise ValueError(refusal)
 

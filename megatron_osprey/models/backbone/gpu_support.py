@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sysconfig
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +22,29 @@ def c_compiler() -> str | None:
     return None
 
 
+def python_header() -> str | None:
+    """Path of this interpreter's Python.h (sysconfig's include directory), or None."""
+    path = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return str(path) if path.is_file() else None
+
+
 def fusions_usable(on_gpu: bool) -> bool:
     """Megatron-Core compiles its bias-activation and bias-dropout fusions with torch.compile (Inductor and
-    Triton), which needs a C compiler; without one they stay off, said once, instead of crashing at step 1."""
+    Triton), whose launcher build needs a C compiler and Python.h; without either they stay off, said once,
+    instead of crashing at step 1."""
     if not on_gpu:
         return False
     if c_compiler() is None:
         logger.warning(
             "no C compiler (cc, gcc or clang) on PATH, which torch.compile needs: Megatron-Core's "
             "bias-activation and bias-dropout fusions are off (install gcc to turn them on)."
+        )
+        return False
+    if python_header() is None:
+        logger.warning(
+            "no Python.h in %s, which Triton's launcher build needs: Megatron-Core's bias-activation and "
+            "bias-dropout fusions are off (install the python3-dev package of this Python to turn them on).",
+            sysconfig.get_paths()["include"],
         )
         return False
     return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.base.arch import ModelArch, padded_size
 from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
 
 
@@ -86,6 +86,28 @@ class DrafterArch:
     def layer_is_fused(self, index: int) -> bool:
         """Whether layer `index` reads cat(side, stream) (width 2H) or only its stream."""
         return self.variant == "osprey" or index == 0 or self.eagle3_extra_layers == "fused"
+
+    def num_parameters(self, tensor_parallel_size: int = 1) -> tuple[int, int]:
+        """(trainable, frozen) parameters of the Megatron drafter build_drafter_model builds, over all TP ranks:
+        its own (padded) embedding, frozen for EAGLE-3; fusion_fc and the aux norms; each layer (2H-wide QKV and
+        hidden_norm where fused); the final norm and the untied draft-vocabulary output layer, always present."""
+        body, h = self.body, self.hidden_size
+        d = body.head_dim
+        q, kv = body.num_attention_heads * d, body.num_query_groups * d
+        layers = 0
+        for index in range(body.num_layers):
+            fused = self.layer_is_fused(index)
+            qkv_in = 2 * h if fused else h
+            layers += qkv_in * (q + 2 * kv) + (q + 2 * kv if body.qkv_bias else 0) + q * h
+            layers += (2 * d if body.qk_layernorm else 0) + 3 * h * body.ffn_hidden_size
+            layers += (3 if fused else 2) * h  # hidden_norm (fused), input_layernorm, pre_mlp_layernorm
+        embedding = padded_size(self.vocab_size, tensor_parallel_size) * h
+        fusion = 3 * self.target_hidden_size * h + (3 * self.target_hidden_size if self.aux_hidden_norm else 0)
+        output = padded_size(self.draft_vocab_size, tensor_parallel_size) * h
+        trainable = layers + fusion + h + output
+        if self.variant == "eagle3":  # the target's frozen embedding
+            return trainable, embedding
+        return trainable + embedding, 0
 
     def to_dict(self) -> dict:
         return {

@@ -387,7 +387,12 @@ def build_drafter_model(
     perform_initialization: bool = True,
     **config_overrides,
 ):
-    """Build the Megatron-Core drafter (needs initialized model-parallel state; PP and CP must be 1)."""
+    """Build the Megatron-Core drafter (needs initialized model-parallel state; PP and CP must be 1).
+
+    The drafter is dense: inside a job laid out for a mixture-of-experts target it is built with the job's
+    dense layout (expert parallel size 1), replicated over the expert-parallel ranks.
+    """
+    parallel = parallel.dense_layout()
     if parallel.pipeline_model_parallel_size != 1:
         raise ValueError(
             "the drafter has a few layers and is not pipelined: use --pipeline-model-parallel-size 1 "

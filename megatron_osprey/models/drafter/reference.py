@@ -477,7 +477,7 @@ class ReferenceDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device: str = "cpu") -> "ReferenceDrafter":
         """Load a drafter written by save_pretrained."""
-        from safetensors.torch import load_file
+        from megatron_osprey.convert.safetensors_io import load_safetensors
 
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
@@ -488,7 +488,7 @@ class ReferenceDrafter(nn.Module):
         if payload.pop("format", None) != FORMAT_TAG:
             raise ValueError(f"{config_path} is not a {FORMAT_TAG} config.")
         model = cls(DrafterConfig(**payload))
-        state = load_file(str(weights_path), device=device)
+        state = load_safetensors(weights_path, device=device)
         if model.config.tie_word_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         dtype = state["embed_tokens.weight"].dtype
