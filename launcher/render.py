@@ -6,7 +6,8 @@ Every template gets the same variables, so a new template needs no code:
   log_dir, stage_dir, python (the interpreter `osprey` runs on), container_image, container_mounts, entry (the job's
   argv after the interpreter, shell-quoted: the stage module, --recipe, --run-dir, --set ...), train_iters,
   servers_per_node, server_tp, server_port, server_timeout, server_mem (each regeneration server's share of
-  resources.regenerate.mem), reasoning_parser, context_length, batch_sizes, hardware, path_target, eval_data,
+  resources.regenerate.mem), server_engine (servers.engine; empty: the template's default), cpu_kv_cache_bytes
+  (vLLM's KV cache on CPU), reasoning_parser, context_length, batch_sizes, hardware, path_target, eval_data,
   method, train_domain, export_dir.
 An unknown placeholder is an error naming the template; values are plain words, so a template may put them inside
 double quotes.
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 
 from launcher.commands import job_args, work_dir
+from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES
 from megatron_osprey.config.overrides import apply_overrides
 from megatron_osprey.recipes.layout import logs_dir, stage_dir
 from megatron_osprey.recipes.recipe import DISTRIBUTED_STAGES, NODE_GPUS, Recipe
@@ -32,8 +34,10 @@ from megatron_osprey.recipes.registry import split_overrides
 TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "slurm", Path(__file__).resolve().parent / "slurm")
 STAGE_TEMPLATES = {stage: "distributed" for stage in DISTRIBUTED_STAGES}
 STAGE_TEMPLATES |= {"regenerate": "regenerate"}
-# Evaluation on GPUs serves the exported drafter with SGLang; on CPU it runs the project's own engine.
+# Evaluation on GPUs serves the exported drafter with SGLang; on CPU it runs the project's own engine; a recipe whose
+# servers are vLLM's (servers.engine=vllm) evaluates in vLLM beside the reference engine, on either.
 GPU_EVAL_TEMPLATE = "eval_sglang"
+VLLM_EVAL_TEMPLATE = "eval_vllm"
 DEFAULT_TEMPLATE = "stage"
 # GPUs in one H100 / B200 node: the regeneration server pool fills whole nodes.
 GPUS_PER_NODE = NODE_GPUS
@@ -72,6 +76,8 @@ def template_name(recipe: Recipe, stage: str) -> str:
     """The template a stage renders: the recipe's slurm.templates override, else the stage's default."""
     if stage in recipe.slurm.templates:
         return recipe.slurm.templates[stage]
+    if stage == "evaluate" and recipe.servers.engine == "vllm":
+        return VLLM_EVAL_TEMPLATE
     if stage == "evaluate" and recipe.hardware != "cpu":
         return GPU_EVAL_TEMPLATE
     return STAGE_TEMPLATES.get(stage, DEFAULT_TEMPLATE)
@@ -171,6 +177,8 @@ def template_context(
         "server_timeout": pool.startup_timeout,
         # Without its own --mem an srun step takes all of the job's memory, and the next server step waits for it.
         "server_mem": server_mem_share(res.mem, servers_per_node) if stage == "regenerate" else "",
+        "server_engine": pool.engine or "",
+        "cpu_kv_cache_bytes": CPU_KV_CACHE_BYTES,
         "reasoning_parser": pool.reasoning_parser or "",
         "context_length": pool.context_length or "",
         "batch_sizes": " ".join(str(b) for b in pool.batch_sizes),

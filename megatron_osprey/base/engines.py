@@ -35,6 +35,9 @@ INSTALL_HINT = {
 DEFAULT_VENV = {"vllm": ".venv-vllm"}
 # vLLM's CPU backend asks for Intel OpenMP preloaded for speculative decoding (it ships libiomp5 in the venv).
 CPU_PRELOAD = "libiomp5.so"
+# On CPU vLLM reserves gpu_memory_utilization of the machine's RAM unless told the KV cache's size (the default 0.92
+# is refused beside other work); 1 GiB holds a small target's regeneration and evaluation batches.
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class EngineUnavailable(RuntimeError):

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
             parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
         cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
     try:
-        # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; none installed is one line in the report.
+        # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; it regenerates the training data and
+        # serves the drafters beside the reference engine. None installed: in-process regeneration, one report line.
         report = run_demo(cfg, args.output, fresh=args.fresh, vllm_python=os.environ.get("VLLM_PYTHON"), serve=True)
     except RuntimeError as error:
         print(f"demo failed: {error}", file=sys.stderr)

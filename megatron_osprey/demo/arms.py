@@ -140,10 +140,19 @@ def build_backbones(steps: StepRunner, cfg: DemoConfig, output: Path, data: dict
 
 
 def regenerate_and_extract(
-    steps: StepRunner, cfg: DemoConfig, output: Path, data: dict, target: Path
+    steps: StepRunner,
+    cfg: DemoConfig,
+    output: Path,
+    data: dict,
+    target: Path,
+    vllm_python: str | None = None,
+    serve: bool = True,
 ) -> tuple[dict[str, Path], dict[str, Path]]:
     """Per training domain, the target's regenerated conversations (osprey data's training prompts, sampled at
-    cfg.regenerate_temperature with cfg.seed) and its hidden-state store on them."""
+    cfg.regenerate_temperature with cfg.seed) and its hidden-state store on them. Where the vLLM engine is installed
+    (`vllm_python`, else the checkout's .venv-vllm) the regenerate stage serves the target in vLLM, else it runs the
+    target in-process."""
+    served = regeneration_server(vllm_python, serve)
     regenerated, stores = {}, {}
     for domain in cfg.train_domains:
         path = output / "data" / f"{domain}_regenerated.jsonl"
@@ -155,8 +164,7 @@ def regenerate_and_extract(
                 data["splits"][domain]["train"],
                 "--output",
                 path,
-                "--backend",
-                "hf",
+                *served,
                 "--model",
                 target,
                 "--temperature",
@@ -166,8 +174,6 @@ def regenerate_and_extract(
                 "--max-tokens",
                 str(cfg.regenerate_tokens),
                 "--concurrency",
-                "16",
-                "--batch-size",
                 "16",
                 "--no-progress",
                 "--dtype",
@@ -197,6 +203,28 @@ def regenerate_and_extract(
             ],
         )
     return regenerated, stores
+
+
+# The regenerate stage's vLLM server: the demo's prompts and replies are short (the context is the server's KV-cache
+# budget, not the target's 8192).
+DEMO_MAX_MODEL_LEN = 2048
+
+
+def regeneration_server(vllm_python: str | None, serve: bool = True) -> list[str]:
+    """The regenerate flags that serve the target: vLLM's server where the engine is installed (and `serve`),
+    else in-process."""
+    from megatron_osprey.base.engines import EngineUnavailable, engine_python, engine_version
+
+    if not serve:
+        return ["--backend", "hf", "--batch-size", "16"]
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        python = engine_python("vllm", vllm_python, {}, repo=repo)
+        engine_version("vllm", python)
+    except EngineUnavailable as error:
+        print(f"    regenerate: in-process target ({error})", flush=True)
+        return ["--backend", "hf", "--batch-size", "16"]
+    return ["--serve", "vllm", "--vllm-python", python, "--max-model-len", str(DEMO_MAX_MODEL_LEN)]
 
 
 def drafter_name(method: str, domain: str, seed: int, cfg: DemoConfig) -> str:

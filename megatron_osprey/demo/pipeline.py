@@ -145,8 +145,9 @@ def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path)
 def run_demo(
     cfg: DemoConfig, output: Path, fresh: bool = False, vllm_python: str | None = None, serve: bool = False
 ) -> dict:
-    """Run every stage; returns report.json's content. With `serve`, the drafters are also evaluated in vLLM
-    (`vllm_python`, else the repository's .venv-vllm) when the engine is installed."""
+    """Run every stage; returns report.json's content. With `serve`, where the vLLM engine is installed
+    (`vllm_python`, else the repository's .venv-vllm), the target regenerates the training data in vLLM and the
+    drafters are also evaluated in it; without `serve` (the tests' smoke runs) neither looks for the engine."""
     output = Path(output)
     prepare_demo_output(output, cfg, fresh)
     steps = StepRunner(output, total_steps=9)
@@ -163,7 +164,7 @@ def run_demo(
         inits = extra_backbones(steps, cfg, output, data, target, inits)
 
     steps.header("regenerate the training conversations with the target and extract its hidden states once")
-    regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target)
+    regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target, vllm_python, serve)
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     drafters = distill_drafters(steps, cfg, output, target, inits, regenerated, stores)

@@ -31,6 +31,7 @@ STAGES = (
     "prune", "preprocess", "pretrain", "adapt", "regenerate", "extract", "rollout", "distill", "export", "evaluate"
 )  # fmt: skip
 HARDWARE = ("h100", "b200", "cpu")
+SERVER_ENGINES = ("sglang", "vllm", "local")
 # Usable memory per device in GiB as the driver reports it (H100 SXM 80 GB, B200 192 GB).
 GPU_MEMORY_GIB = {"h100": 79.6, "b200": 179.0}
 # Host memory of one 8-GPU node in GiB: NVIDIA's DGX H100 and DGX B200 datasheets both give 2 TB (the B200 may be
@@ -86,15 +87,18 @@ class Slurm:
 
 @dataclasses.dataclass
 class ServerPool:
-    """The SGLang servers a regenerate or evaluate job starts (in their own environment, SGLANG_PYTHON)."""
+    """The servers a regenerate or evaluate job starts, each engine in its own environment (SGLANG_PYTHON,
+    VLLM_PYTHON)."""
 
+    # sglang, vllm or local (tools/serve_local.py); None: SGLang on GPUs, on CPU vLLM where the job finds it
+    engine: str | None = None
     servers: int = 1
     tensor_parallel_size: int = 1
     port: int = 30000
     startup_timeout: int = 1800  # seconds until every server answers /health
-    reasoning_parser: str | None = None  # SGLang's --reasoning-parser (qwen3, minimax-append-think)
+    reasoning_parser: str | None = None  # the engine's --reasoning-parser (qwen3, minimax-append-think)
     context_length: int | None = None  # None: the model's
-    batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's sweep
+    batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's / eval_vllm's sweep
 
 
 @dataclasses.dataclass
@@ -150,6 +154,11 @@ class Recipe:
         if self.hardware not in HARDWARE:
             raise ValueError(f"recipe {self.name}: hardware {self.hardware!r} is not one of {', '.join(HARDWARE)}.")
         self._refuse_fp8_the_gpu_lacks()
+        if self.servers.engine is not None and self.servers.engine not in SERVER_ENGINES:
+            raise ValueError(
+                f"recipe {self.name}: servers.engine {self.servers.engine!r} is not one of {', '.join(SERVER_ENGINES)} "
+                "(or unset: SGLang on GPUs, vLLM on CPU where the job finds it)."
+            )
         for stage in self.chain:
             if stage not in STAGES:
                 raise ValueError(f"recipe {self.name}: chain stage {stage!r} is not one of {', '.join(STAGES)}.")

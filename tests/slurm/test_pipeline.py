@@ -70,6 +70,29 @@ def test_every_stage_ran_as_its_own_job_and_succeeded(chain):
     assert not bad, f"{bad}\n{_log_tail(chain['run_dir'])}"
 
 
+def test_the_regenerate_job_served_the_target_with_vllm_where_the_engine_is_installed(chain):
+    """With VLLM_PYTHON (or the checkout's .venv-vllm) the CPU job's server is vLLM's, else the local server."""
+    import os
+
+    from megatron_osprey.base.engines import EngineUnavailable, engine_python
+
+    logs = chain["run_dir"] / "logs"
+    text = next(p.read_text() for p in logs.glob("osprey-regenerate-*.log"))
+    try:
+        engine_python("vllm", None, os.environ, repo=Path(__file__).resolve().parents[2])
+    except EngineUnavailable:
+        assert "servers: local" in text
+        return
+    assert "servers: vllm" in text, text[-2000:]
+    (server_log,) = logs.glob("osprey-regenerate-*-server-*.log")
+    served = server_log.read_text()
+    assert "vllm.entrypoints.openai.api_server" in served or "Starting vLLM" in served, served[-2000:]
+    assert served.count("POST /v1/chat/completions") >= 8  # the 8 training prompts, a request per user turn
+    # The job's key (48 hex digits from /dev/urandom) appears in no log or output.
+    written = [text, served, (chain["run_dir"] / "regenerate" / "conversations.jsonl").read_text()]
+    assert not any(re.search(r"\b[0-9a-f]{48}\b", t) for t in written)
+
+
 def test_adapt_read_what_pretrain_wrote_by_provenance_hash(chain):
     run_dir = chain["run_dir"]
     pretrain, adapt = read_provenance(run_dir / "pretrain"), read_provenance(run_dir / "adapt")

@@ -155,6 +155,24 @@ def test_regeneration_samples_at_the_release_temperature_seeded_and_greedy_is_an
         assert _flag(argv, "--input") == str(tmp_path / "chat.jsonl")
 
 
+def test_the_demo_regenerates_in_vllm_where_the_engine_is_installed(tmp_path):
+    from megatron_osprey.demo.arms import regenerate_and_extract
+
+    data = {"splits": {"chat": {"train": tmp_path / "chat.jsonl"}}}
+    engine = tmp_path / "vllm-python"
+    engine.write_text("#!/bin/sh\necho 0.32.0\n")  # what `import vllm; print(vllm.__version__)` prints there
+    engine.chmod(0o755)
+    served, in_process = _Recorder(), _Recorder()
+    regenerate_and_extract(served, DemoConfig.smoke(), tmp_path, data, tmp_path / "target", vllm_python=str(engine))
+    argv = served.commands["regenerate_chat"]
+    assert _flag(argv, "--serve") == "vllm" and _flag(argv, "--vllm-python") == str(engine)
+    assert "--backend" not in argv and _flag(argv, "--model") == str(tmp_path / "target")
+    # No engine there: the target runs in-process, batched, as before.
+    regenerate_and_extract(in_process, DemoConfig.smoke(), tmp_path, data, tmp_path / "target", str(tmp_path / "no"))
+    argv = in_process.commands["regenerate_chat"]
+    assert _flag(argv, "--backend") == "hf" and _flag(argv, "--batch-size") == "16" and "--serve" not in argv
+
+
 def test_the_demo_flag_sets_the_regeneration_temperature(monkeypatch, tmp_path):
     import megatron_osprey.demo.pipeline as pipeline
     from megatron_osprey.demo.__main__ import main

@@ -308,12 +308,12 @@ _STUB_SCONTROL = """#!/bin/bash
 """
 
 
-def _run_regenerate(script: str, tmp_path: Path) -> list[str]:
+def _run_regenerate(script: str, tmp_path: Path, srun: str = _STUB_SRUN) -> list[str]:
     """The rendered regenerate job run under stub srun / scontrol / curl; the srun command lines it issued."""
     nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", script, re.M).group(1))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", _STUB_SRUN), ("scontrol", _STUB_SCONTROL), ("curl", _STUB_CURL)):
+    for name, text in (("srun", srun), ("scontrol", _STUB_SCONTROL), ("curl", _STUB_CURL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     path, log = tmp_path / "regenerate.sbatch", tmp_path / "srun.log"
@@ -328,6 +328,70 @@ def _run_regenerate(script: str, tmp_path: Path) -> list[str]:
     done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return log.read_text().splitlines()
+
+
+# srun that also writes down whether its step got the job's key as VLLM_API_KEY (never its value).
+_STUB_SRUN_KEY = """#!/bin/bash
+printf '%s\\n' "$*" >> "$SRUN_LOG"
+if [[ -n "${VLLM_API_KEY:-}" && "$VLLM_API_KEY" == "$OSPREY_SERVER_API_KEY" ]]; then
+  printf '%s\\n' "$*" >> "$SRUN_LOG.keyed"
+fi
+"""
+
+
+def _fake_vllm_venv(root: Path, with_preload: bool) -> Path:
+    python = root / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    if with_preload:
+        (root / ".venv-vllm" / "lib").mkdir()
+        (root / ".venv-vllm" / "lib" / "libiomp5.so").write_text("")
+    return python
+
+
+def test_the_cpu_smoke_regenerates_through_vllm_where_the_checkout_has_its_environment(tmp_path):
+    cpu = get_recipe("smollm2_cpu_smoke")
+    script = render(cpu, "smollm2_cpu_smoke", "regenerate", str(tmp_path / "run"))
+    python = _fake_vllm_venv(tmp_path, with_preload=True)  # OSPREY_REPO is tmp_path: its .venv-vllm is found
+    lines = _run_regenerate(script, tmp_path, srun=_STUB_SRUN_KEY)
+    servers = [line for line in lines if "vllm.entrypoints.openai.api_server" in line]
+    assert len(servers) == 1 and not [line for line in lines if "serve_local.py" in line]
+    server = servers[0]
+    assert f"env LD_PRELOAD={tmp_path}/.venv-vllm/lib/libiomp5.so {python} -m vllm.entrypoints" in server
+    assert "--host 127.0.0.1 " in server and "--tensor-parallel-size 1 " in server
+    assert "--enforce-eager --kv-cache-memory-bytes 1073741824" in server
+    assert "api-key" not in server.replace("--api-key-env OSPREY_SERVER_API_KEY", "")  # the key travels in the env
+    assert server in (tmp_path / "srun.log.keyed").read_text().splitlines()
+    (client,) = [line for line in lines if "-m megatron_osprey regenerate" in line]
+    assert "--api-key-env OSPREY_SERVER_API_KEY" in client and "--server-url http://127.0.0.1:" in client
+
+
+def test_the_regeneration_engine_is_a_recipe_and_environment_choice(tmp_path):
+    name = "qwen3_8b_osprey_distill_2gpu_h100_bf16"
+    script = render(resolve_recipe(name, ["servers.engine=vllm"]), name, "regenerate", str(tmp_path / "run"))
+    assert 'SERVER_ENGINE="${SERVER_ENGINE:-vllm}"' in script
+    _fake_vllm_venv(tmp_path, with_preload=True)
+    lines = _run_regenerate(script, tmp_path)
+    servers = [line for line in lines if "vllm.entrypoints.openai.api_server" in line]
+    assert len(servers) == get_recipe(name).servers.servers and not any("sglang" in line for line in lines)
+    # GPUs: one GPU per server at TP 1, the recipe's reasoning parser and context length, no CPU-only flags.
+    assert all("--gpus=1 " in line and "--reasoning-parser qwen3 " in line for line in servers)
+    assert all("--max-model-len " in line and "--enforce-eager" not in line and "LD_PRELOAD" not in line
+               for line in servers)  # fmt: skip
+    # Without the engine's environment the job stops with the install sentence; a CPU job falls back to the local
+    # server, and SERVER_ENGINE chooses at submit time.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    path = bare / "job.sbatch"
+    path.write_text(script)
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n0", "OSPREY_REPO": str(bare)}
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "install it with `make engine-vllm`" in done.stderr
+    cpu = render(get_recipe("smollm2_cpu_smoke"), "smollm2_cpu_smoke", "regenerate", str(bare / "run"))
+    assert any("serve_local.py" in line for line in _run_regenerate(cpu, bare))
+    with pytest.raises(ValueError, match="servers.engine 'tgi' is not one of sglang, vllm, local"):
+        resolve_recipe(name, ["servers.engine=tgi"]).validate()
 
 
 def _mib(size: str) -> int:
@@ -435,6 +499,68 @@ def test_osprey_demo_runs_the_demo_with_its_own_flags():
     assert shown.returncode == 0 and "--arms" in shown.stdout and "--full" in shown.stdout, shown.stderr
     refused = subprocess.run([*run, "--arms", "bogus"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--arms bogus" in refused.stderr
+
+
+def _run_stage_job(script: str, tmp_path: Path, **environ: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """A rendered one-step job run under a stub srun that logs its command line; (the run, the srun lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(_STUB_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    path, log = tmp_path / "job.sbatch", tmp_path / "srun.log"
+    path.write_text(script)
+    log.unlink(missing_ok=True)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SRUN_LOG": str(log), **environ}
+    env.setdefault("OSPREY_REPO", str(tmp_path))
+    done = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_vllm_recipe_evaluates_in_vllm_with_its_tensor_parallel_size_and_concurrency_sweep(tmp_path):
+    name = "llama33_70b_eagle3_distill_8gpu_b200_bf16"
+    recipe = resolve_recipe(name, ["servers.engine=vllm", "servers.batch_sizes=[1,4,16]"])
+    tp = recipe.servers.tensor_parallel_size
+    assert tp > 1
+    script = render(recipe, name, "evaluate", str(tmp_path / "run"))
+    assert (
+        script.startswith("#!/bin/bash\n# Evaluate the exported drafter in vLLM")
+        and "-m megatron_osprey evaluate" in script
+    )
+    assert f"#SBATCH --gpus-per-node={tp}" in script
+    python = _fake_vllm_venv(tmp_path, with_preload=False)
+    done, (line,) = _run_stage_job(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"--gpus={tp} " in line and "-m megatron_osprey evaluate --recipe " + name in line
+    assert line.endswith(
+        f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4 16 "
+        f"--vllm-tensor-parallel-size {tp} --vllm-compile"
+    )
+    # Named vLLM but not installed: the install sentence, no job step.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done, lines = _run_stage_job(script, bare)
+    (log,) = (tmp_path / "run" / "logs").glob("osprey-evaluate-*-restart0.log")
+    assert done.returncode == 1 and "install it with `make engine-vllm`" in log.read_text() and not lines
+    if shutil.which("shellcheck"):
+        (tmp_path / "eval_vllm.sbatch").write_text(script)
+        lint = subprocess.run(["shellcheck", "-S", "warning", str(tmp_path / "eval_vllm.sbatch")], capture_output=True)
+        assert lint.returncode == 0, lint.stdout.decode()
+
+
+def test_the_cpu_chain_can_evaluate_in_vllm_where_the_job_finds_it(tmp_path):
+    name = "smollm2_cpu_smoke"
+    recipe = resolve_recipe(name, ["slurm.templates.evaluate=eval_vllm"])
+    script = render(recipe, name, "evaluate", str(tmp_path / "run"))
+    python = _fake_vllm_venv(tmp_path, with_preload=True)
+    done, (line,) = _run_stage_job(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "--gpus" not in line and line.endswith(f"--engine vllm --vllm-python {python} --vllm-concurrency 1 16")
+    # No engine and none named: the reference engine alone, as the CPU stage template runs it.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done, (line,) = _run_stage_job(script, bare)
+    assert done.returncode == 0 and "--engine" not in line
+    assert line.endswith(f"-m megatron_osprey evaluate --recipe {name} --run-dir {tmp_path / 'run'}")
 
 
 @pytest.mark.parametrize("domain", ["../../escape", "a/b", "..", ".hidden"])

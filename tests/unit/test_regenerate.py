@@ -537,6 +537,73 @@ def test_the_server_request_and_the_recipes_sample_as_the_release_regenerates():
     assert result.messages[-1]["content"] == merge_reasoning("\n\nAnswer.", "Think.")
 
 
+# --- --serve vllm: the stage's own vLLM server (the real engine's run is tests/unit/test_regenerate_vllm.py) ---
+
+
+def test_the_serve_flags_fill_the_serve_config(prompts, target_dir, tmp_path):
+    from megatron_osprey.stages import regenerate
+    from megatron_osprey.stages.cli import parse_config
+
+    argv = ["--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--model", str(target_dir)]
+    argv += ["--serve", "vllm", "--vllm-python", "/opt/v/bin/python", "--reasoning-parser", "qwen3"]
+    argv += ["--tensor-parallel-size", "2", "--max-model-len", "4096", "--kv-cache-memory-bytes", "2048"]
+    argv += ["--enforce-eager", "--server-timeout", "60"]
+    config, _ = parse_config(argv, "regenerate", regenerate.RegenerateConfig, regenerate.FLAGS, "")
+    assert config.serve == regenerate.ServeConfig(
+        engine="vllm",
+        python="/opt/v/bin/python",
+        reasoning_parser="qwen3",
+        tensor_parallel_size=2,
+        max_model_len=4096,
+        kv_cache_memory_bytes=2048,
+        enforce_eager=True,
+        startup_timeout=60.0,
+    )
+    config.validate()
+    assert regenerate.server_log_path(config.output) == tmp_path / "o.server.log"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--server-url", "http://127.0.0.1:1"], "--serve starts its own server; drop --server-url"),
+        (["--backend", "hf"], "--serve starts a server for the server backend; drop --backend hf."),
+        (["--api-key-env", "HOME"], "--serve makes the job's own API key; drop --api-key-env."),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1."),
+        (["--no-model"], "--serve vllm needs --model DIR"),
+    ],
+)
+def test_serve_refuses_what_it_cannot_honour_in_one_sentence(extra, message, prompts, target_dir, tmp_path, capsys):
+    from megatron_osprey.stages import regenerate
+
+    argv = ["--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--serve", "vllm"]
+    argv += [] if extra == ["--no-model"] else ["--model", str(target_dir), *extra]
+    assert regenerate.main(argv) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {message}")
+
+
+def test_serve_finds_the_engine_through_the_flag_then_vllm_python(prompts, target_dir, tmp_path, capsys, monkeypatch):
+    from megatron_osprey.stages import regenerate
+
+    argv = [
+        "--input",
+        str(prompts),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--serve",
+        "vllm",
+        "--model",
+        str(target_dir),
+    ]
+    monkeypatch.setenv("VLLM_PYTHON", "/nowhere/from-env/python")
+    assert regenerate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "VLLM_PYTHON=/nowhere/from-env/python does not exist; install it with `make engine-vllm`" in err
+    assert regenerate.main(argv + ["--vllm-python", "/nowhere/flag/python"]) == 2
+    assert "/nowhere/flag/python does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 class _EchoBackend:
     def complete(self, messages, params):
         return "ok"

@@ -123,6 +123,7 @@ class ServerBackendConfig:
     backoff_s: float = 1.0
     max_backoff_s: float = 60.0
     max_connections: int = 64
+    identity: dict | None = None  # what the pool serves, when the job started it; None: ask /v1/models
 
 
 class ServerBackend:
@@ -220,6 +221,8 @@ class ServerBackend:
 
     def identity(self) -> dict:
         """What a regenerated row depends on here: the served model's name (asked of the first server that answers)."""
+        if self.config.identity is not None:
+            return dict(self.config.identity)
         if self.config.model:
             return {"backend": "server", "model": self.config.model}
         import httpx
