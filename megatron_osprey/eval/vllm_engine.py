@@ -73,8 +73,10 @@ class VllmSettings:
     repo: Path  # on PYTHONPATH of the server, so vLLM imports this checkout's model plugin
     log_dir: Path
     compile: bool = False  # False: --enforce-eager (startup about 4x faster on CPU)
-    kv_cache_bytes: int = KV_CACHE_BYTES
+    kv_cache_bytes: int | None = KV_CACHE_BYTES  # None: vLLM's own share of the GPU's memory
     max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
     concurrency: tuple[int, ...] = CONCURRENCY
     on_cpu: bool = True
     startup_timeout: float = 900.0
@@ -127,7 +129,8 @@ def serve(settings: VllmSettings, target: Path, name: str, speculative_config: d
         model=str(target),
         port=port,
         served_model_name=name,
-        dtype="float32",
+        dtype=settings.dtype,
+        tensor_parallel_size=settings.tensor_parallel_size,
         max_model_len=settings.max_model_len,
         max_num_seqs=max(settings.concurrency),
         kv_cache_memory_bytes=settings.kv_cache_bytes,
@@ -197,7 +200,10 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         repo=Path(__file__).resolve().parents[2],
         log_dir=output / "vllm" / "logs",
         compile=config.vllm_compile,
-        kv_cache_bytes=config.vllm_kv_cache_bytes,
+        # a small KV cache on CPU, where vLLM would otherwise reserve a share of the machine's RAM; on a GPU, vLLM's
+        kv_cache_bytes=config.vllm_kv_cache_bytes or (KV_CACHE_BYTES if on_cpu else None),
+        tensor_parallel_size=config.vllm_tensor_parallel_size,
+        dtype=config.dtype,
         # prompt + new tokens + one verify's draft tokens, rounded up to vLLM's block of 16
         max_model_len=-(-(longest + config.max_new_tokens + config.steps + 1) // 16) * 16,
         concurrency=tuple(config.vllm_concurrency),
@@ -349,6 +355,12 @@ def check_engine_request(config) -> None:
         raise ValueError("--engine vllm decodes live; drop --replay.")
     if not config.vllm_python:
         raise ValueError("--engine vllm needs --vllm-python (or VLLM_PYTHON).")
+    if config.vllm_tensor_parallel_size < 1:
+        raise ValueError(f"--vllm-tensor-parallel-size must be 1 or more, got {config.vllm_tensor_parallel_size}.")
+    if config.vllm_kv_cache_bytes is not None and config.vllm_kv_cache_bytes < 1:
+        raise ValueError(f"--vllm-kv-cache-bytes must be positive, got {config.vllm_kv_cache_bytes}.")
+    if config.dtype == "float64":
+        raise ValueError("--engine vllm serves float32, bfloat16 or float16; got --dtype float64.")
     bad = [c for c in config.vllm_concurrency if c < 1]
     if bad or not config.vllm_concurrency:
         raise ValueError(f"--vllm-concurrency takes positive integers, got {config.vllm_concurrency}.")

@@ -76,7 +76,8 @@ class EvaluateConfig:
     engine: str = "reference"
     vllm_python: str | None = None  # None: VLLM_PYTHON, else the repository's .venv-vllm (read by run())
     vllm_compile: bool = False  # False: --enforce-eager (on CPU startup takes about 50 s instead of 225 s)
-    vllm_kv_cache_bytes: int = 1 << 30
+    vllm_kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, vLLM's own share of the memory on a GPU
+    vllm_tensor_parallel_size: int = 1
     vllm_concurrency: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16])
     reference_results: str | None = None  # the reference engine's results.json on the same requests
     al_tolerance: float | None = None  # None: eval/vllm_engine.AL_TOLERANCE, set from the measured spread
@@ -197,7 +198,16 @@ FLAGS = {
             "vllm_compile",
             {**STORE_TRUE, "help": "let vLLM compile the model (default --enforce-eager: 4x faster startup on CPU)"},
         ),
-        Flag("--vllm-kv-cache-bytes", "vllm_kv_cache_bytes", {"type": int, "help": "vLLM's KV cache (default 1 GiB)"}),
+        Flag(
+            "--vllm-kv-cache-bytes",
+            "vllm_kv_cache_bytes",
+            {"type": int, "help": "vLLM's KV cache (default: 1 GiB on CPU, vLLM's share of the memory on a GPU)"},
+        ),
+        Flag(
+            "--vllm-tensor-parallel-size",
+            "vllm_tensor_parallel_size",
+            {"type": int, "help": "GPUs each vLLM server shards the target over (default 1)"},
+        ),
         Flag(
             "--vllm-concurrency",
             "vllm_concurrency",

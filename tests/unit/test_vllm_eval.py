@@ -3,6 +3,7 @@ export format chosen per drafter kind, and the results.json section a (scripted)
 
 import contextlib
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -183,6 +184,8 @@ def test_the_vllm_section_of_results_json(tmp_path, monkeypatch):
         vllm_python="python",
         vllm_compile=False,
         vllm_kv_cache_bytes=1 << 30,
+        vllm_tensor_parallel_size=1,
+        dtype="float32",
         max_new_tokens=4,
         steps=5,
         vllm_concurrency=[1, 4],
@@ -266,3 +269,50 @@ def test_engine_vllm_refuses_sampling_and_a_missing_engine_in_one_line(tmp_path,
                 vllm_concurrency=[1],
             )
         )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vllm_tensor_parallel_size": 0}, "--vllm-tensor-parallel-size must be 1 or more, got 0"),
+        ({"vllm_kv_cache_bytes": 0}, "--vllm-kv-cache-bytes must be positive, got 0"),
+        ({"dtype": "float64"}, "got --dtype float64"),
+        ({"vllm_concurrency": [1, 0]}, "--vllm-concurrency takes positive integers"),
+    ],
+)
+def test_engine_vllm_refuses_a_server_layout_it_cannot_run(change, message):
+    request = dict(
+        temperature=[0.0], topk=1, draft_tokens=None, steps=5, replay=False, vllm_python="p", vllm_concurrency=[1],
+        vllm_tensor_parallel_size=1, vllm_kv_cache_bytes=None, dtype="float32",
+    )  # fmt: skip
+    vllm_engine.check_engine_request(SimpleNamespace(**request))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        vllm_engine.check_engine_request(SimpleNamespace(**{**request, **change}))
+
+
+def test_the_served_target_follows_the_runs_dtype_and_tensor_parallel_size(tmp_path, monkeypatch):
+    """The server line carries --dtype and --tensor-parallel-size; the KV cache is capped on CPU only."""
+    seen = {}
+
+    class Server:
+        def __init__(self, argv, *args):
+            seen["argv"] = argv
+
+        def __enter__(self):
+            raise RuntimeError("stop here")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(vllm_engine, "EngineServer", Server)
+    settings = vllm_engine.VllmSettings(
+        python="/py", repo=tmp_path, log_dir=tmp_path, kv_cache_bytes=None, tensor_parallel_size=4, dtype="bfloat16",
+        on_cpu=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop here"):
+        with vllm_engine.serve(settings, tmp_path, "target"):
+            pass
+    argv = seen["argv"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    assert "--kv-cache-memory-bytes" not in argv
