@@ -18,7 +18,7 @@ from megatron_osprey.models.backbone.config import BackboneConfig
 from megatron_osprey.models.drafter.config import DistillDrafterConfig
 from megatron_osprey.models.target.config import TargetConfig
 from megatron_osprey.parallel.config import ParallelConfig
-from megatron_osprey.recipes.recipe import Paths, Recipe, Resources
+from megatron_osprey.recipes.recipe import Paths, Recipe, Resources, ServerPool, Slurm
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -179,6 +179,10 @@ def smollm2_smoke() -> Recipe:
         distill=distill,
         export=ExportConfig(format="sglang"),
         evaluate=evaluate,
+        # The eval job serves the target and the drafter in vLLM beside the reference engine where it finds the
+        # engine (VLLM_PYTHON, else the checkout's .venv-vllm), and runs the reference engine alone otherwise.
+        slurm=Slurm(templates={"evaluate": "eval_vllm"}),
+        servers=ServerPool(batch_sizes=[1, 4]),
     )
 
 

@@ -93,6 +93,26 @@ def test_the_regenerate_job_served_the_target_with_vllm_where_the_engine_is_inst
     assert not any(re.search(r"\b[0-9a-f]{48}\b", t) for t in written)
 
 
+def test_the_evaluate_job_served_the_drafter_in_vllm_where_the_engine_is_installed(chain):
+    """The smoke chain's eval job (eval_vllm.sbatch): lossless in vLLM and its AL beside the reference engine's."""
+    import os
+
+    from megatron_osprey.base.engines import EngineUnavailable, engine_python
+
+    results = json.loads((chain["run_dir"] / "evaluate" / "results.json").read_text())
+    try:
+        engine_python("vllm", None, os.environ, repo=Path(__file__).resolve().parents[2])
+    except EngineUnavailable:
+        assert "vllm" not in results
+        return
+    section = results["vllm"]
+    print(json.dumps({name: d["acceptance_length"] for name, d in section["drafters"].items()}))
+    assert section["lossless"] == {"checked": True, "mismatches": []}
+    assert section["agreement"]["failures"] == []
+    (record,) = section["drafters"].values()
+    assert sorted(record["splits"]) == sorted(SMOKE_DOMAINS) and record["acceptance_length"] >= 1.0
+
+
 def test_adapt_read_what_pretrain_wrote_by_provenance_hash(chain):
     run_dir = chain["run_dir"]
     pretrain, adapt = read_provenance(run_dir / "pretrain"), read_provenance(run_dir / "adapt")
