@@ -549,12 +549,13 @@ def test_a_vllm_recipe_evaluates_in_vllm_with_its_tensor_parallel_size_and_concu
 
 def test_the_cpu_chain_can_evaluate_in_vllm_where_the_job_finds_it(tmp_path):
     name = "smollm2_cpu_smoke"
-    recipe = resolve_recipe(name, ["slurm.templates.evaluate=eval_vllm"])
+    recipe = get_recipe(name)  # its eval job is eval_vllm's, with the concurrency sweep 1 and 4
+    assert recipe.slurm.templates == {"evaluate": "eval_vllm"}
     script = render(recipe, name, "evaluate", str(tmp_path / "run"))
     python = _fake_vllm_venv(tmp_path, with_preload=True)
     done, (line,) = _run_stage_job(script, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "--gpus" not in line and line.endswith(f"--engine vllm --vllm-python {python} --vllm-concurrency 1 16")
+    assert "--gpus" not in line and line.endswith(f"--engine vllm --vllm-python {python} --vllm-concurrency 1 4")
     # No engine and none named: the reference engine alone, as the CPU stage template runs it.
     bare = tmp_path / "bare"
     bare.mkdir()
