@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -138,6 +139,23 @@ class VllmServeArgs:
         return args + list(self.extra)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def free_loopback_port() -> int:
+    """A port free on 127.0.0.1 now (the server binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class EngineServer:
     """A server process group: started, checked on /health, stopped with everything it spawned."""
 
@@ -170,6 +188,14 @@ class EngineServer:
             )
         finally:
             log.close()
+        try:
+            self._wait_healthy()
+        except BaseException:  # a refusal, a timeout, Ctrl-C: the group (EngineCore, workers) never outlives it
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -178,9 +204,8 @@ class EngineServer:
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             if self.healthy():
-                return self
+                return
             if time.monotonic() > deadline:
-                self.stop()
                 raise TimeoutError(
                     f"the server was not healthy after {self.startup_timeout:.0f} s; its log is {self.log_path}:\n"
                     f"{self.log_tail()}"
@@ -202,18 +227,23 @@ class EngineServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, grace: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the whole process group, then SIGKILL; also when the leader has already exited (its engine core
+        and workers may still run and hold memory)."""
+        if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break  # no process of the group is left
             try:
                 self.proc.wait(wait)
-                return
             except subprocess.TimeoutExpired:
                 continue
+            if not _group_alive(self.proc.pid):
+                break
+        if self.proc.poll() is None:
+            self.proc.wait()
 
     def __enter__(self) -> "EngineServer":
         return self.start()

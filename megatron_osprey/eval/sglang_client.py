@@ -1,7 +1,7 @@
 """Measure AL and throughput of a running SGLang server from its per-request meta info.
 
 Requests go to SGLang's native ``/generate`` with the prompt's token ids, so the prompt is exactly the
-one ``python -m megatron_osprey.stages.evaluate`` decodes: one at a time (batch 1, the paper's setting) or
+one ``python -m megatron_osprey evaluate`` decodes: one at a time (batch 1, the paper's setting) or
 ``batch_size`` in flight at once (the server batches them). AL per request =
 ``completion_tokens / spec_verify_ct`` from ``meta_info``; throughput = completion tokens / wall time.
 """

@@ -22,18 +22,19 @@ import dataclasses
 import json
 import os
 import secrets
-import socket
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_osprey.base.engines import (
+    CPU_KV_CACHE_BYTES,
     EngineServer,
     EngineUnavailable,
     VllmServeArgs,
     cpu_preload,
     engine_version,
+    free_loopback_port,
     vllm_environment,
 )
 from megatron_osprey.eval.vllm_metrics import (
@@ -47,7 +48,6 @@ from megatron_osprey.eval.vllm_metrics import (
 
 VLLM_TAG = "megatron_osprey.eval.vllm/1"
 CONCURRENCY = (1, 4, 16)
-KV_CACHE_BYTES = 1 << 30  # a small KV cache: the machine's RAM is shared, and 16 short requests fit in it
 
 
 # Every drafter is served from `export --format vllm`: stock Eagle3LlamaForCausalLM where vLLM's own class computes
@@ -59,12 +59,6 @@ VLLM_FORMAT = "vllm"
 # ---- the server and its client ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class VllmSettings:
     """How the servers run: the engine's interpreter, compile or eager, the KV cache, the concurrency sweep."""
@@ -73,7 +67,7 @@ class VllmSettings:
     repo: Path  # on PYTHONPATH of the server, so vLLM imports this checkout's model plugin
     log_dir: Path
     compile: bool = False  # False: --enforce-eager (startup about 4x faster on CPU)
-    kv_cache_bytes: int | None = KV_CACHE_BYTES  # None: vLLM's own share of the GPU's memory
+    kv_cache_bytes: int | None = CPU_KV_CACHE_BYTES  # None: vLLM's own share of the GPU's memory
     max_model_len: int = 2048
     tensor_parallel_size: int = 1
     dtype: str = "float32"
@@ -124,7 +118,7 @@ class Client:
 @contextlib.contextmanager
 def serve(settings: VllmSettings, target: Path, name: str, speculative_config: dict | None = None):
     """A `vllm serve` of `target` (with `speculative_config`) on a free loopback port; yields its Client."""
-    port, key = free_port(), secrets.token_hex(16)
+    port, key = free_loopback_port(), secrets.token_hex(16)
     args = VllmServeArgs(
         model=str(target),
         port=port,
@@ -201,7 +195,7 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         log_dir=output / "vllm" / "logs",
         compile=config.vllm_compile,
         # a small KV cache on CPU, where vLLM would otherwise reserve a share of the machine's RAM; on a GPU, vLLM's
-        kv_cache_bytes=config.vllm_kv_cache_bytes or (KV_CACHE_BYTES if on_cpu else None),
+        kv_cache_bytes=config.vllm_kv_cache_bytes or (CPU_KV_CACHE_BYTES if on_cpu else None),
         tensor_parallel_size=config.vllm_tensor_parallel_size,
         dtype=config.dtype,
         # prompt + new tokens + one verify's draft tokens, rounded up to vLLM's block of 16
@@ -261,7 +255,8 @@ def export_for_vllm(name: str, loaded, output: Path, target: Path) -> tuple[str,
     export_dir = output / "vllm" / "exports" / name
     if export_dir.exists():
         shutil.rmtree(export_dir)
-    export_drafter(loaded.drafter, fmt, export_dir, loaded.run_config, tokenizer_dir=target)
+    # Checked against the target this evaluation serves, not the one the drafter's run_config names.
+    export_drafter(loaded.drafter, fmt, export_dir, {**loaded.run_config, "target": str(target)}, tokenizer_dir=target)
     return fmt, export_dir
 
 
@@ -414,12 +409,14 @@ def run_vllm_eval(config) -> dict:
 
     check_engine_request(config)
     engine_version("vllm", config.vllm_python)  # a missing or broken engine: one sentence, before any work
+    target_file = Path(config.target) / "config.json"
+    target_config = json.loads(target_file.read_text()) if target_file.is_file() else None
     drafters = []
     for item in config.drafters:
         loaded = load_drafter(item.path)
         if not hasattr(loaded.drafter, "config"):
             raise ValueError(f"--drafter {item.name}: an n-gram drafter has no vLLM EAGLE-3 export.")
-        refusal = vllm_refusal(loaded.drafter.config)  # the target's fields are checked again at export
+        refusal = vllm_refusal(loaded.drafter.config, target_config)  # before the reference engine runs
         if refusal:
             raise ValueError(f"--drafter {item.name} cannot be served in vLLM: {refusal}")
         drafters.append((item, loaded, item.method or _variant(loaded.drafter)))

@@ -147,9 +147,11 @@ def vllm_markdown(section: dict) -> str:
     engine = section["engine"]
     conc = [str(c) for c in engine["concurrency"]]
     mode = "enforce_eager" if engine["enforce_eager"] else "torch.compile"
+    kv = engine["kv_cache_memory_bytes"]  # None on a GPU: vLLM's own share of its memory
+    kv_text = "vLLM's share of the memory" if kv is None else f"{kv >> 20} MiB"
     lines = [
-        f"vLLM {engine['version']} on {engine['device']} ({mode}, KV cache {engine['kv_cache_memory_bytes'] >> 20} "
-        f"MiB, LD_PRELOAD {engine['ld_preload'] or 'none'}), EAGLE-3 speculative decoding with "
+        f"vLLM {engine['version']} on {engine['device']} ({mode}, KV cache {kv_text}"
+        f", LD_PRELOAD {engine['ld_preload'] or 'none'}), EAGLE-3 speculative decoding with "
         f"{engine['num_speculative_tokens']} draft tokens, greedy. AL = 1 + accepted / draft rounds (vLLM's "
         "counters; the reference engine's tokens per verify round on the same requests). tok/s (speedup over "
         "target-only) per concurrency.",

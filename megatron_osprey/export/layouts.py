@@ -284,6 +284,11 @@ def vllm_refusal(cfg: DrafterConfig, target: dict | None = None) -> str | None:
             f"--format vllm: aux_layer_ids {list(cfg.aux_layer_ids)} must name three target layers "
             "(vLLM's fc reads three captured states)."
         )
+    if list(cfg.aux_layer_ids) != sorted(cfg.aux_layer_ids):
+        return (
+            f"--format vllm: aux_layer_ids {list(cfg.aux_layer_ids)} must be ascending: vLLM hands the taps over in "
+            "layer order, training concatenated them in the order given."
+        )
     if not target:
         return None
     layers = target.get("num_hidden_layers")

@@ -146,7 +146,9 @@ class _SoftCrossEntropy(torch.autograd.Function):
                 sums[side, part] = torch.exp(chunk - _finite(stats[side, part])[:, None]).sum(-1)
         maxima = _all_reduce(stats, group, op=torch.distributed.ReduceOp.MAX)
         if _tp(group)[0] > 1:
-            sums = _all_reduce(sums * torch.exp(_finite(stats) - maxima), group)
+            # A shard whose row is all masked (-inf max, zero sum) adds 0, never 0 * exp(large) = nan.
+            scale = torch.where(torch.isfinite(stats), torch.exp(_finite(stats) - maxima), torch.zeros_like(stats))
+            sums = _all_reduce(sums * scale, group)
         log_z = torch.log(sums[0])
         shifts = torch.stack([maxima[0] + log_z, maxima[1] + torch.log(sums[1])])  # log-softmax shifts of q and p
         terms = torch.empty_like(stats)  # sum_v p (z_v - max z) and sum_v min(p, q)

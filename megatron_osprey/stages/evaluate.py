@@ -80,7 +80,7 @@ class EvaluateConfig:
     vllm_tensor_parallel_size: int = 1
     vllm_concurrency: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16])
     reference_results: str | None = None  # the reference engine's results.json on the same requests
-    al_tolerance: float | None = None  # None: eval/vllm_engine.AL_TOLERANCE, set from the measured spread
+    al_tolerance: float | None = None  # None: eval/vllm_metrics.AL_TOLERANCE, set from the measured spread
     extra: dict = dataclasses.field(default_factory=dict)
 
     def resolved(self) -> EvaluateConfig:

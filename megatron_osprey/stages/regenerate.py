@@ -20,11 +20,10 @@ import dataclasses
 import logging
 import os
 import secrets
-import socket
 from pathlib import Path
 from typing import Iterator
 
-from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES, EngineUnavailable
+from megatron_osprey.base.engines import CPU_KV_CACHE_BYTES, EngineUnavailable, free_loopback_port
 from megatron_osprey.base.redact import configure_redacted_logging
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.data.regenerate.backends import (
@@ -208,12 +207,6 @@ FLAGS = {
 }
 
 
-def _loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_log_path(output: str | os.PathLike) -> Path:
     """Where a job's own server logs: beside --output (OUT.jsonl -> OUT.server.log)."""
     output = Path(output)
@@ -235,10 +228,10 @@ def serve_target(config: RegenerateConfig, api_key: str | None = None) -> Iterat
     from megatron_osprey.data.fingerprint import model_fingerprint
 
     serve = config.serve
-    python = engine_python("vllm", serve.python, {}, repo=REPO)
+    python = engine_python("vllm", serve.python, os.environ, repo=REPO)
     version = engine_version("vllm", python)
     on_cpu = config.device == "cpu"
-    port = _loopback_port()
+    port = free_loopback_port()
     name = config.served_model_name or Path(config.model).name
     args = VllmServeArgs(
         model=str(config.model),

@@ -195,7 +195,7 @@ def check_rollout_store(cfg, header) -> None:
     if not header.rollout_steps:
         raise ValueError(
             f"--hidden-states {cfg.data.hidden_states} holds no rollout rounds (an extract store?); --mode on-policy "
-            f"reads the rollout stage's output (python -m megatron_osprey.stages.rollout)."
+            f"reads the rollout stage's output (python -m megatron_osprey rollout)."
         )
     if cfg.ttt.ttt_steps > header.rollout_steps:
         raise ValueError(

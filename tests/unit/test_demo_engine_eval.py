@@ -77,7 +77,8 @@ def test_with_an_engine_seed_zeros_servable_drafters_go_beside_the_reference_res
     assert drafters == [f"eagle3_chat_s0={tmp_path / 'eagle30'}"]
 
 
-def test_the_report_table_has_both_engines_al_mismatches_and_speed_per_concurrency(tmp_path):
+@pytest.mark.parametrize("kv, shown", [(1 << 30, "KV cache 1024 MiB"), (None, "KV cache vLLM's share of the memory")])
+def test_the_report_table_has_both_engines_al_mismatches_and_speed_per_concurrency(tmp_path, kv, shown):
     speeds = {str(c): {"tokens_per_s": 10.0 * c, "speedup": 0.5, "in_flight": c} for c in (1, 4, 16)}
     split = {
         "acceptance_length": 1.151,
@@ -90,7 +91,7 @@ def test_the_report_table_has_both_engines_al_mismatches_and_speed_per_concurren
             "version": "0.32.0",
             "device": "cpu",
             "enforce_eager": True,
-            "kv_cache_memory_bytes": 1 << 30,
+            "kv_cache_memory_bytes": kv,  # None: a GPU server's own share
             "ld_preload": "libiomp5.so",
             "num_speculative_tokens": 5,
             "concurrency": [1, 4, 16],
@@ -113,7 +114,7 @@ def test_the_report_table_has_both_engines_al_mismatches_and_speed_per_concurren
     assert "## In a real serving engine: vLLM beside the reference engine" in text
     assert "| eagle3_chat | chat | 1.151 | 1.143 | 0 | 10.0 (0.50x) | 40.0 (0.50x) | 160.0 (0.50x) |" in text
     assert "| eagle3_chat | **all** |" in text and "every drafter agrees" in text
-    assert "enforce_eager, KV cache 1024 MiB, LD_PRELOAD libiomp5.so" in text
+    assert f"enforce_eager, {shown}, LD_PRELOAD libiomp5.so" in text
     assert "Not served in vLLM: osprey_chat (no plugin)." in text
 
 

@@ -196,6 +196,7 @@ def test_vllm_export_refuses_what_vllm_cannot_serve(tmp_path):
         (dict(aux_layer_ids=[1, 14, 29]), "aux_layer_ids"),
         (dict(vocab_size=50000), "vocab_size"),
         (dict(target_hidden_size=960), "target_hidden_size"),
+        (dict(aux_layer_ids=[14, 1, 26]), r"aux_layer_ids \[14, 1, 26\] must be ascending"),  # vLLM taps in order
     ]
     for overrides, field in cases:
         drafter = smollm2_drafter(**overrides)
