@@ -252,9 +252,14 @@ class EngineServer:
         self.stop()
 
 
-def vllm_environment(python: str, api_key: str | None, base: Mapping[str, str], on_cpu: bool) -> dict[str, str]:
-    """The server's environment: the API key (VLLM_API_KEY, not argv), and on CPU the OpenMP preload vLLM asks for."""
+def vllm_environment(
+    python: str, api_key: str | None, base: Mapping[str, str], on_cpu: bool, repo: Path | None = None
+) -> dict[str, str]:
+    """The server's environment: the API key (VLLM_API_KEY, not argv), on CPU the OpenMP preload vLLM asks for, and
+    with `repo` that checkout first on PYTHONPATH, so vLLM imports its model plugin, not another installed copy."""
     env = dict(base)
+    if repo is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH", "")) if p)
     env.pop("VLLM_API_KEY", None)
     if api_key:
         env["VLLM_API_KEY"] = api_key

@@ -131,8 +131,7 @@ def serve(settings: VllmSettings, target: Path, name: str, speculative_config: d
         speculative_config=speculative_config,
         enforce_eager=not settings.compile,
     )
-    env = vllm_environment(settings.python, key, os.environ, on_cpu=settings.on_cpu)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.repo), env.get("PYTHONPATH", "")) if p)
+    env = vllm_environment(settings.python, key, os.environ, on_cpu=settings.on_cpu, repo=settings.repo)
     url = f"http://127.0.0.1:{port}"
     began = time.monotonic()
     with EngineServer(args.argv(settings.python), url, settings.log_dir / f"{name}.log", env, settings.startup_timeout):

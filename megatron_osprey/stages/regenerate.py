@@ -247,9 +247,7 @@ def serve_target(config: RegenerateConfig, api_key: str | None = None) -> Iterat
         trust_remote_code=config.trust_remote_code,
     )
     api_key = api_key or secrets.token_hex(24)
-    environ = vllm_environment(python, api_key, os.environ, on_cpu=on_cpu)
-    # The server imports this checkout's megatron_osprey (its model plugin), not another installed copy.
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH", "")) if p)
+    environ = vllm_environment(python, api_key, os.environ, on_cpu=on_cpu, repo=REPO)
     url = f"http://127.0.0.1:{port}"
     log_path = server_log_path(config.output)
     logging.getLogger(__name__).info("starting vLLM %s on %s at %s (log %s)", version, config.model, url, log_path)

@@ -72,6 +72,8 @@ def test_the_server_command_keeps_the_key_out_of_argv_and_loopback_by_default():
     env = vllm_environment("/py", "secret", {"VLLM_API_KEY": "stale", "PATH": "/bin"}, on_cpu=False)
     assert env["VLLM_API_KEY"] == "secret" and "secret" not in " ".join(argv)
     assert "VLLM_API_KEY" not in vllm_environment("/py", None, {"VLLM_API_KEY": "stale"}, on_cpu=False)
+    with_repo = vllm_environment("/py", None, {"PYTHONPATH": "/other"}, on_cpu=False, repo=Path("/checkout"))
+    assert with_repo["PYTHONPATH"] == "/checkout:/other"  # this checkout's plugin first
 
 
 def test_the_cpu_preload_comes_from_the_engines_own_venv(tmp_path):
