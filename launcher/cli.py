@@ -11,6 +11,7 @@
   osprey cluster up|status|down [--dir DIR]
   osprey engine install|check vllm [--venv DIR]   (the vLLM serving engine in its own virtualenv)
   osprey fetch-model NAME --output DIR
+  osprey lock --check|--write   (the exact versions `make venv` installs: launcher/locks/cpu.txt)
   osprey demo [--full | --smoke] [--arms all|ARM ...] [--output DIR]   (the pipeline on SmolLM2, on CPU)
 
 RECIPE is a registered name (NAME, or NAME:DOMAIN for the per-domain recipes) or a YAML file (`base: NAME` plus the
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_parser(sub)
     sub.add_parser("demo", help="the whole pipeline on SmolLM2-135M-Instruct on CPU (osprey demo --help)")
+    p = sub.add_parser("lock", help="check or rewrite the exact versions `make venv` installs", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="--check or --write (osprey lock --help)")
     p = sub.add_parser("fetch-model", help="write a pinned registry model as an HF checkpoint directory")
     p.add_argument("name", help="model name (see tools/fetch_model.py --list)")
     p.add_argument("--output", required=True, help="directory to write")
@@ -234,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         door = ["-m", "megatron_osprey.demo"] if argv[0] == "demo" else stage_command(argv[0])
         command = [sys.executable, *door, *argv[1:]]
         return subprocess.run(command, cwd=work_dir(), check=False).returncode
+    if argv and argv[0] == "lock":
+        from launcher.lock import main as lock_main
+
+        return lock_main(argv[1:])
     own, extra = _split_passthrough(argv)
     args = build_parser().parse_args(own)
     try:
