@@ -29,6 +29,7 @@ def on_policy_config(target: str, sft: str, data: str, store: str, save: Path, p
     cfg = tiny_distill_config(
         setup,
         data__mode="on-policy",
+        data__opd_form="offline",
         data__hidden_states=store,
         drafter__drafter_init=sft,
         ttt__ttt_steps=STEPS,
