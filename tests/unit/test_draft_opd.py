@@ -274,7 +274,8 @@ class _RecordingRollout:
             {k: v.clone() for k, v in live_reference_drafter(unwrap_model(model[0])).state_dict().items()}
         )
         self.indices.append(list(indices))
-        return self.inner(model, indices)
+        self.samples = self.inner(model, indices)
+        return self.samples
 
 
 def _checkpoint_reference_state(root, iteration: int) -> dict:
@@ -323,6 +324,12 @@ def test_online_opd_rounds_roll_out_the_drafter_the_previous_round_left(opd, tmp
     for name, value in recorder.states[1].items():
         assert torch.equal(value, after_first[name]), name
     assert any(not torch.equal(recorder.states[1][n], sft[n]) for n in sft)  # the update moved the drafter
+    # temperature 0: a round's sample is the target's greedy continuation of its prompt, with its states
+    sample, model = recorder.samples[0], recorder.inner.target_model
+    prompt = int((~sample["loss_mask"]).sum())
+    greedy = model.generate(sample["input_ids"][None, :prompt], max_new_tokens=12, do_sample=False)[0]
+    assert torch.equal(greedy[: sample["input_ids"].numel()], sample["input_ids"]) and sample["loss_mask"].sum() > 0
+    assert sample["aux_hidden"].shape == (sample["input_ids"].numel(), 3 * 64)
 
 
 def test_online_opd_needs_the_stages_rollout(opd):
