@@ -200,8 +200,9 @@ def render_arms(arms: dict | None) -> list[str]:
     lines += _table(
         "Harder eval sets (seed 0's drafters, system prompts sent)",
         arms["harder"],
-        "Template perturbation, long context, and translation / story prompts into the monolingual corpora's "
-        "languages, made from the first training domain's held-out prompts; AL per drafter.",
+        "Template perturbation, long context, and translation / story prompts into the task languages "
+        "(demo/harder_sets.py TASK_LANGUAGES), made from the first training domain's held-out prompts; AL per "
+        "drafter.",
     )
     lines += _table(
         "Public benchmarks (seed 0's drafters)",
