@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 
-from megatron_osprey.data.config import DistillDataConfig
+from megatron_osprey.data.config import OPD_FORMS, DistillDataConfig
 from megatron_osprey.data.regenerate.backends import SamplingParams
 from megatron_osprey.losses.config import TTTLossConfig
 from megatron_osprey.models.drafter.config import DistillDrafterConfig
@@ -182,7 +182,6 @@ OPD_ONLINE_BATCH = 10 * 24
 # examples (the first ones of the regenerated data), chains of 5 drafts (the TTT depth), sampled at the
 # regeneration's temperature 1.0 up to its 4,096 new tokens; then 2 epochs over them at a tenth of the SFT lr.
 OPD_PROMPT_SHARE, OPD_EPOCHS, OPD_LR_SHARE, OPD_STEPS = 10, 2, 10, 5
-OPD_FORMS = ("online", "offline")
 
 
 def opd_default_form(target: str, hardware: str) -> str:
@@ -197,6 +196,8 @@ def opd_recipe(target: str, hardware: str, domain: str | None, form: str | None 
     rollout stage then updates on its store; export, evaluate."""
     lay = LAYOUTS[(target, hardware)]
     form = form or opd_default_form(target, hardware)
+    if form not in OPD_FORMS:
+        raise ValueError(f"Draft-OPD form {form!r}: expected one of {OPD_FORMS}.")
     recipe = target_recipe(target, "osprey", hardware, domain)
     sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus}gpu_{hardware}_bf16_{{domain}}"
     recipe.paths.sft = f"{sft_run}/distill"
