@@ -345,8 +345,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         )
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
-    fp8_check = _fp8_check(recipe, stage, config)
-    if fp8_check:
+    if fp8_check := _fp8_check(recipe, stage, config):
         checks.append(fp8_check)
     if stage in TARGET_STAGES:
         memory += _target_stage_memory(recipe, stage, config, target, parallel)
@@ -412,9 +411,10 @@ def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, 
         return _target_memory(target, parallel, _RolloutSequence(recipe, config), config.dtype == "bfloat16")
     memory = []
     bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
-    online = stage == "extract" or config.data.mode == "online"
-    if online:
-        memory += _target_memory(target, parallel, getattr(config, "training", None) or _ExtractBatch(config), bf16)
+    whole = stage == "distill" and config.data.rolls_out_online()  # Draft-OPD's loop: the HF target whole per rank
+    if stage == "extract" or config.data.mode == "online" or whole:
+        layout = dataclasses.replace(parallel, tensor_model_parallel_size=1) if whole else parallel
+        memory += _target_memory(target, layout, getattr(config, "training", None) or _ExtractBatch(config), bf16)
     if stage == "distill":
         draft = config.drafter.draft_vocab_size if config.drafter.baseline else None
         memory.append(("target LM head", _target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))

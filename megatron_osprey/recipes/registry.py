@@ -78,8 +78,20 @@ def _distill_recipes() -> dict[str, Callable[..., Recipe]]:
         def build_opd(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
             return distill.opd_recipe(_t, _h, domain)
 
-        doc = f"Osprey + Draft-OPD for {target} (one rollout + on-policy round from paths.sft), {layout.gpus} x "
+        how = (
+            "the authors' online loop"
+            if distill.opd_default_form(target, hardware) == "online"
+            else "one rollout + on-policy round: the online loop needs the HF target whole on each GPU"
+        )
+        doc = f"Osprey + Draft-OPD for {target} ({how}, from paths.sft), {layout.gpus} x "
         out[name] = _registered(name, build_opd, doc + f"{hardware.upper()}.")
+        offline = f"{target}_osprey_opd_offline_distill_{layout.gpus}gpu_{hardware}_bf16"
+
+        def build_offline(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
+            return distill.opd_recipe(_t, _h, domain, form="offline")
+
+        doc = f"Osprey + Draft-OPD's offline form for {target} (one rollout + on-policy round), {layout.gpus} x "
+        out[offline] = _registered(offline, build_offline, doc + f"{hardware.upper()}.")
 
     def eagle3_ttt7(domain: str | None = None) -> Recipe:
         recipe = distill.target_recipe("qwen3_8b", "eagle3", "h100", domain)
