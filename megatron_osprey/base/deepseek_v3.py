@@ -196,6 +196,7 @@ def deepseek_v3_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         num_attention_heads=heads,
         num_query_groups=heads,  # every head has its own key and value, expanded from the shared latent
         head_dim=mla.qk_head_dim,
+        rotary_dim=mla.qk_rope_head_dim,  # the rope part of each query / key head
         vocab_size=int(config["vocab_size"]),
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(config.get("rms_norm_eps", LATENT_NORM_EPS)),

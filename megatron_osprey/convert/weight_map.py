@@ -157,9 +157,7 @@ _QK_NORMS = (f"{_LAYER}.self_attention.q_layernorm.weight", f"{_LAYER}.self_atte
 def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRule]:
     """The rules that apply to `arch`, with the spec's parameter names."""
     if arch.mla is not None:
-        from megatron_osprey.convert.deepseek_v3 import deepseek_v3_rules
-
-        return deepseek_v3_rules(arch, transformer_impl)
+        raise ValueError(f"{arch.family}: multi-latent attention has its own rules (convert/deepseek_v3.py).")
     rules = []
     te = transformer_impl == "transformer_engine"
     for rule in DENSE_RULES + MOE_RULES:

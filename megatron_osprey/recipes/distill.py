@@ -45,7 +45,7 @@ REGENERATE_MAX_TOKENS = 4096
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
-EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432}
 
 
 class TargetLayout:
@@ -77,6 +77,14 @@ _MINIMAX = dict(
     reasoning_parser="minimax-append-think",
     domain="code",
 )
+# DeepSeek-V3 / Kimi-K2: neither the paper nor the release trains a drafter for them; the 70B release's budget.
+_DEEPSEEK = dict(
+    examples=100_000,
+    global_batch=8,
+    budget="this project's choice (the paper and the release train none for this target): the Llama-3.3-70B "
+    "release's 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
+    reasoning_parser=None,
+)
 LAYOUTS = {
     ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
@@ -85,6 +93,12 @@ LAYOUTS = {
     # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
     ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
     ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
+    # One node at TP 8 / EP 8: the BF16 target does not fit there, and `osprey plan` says how many nodes it needs
+    # (docs/own-target-and-data.md); served by SGLang from the FP8 checkpoint.
+    ("deepseek_v3", "h100"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
+    ("deepseek_v3", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
+    ("kimi_k2", "h100"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
+    ("kimi_k2", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
 }
 
 
