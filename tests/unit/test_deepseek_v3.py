@@ -245,19 +245,21 @@ def test_a_deepseek_field_that_changes_the_computation_is_refused_by_name(tmp_pa
         load_target_config(target)
 
 
-def _plan(recipe: str, target: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "launcher.cli", "plan", recipe, "--stage", "distill", "--json"]
-    command += ["--set", f"paths.target={target}", *[a for o in overrides for a in ("--set", o)]]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+def _plan(recipe: str, target: Path, *overrides: str):
+    from launcher.plan import make_plan
+    from megatron_osprey.recipes import resolve_recipe
+
+    return make_plan(resolve_recipe(recipe, [f"paths.target={target}", *overrides]), "distill")
 
 
-def test_osprey_plan_of_the_published_configs(tmp_path):
-    """8 x B200 holds DeepSeek-V3 in BF16 (dequantized from FP8); 8 x H100 does not, and the refusal names the
-    nodes it needs, at which the plan fits. Kimi-K2's 1T parameters need 2 nodes of B200."""
-    deepseek, kimi = _write(tmp_path, DEEPSEEK_V3, "deepseek"), _write(tmp_path, KIMI_K2_INSTRUCT, "kimi")
-    b200 = _plan("deepseek_v3_osprey_distill_8gpu_b200_bf16", deepseek)
-    assert b200.returncode == 0, b200.stderr
-    plan = json.loads(b200.stdout)
+def test_osprey_plan_json_of_the_published_deepseek_v3_config(tmp_path):
+    """8 x B200 holds DeepSeek-V3 in BF16 (dequantized from its FP8 checkpoint at load): the CLI's plan."""
+    deepseek = _write(tmp_path, DEEPSEEK_V3, "deepseek")
+    command = [sys.executable, "-m", "launcher.cli", "plan", "deepseek_v3_osprey_distill_8gpu_b200_bf16"]
+    command += ["--stage", "distill", "--json", "--set", f"paths.target={deepseek}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
     assert plan["target"] == {
         "model_type": "deepseek_v3",
         "source": f"{deepseek}/config.json",
@@ -267,24 +269,40 @@ def test_osprey_plan_of_the_published_configs(tmp_path):
         "num_key_value_heads": 128,
         "vocab_size": 129280,
         "num_experts": 256,
-        "aux_layer_ids": [1, 29, 57],
+        "aux_layer_ids": [1, 29, 57],  # the default rule [1, L//2 - 1, L - 4]
     }
-    # Measured: target weights 156.41 GiB per GPU at TP 8 / EP 8, 165.07 GiB in all.
-    assert plan["fits"] and 150 < plan["memory_breakdown_gib"]["target weights"] < 160
-    h100 = _plan("deepseek_v3_osprey_distill_8gpu_h100_bf16", deepseek)
-    assert h100.returncode == 2 and not json.loads(h100.stdout)["fits"]
-    assert "its 671B-parameter target fits 4 nodes of 8 x H100 at expert parallel size 32" in h100.stderr
-    four_nodes = _plan(
-        "deepseek_v3_osprey_distill_8gpu_h100_bf16",
-        deepseek,
-        "resources.distill.nodes=4",
-        "distill.parallel.expert_model_parallel_size=32",
+    # Measured: target weights 156.41 GiB per GPU at TP 8 / EP 8, 165.07 GiB in all, of 179.
+    assert plan["fits"] and plan["needs"] is None
+    assert round(plan["memory_breakdown_gib"]["target weights"], 2) == 156.41
+
+
+@pytest.mark.parametrize(
+    "name, recipe, one_node, needs, fitted",
+    [
+        # DeepSeek-V3 on H100: 8 GPUs are refused with the 4 nodes (EP 32) the recipe asks for, 50.88 GiB per GPU.
+        ("deepseek", "deepseek_v3_osprey_distill_32gpu_h100_bf16", "expert_model_parallel_size=8", "671B-parameter "
+         "target fits 4 nodes of 8 x H100 at expert parallel size 32", 50.88),
+        # Kimi-K2's 1T parameters on B200 need 2 nodes (EP 16), 130.5 GiB per GPU.
+        ("kimi", "deepseek_v3_osprey_distill_8gpu_b200_bf16", "expert_model_parallel_size=8", "1026B-parameter "
+         "target fits 2 nodes of 8 x B200 at expert parallel size 16", 130.51),
+    ],
+)  # fmt: skip
+def test_a_target_too_large_for_one_node_is_refused_naming_the_nodes_it_needs(
+    tmp_path, name, recipe, one_node, needs, fitted
+):
+    from launcher.plan import LayoutError, check_plan
+
+    target = _write(tmp_path, {"deepseek": DEEPSEEK_V3, "kimi": KIMI_K2_INSTRUCT}[name], name)
+    small = _plan(recipe, target, "resources.distill.nodes=1", f"distill.parallel.{one_node}")
+    with pytest.raises(LayoutError, match=rf"more than the .* GiB of a .*; its {needs} \(about {fitted:.1f} GiB"):
+        check_plan(small)
+    nodes, ep = (4, 32) if "h100" in recipe else (2, 16)
+    wide = _plan(
+        recipe, target, f"resources.distill.nodes={nodes}", f"distill.parallel.expert_model_parallel_size={ep}"
     )
-    assert four_nodes.returncode == 0, four_nodes.stderr
-    assert json.loads(four_nodes.stdout)["world_size"] == 32  # measured 50.88 GiB per GPU
-    refused = _plan("kimi_k2_osprey_distill_8gpu_b200_bf16", kimi)
-    assert refused.returncode == 2 and json.loads(refused.stdout)["target"]["model_type"] == "kimi_k2"
-    assert "its 1026B-parameter target fits 2 nodes of 8 x B200 at expert parallel size 16" in refused.stderr
+    check_plan(wide)
+    # The refusal's estimate moves only the target's weights; the plan at that size agrees (measured 50.88 / 130.53).
+    assert wide.world_size == nodes * 8 and abs(wide.memory_bytes / 2**30 - fitted) < 0.05
 
 
 # ----- the Megatron model against transformers' DeepseekV3ForCausalLM at TP 1 ------------------------------------
@@ -321,9 +339,9 @@ def test_without_a_query_latent_and_with_rope_halves_the_logits_equal_hf(tmp_pat
 
 
 def test_fp8_weights_are_dequantized_and_mtp_weights_are_skipped(tmp_path):
-    """The tiny model's attention, dense and shared-expert projections as 16x16-block FP8 plus a multi-token-prediction module stored as the release
-    stores it (model.layers.{L}.*, with shapes that would fail to load): the logits equal HF's on the dequantized
-    values, and the MTP tensors are named as skipped."""
+    """The tiny model's attention, dense and shared-expert projections as 16x16-block FP8, plus a
+    multi-token-prediction module stored as the release stores it (model.layers.{L}.*, with shapes that would fail
+    to load): the logits equal HF's on the dequantized values, and the MTP tensors are named as skipped."""
     from safetensors.torch import load_file, save_file
 
     from megatron_osprey.convert.deepseek_v3 import mtp_weight_names
