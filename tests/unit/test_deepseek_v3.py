@@ -294,6 +294,8 @@ def test_a_target_too_large_for_one_node_is_refused_naming_the_nodes_it_needs(
 
     target = _write(tmp_path, {"deepseek": DEEPSEEK_V3, "kimi": KIMI_K2_INSTRUCT}[name], name)
     small = _plan(recipe, target, "resources.distill.nodes=1", f"distill.parallel.{one_node}")
+    assert small.to_json()["target"]["model_type"] == {"deepseek": "deepseek_v3", "kimi": "kimi_k2"}[name]
+    assert not small.fits and small.to_json()["needs"].startswith(f"its {needs}")
     with pytest.raises(LayoutError, match=rf"more than the .* GiB of a .*; its {needs} \(about {fitted:.1f} GiB"):
         check_plan(small)
     nodes, ep = (4, 32) if "h100" in recipe else (2, 16)
