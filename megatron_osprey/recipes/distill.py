@@ -45,14 +45,17 @@ REGENERATE_MAX_TOKENS = 4096
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
-EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432}
 
 
 class TargetLayout:
-    """How one target runs on one node of one GPU type: GPUs, target TP/EP, the server pool, the budget."""
+    """How one target runs on one GPU type: GPUs per node (and nodes), target TP/EP, the server pool, the budget."""
 
-    def __init__(self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat"):
-        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp
+    def __init__(
+        self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat", nodes=1
+    ):
+        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp  # gpus: per node
+        self.nodes = nodes  # > 1: the distillation job spans nodes (expert parallelism across them)
         self.examples, self.global_batch, self.budget = examples, global_batch, budget
         self.reasoning_parser, self.domain = reasoning_parser, domain
 
@@ -77,6 +80,14 @@ _MINIMAX = dict(
     reasoning_parser="minimax-append-think",
     domain="code",
 )
+# DeepSeek-V3 / Kimi-K2: neither the paper nor the release trains a drafter for them; the 70B release's budget.
+_DEEPSEEK = dict(
+    examples=100_000,
+    global_batch=8,
+    budget="this project's choice (the paper and the release train none for this target): the Llama-3.3-70B "
+    "release's 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
+    reasoning_parser=None,
+)
 LAYOUTS = {
     ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
@@ -85,6 +96,10 @@ LAYOUTS = {
     # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
     ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
     ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
+    # DeepSeek-V3 in BF16 (dequantized from its FP8 checkpoint at load): one node of B200 at TP 8 / EP 8; on H100 the
+    # experts need 4 nodes (EP 32). Kimi-K2 is the same architecture: its config at paths.target plans its own size.
+    ("deepseek_v3", "h100"): TargetLayout(8, 8, 32, 8, **_DEEPSEEK, nodes=4),
+    ("deepseek_v3", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
 }
 
 
@@ -147,7 +162,7 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             # The server pool fills whole nodes; each server's srun step asks for its share of this memory, else on a
             # cluster that schedules memory the first step takes all of it and the others wait (launcher/render.py).
             "regenerate": Resources(gpus_per_node=8, time="24:00:00", mem=whole_node_mem(hardware)),
-            "distill": Resources(gpus_per_node=lay.gpus, time="48:00:00"),
+            "distill": Resources(nodes=lay.nodes, gpus_per_node=lay.gpus, time="48:00:00"),
             "export": Resources(cpus_per_task=8, time="00:30:00"),
             "evaluate": Resources(gpus_per_node=max(lay.server_tp, 1), time="08:00:00"),
         },
@@ -199,7 +214,7 @@ def opd_recipe(target: str, hardware: str, domain: str | None, form: str | None 
     if form not in OPD_FORMS:
         raise ValueError(f"Draft-OPD form {form!r}: expected one of {OPD_FORMS}.")
     recipe = target_recipe(target, "osprey", hardware, domain)
-    sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus}gpu_{hardware}_bf16_{{domain}}"
+    sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus * lay.nodes}gpu_{hardware}_bf16_{{domain}}"
     recipe.paths.sft = f"{sft_run}/distill"
     recipe.paths.conversations = f"{sft_run}/regenerate/conversations.jsonl"
     prompts = lay.examples // OPD_PROMPT_SHARE
@@ -261,5 +276,5 @@ def _opd_offline(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
         f"(a tenth of {lay.examples:,}), {OPD_EPOCHS} epochs at global batch {lay.global_batch} = "
         f"{sft.training.train_iters:,} updates at a tenth of the SFT lr"
     )
-    recipe.resources["rollout"] = Resources(gpus_per_node=lay.gpus, time="48:00:00")
+    recipe.resources["rollout"] = Resources(nodes=lay.nodes, gpus_per_node=lay.gpus, time="48:00:00")
     return recipe
