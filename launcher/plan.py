@@ -74,6 +74,8 @@ class Plan:
     budget: str = ""
     target: dict | None = None  # the target's shape as planned
     cpu: str | None = None  # a CPU recipe: this machine's capability (CpuCapability.line())
+    schedule: dict | None = None  # a trained stage's learning-rate schedule (OptimizerConfig.schedule)
+    eval_suites: dict | None = None  # the recipe's benchmark eval sets: prompts and the command that writes each
 
     @property
     def memory_bytes(self) -> int:
@@ -111,6 +113,8 @@ class Plan:
             "budget": self.budget,
             "checks": list(self.checks),
             "disk_bytes": {name: b for name, b in self.disk},
+            "schedule": self.schedule,
+            "eval_suites": self.eval_suites,
         }
 
     def lines(self) -> list[str]:
@@ -136,6 +140,16 @@ class Plan:
         if self.train_iters:
             out.append(f"steps    {self.train_iters:,} iterations; {self.tokens:,} tokens ({self.tokens / 1e9:.2f}B)")
             out.append(f"budget   {self.budget}")
+        if self.schedule:
+            sc = self.schedule
+            stop = "" if sc["stop_iter"] == sc["decay_iters"] else f", stopped at iteration {sc['stop_iter']:,}"
+            out.append(
+                f"schedule {sc['decay_style']} from lr {sc['peak_lr']:g} to {sc['min_lr']:g} over "
+                f"{sc['decay_iters']:,} iterations after {sc['warmup_iters']:,} of warmup{stop}; "
+                f"final lr {sc['final_lr']:.4g} ({sc['final_lr_share_of_peak']:.1%} of the peak)"
+            )
+        for name, suite in (self.eval_suites or {}).items():
+            out.append(f"eval set {name}: {suite['prompts']} prompts, written by: {suite['command']}")
         out += [f"disk     {name}: {_size(b)}" for name, b in self.disk]
         return out
 
@@ -331,7 +345,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
             raise LayoutError(f"recipe {recipe.run_name} ({stage}): {err}") from None
         dp = world // parallel.model_parallel_size()
     train_iters = gbs = seq = 0
-    budget = ""
+    budget, schedule = "", None
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
         checks += _validate_trained(recipe, stage, model, parallel)
@@ -341,8 +355,10 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         train_iters, gbs, seq = t.num_train_iters(), t.global_batch_size, t.seq_length
         budget = (
             f"{recipe.budget}; global batch {gbs} x seq {seq:,} = {gbs * seq:,} tokens per step at most; "
-            f"lr {opt.lr:g}, warmup {opt.warmup_iters(train_iters):,} iterations, clip {opt.clip_grad:g}"
+            f"lr {opt.lr:g}, warmup {opt.warmup_iters(train_iters):,} iterations, clip {opt.clip_grad:g}, "
+            f"Adam betas ({opt.adam_beta1:g}, {opt.adam_beta2:g})"
         )
+        schedule = opt.schedule(train_iters)
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
     fp8_check = _fp8_check(recipe, stage, config)
@@ -371,7 +387,30 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         budget=budget,
         target=_target_summary(recipe, target, config) if target is not None else None,
         cpu=cpu.line() if cpu is not None and recipe.hardware == "cpu" else None,
+        schedule=schedule,
+        eval_suites=eval_suite_commands(recipe) or None,
     )
+
+
+# The suites a pinned registry package ships (`osprey suite --source package`); every other one reads a file or
+# directory the user downloads first (nothing is fetched from a hub here).
+OFFLINE_SUITES = ("humaneval",)
+
+
+def eval_suite_commands(recipe: Recipe) -> dict:
+    """{eval set: {prompts, offline, command}}: the `osprey suite` command that writes each of the recipe's benchmark
+    eval sets at its paths.eval_data, holding exactly the prompts the release evaluates."""
+    out = {}
+    for name, prompts in recipe.eval_suites.items():
+        offline = name in OFFLINE_SUITES
+        source = "package" if offline else f"SOURCE_OF_{name.upper()}"
+        output = recipe.path("eval_data", name)
+        out[name] = {
+            "prompts": prompts,
+            "offline": offline,
+            "command": f"osprey suite --suite {name} --source {source} --limit {prompts} --output {output}",
+        }
+    return out
 
 
 def _validate_trained(recipe: Recipe, stage: str, model: _Trained, parallel) -> list[str]:

@@ -57,6 +57,12 @@ TOKEN_COUNTS_FILE = "token_counts.json"
 PROMPT_TURNS = ("all", "first")
 # A domain names files (prompts/{domain}.jsonl), job names and log paths: no separator, no leading dot.
 DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Held-out conversations per domain: the paper's 512 (LeanModels/Osprey's released eval splits,
+# data/*_eval_512_*.jsonl, e.g. commonsense_eval_512_qwen3_8B_4096.jsonl in examples/minimax-m25/README.md). 64 was this
+# project's earlier default, kept as a flag value (`--eval-size 64`): AL over 64 prompts is cheaper and noisier and
+# is not comparable to the paper's tables cell for cell.
+PAPER_EVAL_SIZE = 512
+EARLIER_EVAL_SIZE = 64
 _PARQUET_MAGIC = b"PAR1"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -68,7 +74,7 @@ class UserDataConfig:
     inputs: list[str] = dataclasses.field(default_factory=list)  # DOMAIN=PATH, repeatable (a domain may repeat)
     target: str | None = None  # the target's HF directory: its tokenizer (and config.json, when there)
     output: str | None = None
-    eval_size: int = 64  # held-out conversations per domain
+    eval_size: int = PAPER_EVAL_SIZE  # held-out conversations per domain
     max_train: int | None = None  # at most this many training conversations per domain (the first, in input order)
     seed: int = 0
     reasoning: str | None = None  # template | drop | inline; None: what the target's template does

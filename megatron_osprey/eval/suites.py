@@ -50,6 +50,18 @@ def _first_turn(row: dict, suite: str) -> str:
     return turns[0]
 
 
+def _first_user_message(row: dict, suite: str) -> str:
+    """The first user message of a conversations row (`conversations` or `messages`, role/content or from/value):
+    the release's Commonsense-Eval is a held-out conversations file whose first user turn is the prompt."""
+    messages = row.get("conversations", row.get("messages"))
+    for message in messages if isinstance(messages, list) else ():
+        role = message.get("role", message.get("from")) if isinstance(message, dict) else None
+        content = message.get("content", message.get("value")) if role in ("user", "human") else None
+        if isinstance(content, str) and content.strip():
+            return content
+    raise ValueError(f"{suite}: a row has no user message in `conversations` or `messages` (keys: {sorted(row)[:8]}).")
+
+
 def _mmlu(instruction: str) -> Callable[[dict, str], str]:
     def prompt(row: dict, suite: str) -> str:
         options = "\n".join(f"{letter}) {row[f'option_{letter.lower()}']}" for letter in "ABCD")
@@ -75,6 +87,7 @@ SUITES = {
         Suite("math500", lambda row, s: _field(row, "problem", s), ("unique_id",)),
         Suite("livecodebench", lambda row, s: _field(row, "question_content", s).strip(), ("question_id",)),
         Suite("mtbench", _first_turn, ("question_id",)),
+        Suite("commonsense", _first_user_message, ("id", "uuid")),
         Suite("mgsm", lambda row, s: _field(row, "question", s) + MGSM_INSTRUCTION, (), MGSM_LANGUAGES),
         Suite("global_mmlu", _mmlu(MMLU_INSTRUCTION), ("sample_id",), GLOBAL_MMLU_LANGUAGES),
         Suite("global_mmlu_native", _mmlu(MMLU_NATIVE_INSTRUCTION), ("sample_id",), GLOBAL_MMLU_LANGUAGES),

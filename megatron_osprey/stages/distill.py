@@ -6,7 +6,9 @@
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
 Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
-seq 4096, TTT 5 (losses/config.py). The training itself is training/distillation.py on the shared assembly.
+seq 4096, TTT 5 (losses/config.py), and the release's AdamW betas (0.9, 0.999); `--adam-beta2 0.95` is the value
+this stage used before (the GPT-pretraining convention Stage 2 keeps). The training itself is
+training/distillation.py on the shared assembly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron_osprey.stages.cli import (
 )
 from megatron_osprey.stages.pretrain import SHARED_TRAINING_FLAGS
 from megatron_osprey.training.config import (
+    ADAM_BETA2_RELEASE,
     CheckpointConfig,
     LoggingConfig,
     OptimizerConfig,
@@ -38,8 +41,11 @@ from megatron_osprey.training.config import (
 
 
 def _adaptation_optimizer() -> OptimizerConfig:
-    """The paper's adaptation schedule (Stage 2's defaults are the optimizer's own)."""
-    return OptimizerConfig(lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0)
+    """The paper's adaptation schedule and the release's AdamW betas (0.9, 0.999); Stage 2's defaults are the
+    optimizer's own (beta2 0.95, training/config.py's ADAM_BETA2_GPT, a named value here: `--adam-beta2 0.95`)."""
+    return OptimizerConfig(
+        lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0, adam_beta2=ADAM_BETA2_RELEASE
+    )
 
 
 @dataclasses.dataclass
