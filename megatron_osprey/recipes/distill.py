@@ -38,6 +38,7 @@ import math
 
 from megatron_osprey.data.config import DistillDataConfig
 from megatron_osprey.data.regenerate.backends import SamplingParams
+from megatron_osprey.data.user_data import UserDataConfig
 from megatron_osprey.losses.config import TTTLossConfig
 from megatron_osprey.models.drafter.config import DistillDrafterConfig
 from megatron_osprey.models.target.config import TargetConfig
@@ -101,7 +102,11 @@ _LLAMA = dict(
     global_batch=8,
     budget="the release (examples/llama33-70b/train.sh): 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
     reasoning_parser=None,
+    domain="perfectblend",
 )
+# examples/llama33-70b/README.md: PerfectBlend records numbered in file order, random.seed(42), random.shuffle, the
+# first 100,000 train and the next 512 eval (multi-turn conversations kept as they are).
+PERFECTBLEND_RULE = dict(split_rule="shuffle", seed=42, max_train=100_000, eval_size=512, prompt_turns="all")
 # examples/minimax-m25/train.sh: NUM_GPUS 4, MAX_NUM_STEPS 35000; README.md: 70,897 samples, 17,724 steps an epoch.
 MINIMAX_EXAMPLES, MINIMAX_GLOBAL_BATCH, MINIMAX_STOP_STEP = 70_897, 4, 35_000
 _MINIMAX = dict(
@@ -220,11 +225,18 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
         export=ExportConfig(format="sglang"),
         evaluate=EvaluateConfig(),
     )
+    _release_inputs(recipe, target)
+    return recipe
+
+
+def _release_inputs(recipe: Recipe, target: str) -> None:
+    """The release's inputs: Llama-3.3-70B's PerfectBlend split rule, MiniMax-M2.5's benchmark eval sets."""
+    if target == "llama33_70b":
+        recipe.data = UserDataConfig(**PERFECTBLEND_RULE)
     if target == "minimax_m25":
         recipe.eval_domains = list(MINIMAX_EVAL_SUITES)
         recipe.eval_suites = dict(MINIMAX_EVAL_SUITES)
         recipe.paths.eval_data = "{root}/data/suites/{domain}.jsonl"
-    return recipe
 
 
 PIPELINE_OSPREY = ("adapt", "regenerate", "distill", "export", "evaluate")

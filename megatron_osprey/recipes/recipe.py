@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
-from megatron_osprey.data.user_data import DOMAIN_NAME
+from megatron_osprey.data.user_data import DOMAIN_NAME, UserDataConfig
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -148,6 +148,9 @@ class Recipe:
     eval_suites: dict[str, int] = dataclasses.field(default_factory=dict)
     budget: str = ""  # where the training length comes from (paper, release, or neither), for `osprey plan`
     paths: Paths = dataclasses.field(default_factory=Paths)
+    # The input rule: the `osprey data` run that builds paths.prompts / paths.eval_data from a source file (its split
+    # rule, seed and sizes; the source and the output are the user's). `osprey plan` prints the command.
+    data: UserDataConfig | None = None
     slurm: Slurm = dataclasses.field(default_factory=Slurm)
     servers: ServerPool = dataclasses.field(default_factory=ServerPool)
     resources: dict[str, Resources] = dataclasses.field(default_factory=dict)

@@ -20,6 +20,7 @@ from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.data.chat_template import REASONING_MODES, TOOL_MODES
 from megatron_osprey.data.user_data import (
     PROMPT_TURNS,
+    SPLIT_RULES,
     UserDataConfig,
     build_user_data,
     data_outputs,
@@ -49,6 +50,15 @@ FLAGS = {
         ),
         Flag("--max-train", "max_train", {"type": int, "help": "at most N training conversations per domain"}),
         Flag("--seed", "seed", {"type": int, "help": "the seed of the eval draw (same seed, same files)"}),
+        Flag(
+            "--split-rule",
+            "split_rule",
+            {
+                "choices": list(SPLIT_RULES),
+                "help": "seeded (default: duplicates removed, a seeded eval sample) or shuffle (the release's Llama "
+                "split: shuffle with --seed, the first --max-train train, the next --eval-size eval)",
+            },
+        ),
         Flag(
             "--reasoning",
             "reasoning",

@@ -183,3 +183,53 @@ def test_the_commonsense_suite_is_the_first_user_turn_of_a_held_out_conversation
     source.write_text(json.dumps({"id": "x", "conversations": [{"role": "assistant", "content": "A"}]}) + "\n")
     with pytest.raises(ValueError, match="commonsense: a row has no user message"):
         suite_conversations("commonsense", source)
+
+
+def test_the_perfectblend_split_is_the_release_shuffle(tmp_path):
+    import random
+
+    from megatron_osprey.data.conversations import validate_row
+    from megatron_osprey.data.user_data import UserDataConfig, split_domains
+
+    rows = [
+        validate_row(
+            {
+                "id": f"r{i}",
+                "conversations": [{"role": "user", "content": f"P{i}"}, {"role": "assistant", "content": "A"}],
+            },
+            "row",
+        )
+        for i in range(50)
+    ]
+    # The README's words, with the global random module: number the records, seed 42, shuffle.
+    numbers = list(range(50))
+    random.seed(42)
+    random.shuffle(numbers)
+    split = split_domains({"perfectblend": rows}, eval_size=5, seed=42, max_train=20, rule="shuffle")["perfectblend"]
+    assert [c.id for c in split.train] == [f"r{i}" for i in numbers[:20]]
+    assert [c.id for c in split.eval] == [f"r{i}" for i in numbers[20:25]]
+    assert [c.id for c in split_domains({"d": rows}, 5, 0, max_train=20)["d"].eval] != [c.id for c in split.eval]
+    with pytest.raises(ValueError, match="--split-rule shuffle takes the first --max-train"):
+        UserDataConfig(inputs=["a=b"], target="t", output="o", split_rule="shuffle").validate()
+    with pytest.raises(ValueError, match="has 50 rows; --split-rule shuffle takes --max-train 48"):
+        split_domains({"perfectblend": rows}, eval_size=5, seed=42, max_train=48, rule="shuffle")
+
+
+def test_the_llama_recipe_carries_the_perfectblend_rule():
+    recipe = get_recipe("llama33_70b_osprey_distill_8gpu_h100_bf16")
+    rule = make_plan(recipe, "distill").to_json()["data_rule"]
+    assert recipe.domain == "perfectblend"
+    assert (rule["split_rule"], rule["seed"], rule["max_train"], rule["eval_size"]) == ("shuffle", 42, 100_000, 512)
+    assert rule["command"].endswith("--split-rule shuffle --seed 42 --eval-size 512 --max-train 100000")
+
+
+def test_the_layerskip_backbone_preset_keeps_4_of_16_llama_layers():
+    from launcher.plan import backbone_arch
+
+    recipe = get_recipe("layerskip_llama32_1b_backbone_pretrain_10k_64gpu_h100_bf16")
+    assert recipe.source == "layerskip_llama32_1b" and recipe.prune.num_layers == 4
+    arch = backbone_arch(recipe)
+    assert (arch.num_layers, arch.hidden_size, arch.vocab_size, arch.tie_word_embeddings) == (4, 2048, 128_256, True)
+    # A distill recipe whose source is the LayerSkip model plans its 4-layer drafter.
+    osprey = resolve_recipe("qwen3_8b_osprey_distill_2gpu_h100_bf16", ["source=layerskip_llama32_1b"])
+    assert backbone_arch(osprey).num_layers == 4
