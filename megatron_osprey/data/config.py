@@ -32,6 +32,21 @@ class DistillDataConfig:
     domain: str | None = None  # the training domain's name, recorded for the train x eval matrix
     enable_thinking: bool | None = None
     shuffle: bool = True
+    # DOMAIN=FILE held-out conversations whose TTT loss is logged at every --eval-interval (loss/valid/DOMAIN), as
+    # the release's --eval-data (scripts/osprey/run_adaptation.py); online mode: the target runs on them in the job.
+    eval_data: list[str] = dataclasses.field(default_factory=list)
+
+    def held_out_sets(self) -> dict[str, str]:
+        """{domain: file} from --eval-data DOMAIN=FILE; one clear error for a malformed or repeated domain."""
+        sets: dict[str, str] = {}
+        for spec in self.eval_data:
+            domain, sep, path = str(spec).partition("=")
+            if not sep or not domain or not path or "/" in domain or domain in sets:
+                raise ValueError(
+                    f"--eval-data {spec!r} must be DOMAIN=FILE, one per domain (e.g. --eval-data code=eval/code.jsonl)."
+                )
+            sets[domain] = path
+        return sets
 
 
 INDEXED_DATA_FLAGS = [
@@ -51,4 +66,14 @@ DISTILL_DATA_FLAGS = [
     Flag("--domain", "domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
     Flag("--enable-thinking", "enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
     Flag("--no-shuffle", "shuffle", {"action": "store_false"}),
+    Flag(
+        "--eval-data",
+        "eval_data",
+        {
+            "action": "append",
+            "metavar": "DOMAIN=FILE",
+            "help": "held-out conversations whose TTT loss is logged as loss/valid/DOMAIN at every --eval-interval "
+            "(online mode; repeatable)",
+        },
+    ),
 ]

@@ -99,6 +99,11 @@ class DistillConfig:
         for path in data.data_path:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--data-path {path} does not exist.")
+        for domain, path in data.held_out_sets().items():
+            if data.mode != "online":
+                raise ValueError("--eval-data runs the held-out files through the online target: use --mode online.")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--eval-data {domain}={path}: {path} does not exist.")
         if self.parallel.pipeline_model_parallel_size != 1:
             raise ValueError(
                 "distillation runs the drafter and the online target without pipeline parallelism: use "
