@@ -507,18 +507,17 @@ def test_mt_bench_sends_its_system_prompt_and_second_turn_after_the_first_answer
     source.write_text("".join(json.dumps({"question_id": 81 + i, "turns": t}) + "\n" for i, t in enumerate(turns)))
     data = tmp_path / "mtbench.jsonl"
     assert write_suite("mtbench", source, data) == 2
-    cells = {}
-    for batch in ("1", "2"):
-        out = tmp_path / f"b{batch}"
+    cells = []
+    for engine in (["--verify-lossless"], ["--verify-lossless", "--batch-size", "2"], ["--replay"]):
+        out = tmp_path / str(len(cells))
         argv = ["--target", str(tiny_setup / "target"), "--drafter", f"a={tiny_setup / 'drafter'}", "--data", str(data)]
-        argv += ["--output", str(out), "--steps", "2", "--max-new-tokens", "7", "--no-progress", "--verify-lossless"]
-        assert main([*argv, "--batch-size", batch]) == 0
-        (cells[batch],) = json.loads((out / "results.json").read_text())["cells"]
-    requests = cells["1"]["requests"]
+        argv += ["--output", str(out), "--steps", "2", "--max-new-tokens", "7", "--no-progress", *engine]
+        assert main(argv) == 0
+        cells += json.loads((out / "results.json").read_text())["cells"]
+    requests = cells[0]["requests"]
     assert [r["id"] for r in requests] == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
-    assert [(r["id"], r["output_ids"]) for r in cells["2"]["requests"]] == [
-        (r["id"], r["output_ids"]) for r in requests
-    ]
+    for other in cells[1:]:  # the batched and the replay engines send the same turns and get the same answers
+        assert [(r["id"], r["output_ids"]) for r in other["requests"]] == [(r["id"], r["output_ids"]) for r in requests]
     tok = AutoTokenizer.from_pretrained(tiny_setup / "target")
     model = AutoModelForCausalLM.from_pretrained(tiny_setup / "target")
     system = {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
