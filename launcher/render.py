@@ -8,7 +8,8 @@ Every template gets the same variables, so a new template needs no code:
   servers_per_node, server_tp, server_port, server_timeout, server_mem (each regeneration server's share of
   resources.regenerate.mem), server_engine (servers.engine; empty: the template's default), cpu_kv_cache_bytes
   (vLLM's KV cache on CPU), reasoning_parser, context_length, sglang_flags (a regeneration server's extra SGLang
-  flags: --trust-remote-code), sglang_eval_flags (an eval server's: also --ep-size, --disable-custom-all-reduce),
+  flags: --trust-remote-code), sglang_eval_flags (an eval server's: --trust-remote-code, --ep-size,
+  --disable-custom-all-reduce),
   batch_sizes, hardware, path_target, eval_data, method, train_domain, export_dir.
 An unknown placeholder is an error naming the template; values are plain words, so a template may put them inside
 double quotes.

@@ -201,8 +201,10 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             tensor_parallel_size=lay.server_tp,
             reasoning_parser=lay.reasoning_parser,
             context_length=2 * REGENERATE_MAX_TOKENS + 2048,
-            # The release passes --trust-remote-code to every regeneration server and to its MiniMax eval server.
+            # The release passes --trust-remote-code to every regeneration server (scripts/osprey/regenerate_data.sh)
+            # and to its MiniMax eval server (examples/minimax-m25/eval.sh), not to the Qwen3 / Llama eval servers.
             trust_remote_code=True,
+            eval_trust_remote_code=lay.fp8_target_serving,
             expert_parallel_size=lay.server_ep,
             disable_custom_all_reduce=lay.fp8_target_serving,
         ),

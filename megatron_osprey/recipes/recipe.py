@@ -99,14 +99,16 @@ class ServerPool:
     reasoning_parser: str | None = None  # the engine's --reasoning-parser (qwen3, minimax-append-think)
     context_length: int | None = None  # None: the model's
     # SGLang server flags the release passes (scripts/osprey/regenerate_data.sh, examples/minimax-m25/eval.sh):
-    trust_remote_code: bool = False  # --trust-remote-code on every SGLang server (regeneration and evaluation)
+    trust_remote_code: bool = False  # --trust-remote-code on the regeneration servers (the release: every target)
+    eval_trust_remote_code: bool = False  # --trust-remote-code on the eval server (the release: MiniMax-M2.5)
     expert_parallel_size: int = 1  # the eval server's --ep-size (an MoE target's experts over its GPUs)
     disable_custom_all_reduce: bool = False  # the eval server's --disable-custom-all-reduce (an FP8 MoE target)
     batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's / eval_vllm's sweep
 
     def sglang_flags(self, evaluation: bool) -> list[str]:
         """The SGLang server flags of a regeneration (`evaluation` False) or an eval server, beyond model and TP."""
-        flags = ["--trust-remote-code"] if self.trust_remote_code else []
+        trust = self.eval_trust_remote_code if evaluation else self.trust_remote_code
+        flags = ["--trust-remote-code"] if trust else []
         if evaluation and self.expert_parallel_size > 1:
             flags += ["--ep-size", str(self.expert_parallel_size)]
         if evaluation and self.disable_custom_all_reduce:

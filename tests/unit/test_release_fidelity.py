@@ -100,7 +100,10 @@ def test_rendered_jobs_carry_the_release_serving_flags(tmp_path):
     assert "--trust-remote-code" in line and "--ep-size" not in line and "--disable-custom" not in line
     qwen = "qwen3_8b_osprey_distill_2gpu_h100_bf16"
     line = _server_line(render(get_recipe(qwen), qwen, "evaluate", str(tmp_path)), "--max-running-requests")
-    assert "--trust-remote-code" in line and "--ep-size" not in line and "--disable-custom" not in line
+    # examples/qwen3-8b/eval.sh serves with none of them.
+    assert "--trust-remote-code" not in line and "--ep-size" not in line and "--disable-custom" not in line
+    line = _server_line(render(get_recipe(qwen), qwen, "regenerate", str(tmp_path)), '--api-key "$OSPREY_SERVER')
+    assert "--trust-remote-code" in line
 
 
 @pytest.mark.parametrize(
