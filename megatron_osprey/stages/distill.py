@@ -1,7 +1,8 @@
 """Stage 4: distill the adapted drafter against a frozen target (TTT loss), online or from a hidden-state store.
 
     torchrun --nproc_per_node=N -m megatron_osprey distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
-        --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
+        --mode online --data-path CONVERSATIONS.jsonl [--eval-data DOMAIN=HELD_OUT.jsonl ...] \\
+        | --mode offline --hidden-states STORE \\
         | --mode on-policy --hidden-states ROLLOUT_STORE (--drafter-init: the distill stage's --save) \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
