@@ -26,6 +26,7 @@ import math
 
 from launcher.node import node_check
 from launcher.plan_moe import moe_nodes_needed
+from launcher.plan_report import data_rule, eval_suite_commands, plan_lines, training_budget
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
 from megatron_osprey.base.hardware import FP8_RECIPE_CUDA, GPU_CAPABILITY, CpuCapability, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
@@ -39,6 +40,7 @@ from megatron_osprey.base.memory import (
 )
 from megatron_osprey.models.backbone.gpu_support import refuse_without_transformer_engine
 from megatron_osprey.models.drafter.arch import DrafterArch, eagle3_body
+from megatron_osprey.recipes.backbone import BACKBONE_LAYERS
 from megatron_osprey.recipes.distill import EAGLE3_DENSE_FFN
 from megatron_osprey.recipes.recipe import GPU_MEMORY_GIB, Recipe
 from megatron_osprey.recipes.targets import model_arch
@@ -77,6 +79,9 @@ class Plan:
     target: dict | None = None  # the target's shape as planned
     cpu: str | None = None  # a CPU recipe: this machine's capability (CpuCapability.line())
     needs: str | None = None  # a MoE target that does not fit: the nodes it needs (launcher/plan_moe.py)
+    schedule: dict | None = None  # a trained stage's learning-rate schedule (OptimizerConfig.schedule)
+    eval_suites: dict | None = None  # the recipe's benchmark eval sets: prompts and the command that writes each
+    data_rule: dict | None = None  # the recipe's input rule: the `osprey data` settings and command
 
     @property
     def memory_bytes(self) -> int:
@@ -115,40 +120,14 @@ class Plan:
             "checks": list(self.checks),
             "needs": self.needs,
             "disk_bytes": {name: b for name, b in self.disk},
+            "schedule": self.schedule,
+            "eval_suites": self.eval_suites,
+            "data_rule": self.data_rule,
         }
 
     def lines(self) -> list[str]:
         """Human-readable report, one fact per line."""
-        out = [
-            f"recipe   {self.recipe} (stage {self.stage}, {self.hardware}, {self.precision})",
-            f"world    {self.nodes} node(s) x {self.gpus_per_node} process(es) per node = {self.world_size} ranks; "
-            f"data parallel {self.data_parallel_size}",
-        ]
-        if self.cpu:
-            out.append(f"hardware {self.cpu}")
-        if self.target:
-            t = self.target
-            out.append(
-                f"target   {t['model_type']} from {t['source']}: {t['num_layers']} layers, hidden {t['hidden_size']}, "
-                f"vocab {t['vocab_size']:,}; aux layers {t['aux_layer_ids']}"
-            )
-        out += [f"check    {c}" for c in self.checks]
-        if self.memory:
-            parts = " + ".join(f"{name} {b / GIB:.2f}" for name, b in self.memory)
-            budget = f" of {self.gpu_memory_gib:g} GiB ({self.hardware.upper()})" if self.gpu_memory_gib else ""
-            out.append(f"memory   per GPU (GiB): {parts} = {self.memory_bytes / GIB:.2f} GiB{budget}")
-        if self.train_iters:
-            out.append(f"steps    {self.train_iters:,} iterations; {self.tokens:,} tokens ({self.tokens / 1e9:.2f}B)")
-            out.append(f"budget   {self.budget}")
-        out += [f"disk     {name}: {_size(b)}" for name, b in self.disk]
-        return out
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
+        return plan_lines(self)
 
 
 def target_arch(recipe: Recipe) -> ModelArch:
@@ -157,8 +136,9 @@ def target_arch(recipe: Recipe) -> ModelArch:
 
 
 def backbone_arch(recipe: Recipe) -> ModelArch:
-    """The drafter backbone: the source LM's first N blocks (N from the prune stage; 2 as in the paper)."""
-    layers = recipe.prune.num_layers if recipe.prune is not None else 2
+    """The drafter backbone: the source LM's first N blocks (N from the prune stage, else the release's backbone of
+    that source: 2 of Qwen3-4B, 4 of LayerSkip-Llama)."""
+    layers = recipe.prune.num_layers if recipe.prune is not None else BACKBONE_LAYERS.get(recipe.source, 2)
     return model_arch(recipe.source, recipe.path("source"), "paths.source").with_num_layers(layers)
 
 
@@ -327,18 +307,15 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
             raise LayoutError(f"recipe {recipe.run_name} ({stage}): {err}") from None
         dp = world // parallel.model_parallel_size()
     train_iters = gbs = seq = 0
-    budget = ""
+    budget, schedule = "", None
     if stage in TRAINED_STAGES:
         model = _trained(recipe, stage, config, target)
         checks += _validate_trained(recipe, stage, model, parallel)
         checks.append(f"global batch {config.training.global_batch_size} divisible by micro batch x DP {dp}")
         memory += _trained_memory(model, config, dp)
-        t, opt = config.training, config.optimizer
+        t = config.training
         train_iters, gbs, seq = t.num_train_iters(), t.global_batch_size, t.seq_length
-        budget = (
-            f"{recipe.budget}; global batch {gbs} x seq {seq:,} = {gbs * seq:,} tokens per step at most; "
-            f"lr {opt.lr:g}, warmup {opt.warmup_iters(train_iters):,} iterations, clip {opt.clip_grad:g}"
-        )
+        budget, schedule = training_budget(recipe.budget, t, config.optimizer)
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
     if fp8_check := _fp8_check(recipe, stage, config):
@@ -367,6 +344,9 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         target=_target_summary(recipe, target, config) if target is not None else None,
         cpu=cpu.line() if cpu is not None and recipe.hardware == "cpu" else None,
         needs=moe_nodes_needed(recipe, stage, target, parallel, memory, res.gpus_per_node),
+        schedule=schedule,
+        eval_suites=eval_suite_commands(recipe) or None,
+        data_rule=data_rule(recipe),
     )
 
 

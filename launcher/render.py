@@ -7,8 +7,10 @@ Every template gets the same variables, so a new template needs no code:
   argv after the interpreter, shell-quoted: the stage module, --recipe, --run-dir, --set ...), train_iters,
   servers_per_node, server_tp, server_port, server_timeout, server_mem (each regeneration server's share of
   resources.regenerate.mem), server_engine (servers.engine; empty: the template's default), cpu_kv_cache_bytes
-  (vLLM's KV cache on CPU), reasoning_parser, context_length, batch_sizes, hardware, path_target, eval_data,
-  method, train_domain, export_dir.
+  (vLLM's KV cache on CPU), reasoning_parser, context_length, sglang_flags (a regeneration server's extra SGLang
+  flags: --trust-remote-code), sglang_eval_flags (an eval server's: --trust-remote-code, --ep-size,
+  --disable-custom-all-reduce),
+  batch_sizes, hardware, path_target, eval_data, method, train_domain, export_dir.
 An unknown placeholder is an error naming the template; values are plain words, so a template may put them inside
 double quotes.
 """
@@ -181,6 +183,8 @@ def template_context(
         "cpu_kv_cache_bytes": CPU_KV_CACHE_BYTES,
         "reasoning_parser": pool.reasoning_parser or "",
         "context_length": pool.context_length or "",
+        "sglang_flags": " ".join(pool.sglang_flags(evaluation=False)),
+        "sglang_eval_flags": " ".join(pool.sglang_flags(evaluation=True)),
         "batch_sizes": " ".join(str(b) for b in pool.batch_sizes),
         "path_target": recipe.path("target"),
         "eval_data": " ".join(recipe.path("eval_data", domain) for domain in recipe.eval_domains),

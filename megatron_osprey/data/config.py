@@ -50,6 +50,22 @@ class DistillDataConfig:
         """Draft-OPD's online loop (--mode on-policy --opd-form online): the job rolls out its own data."""
         return self.mode == "on-policy" and self.opd_form == "online"
 
+    # DOMAIN=FILE held-out conversations whose TTT loss is logged at every --eval-interval (loss/valid/DOMAIN), as
+    # the release's --eval-data (scripts/osprey/run_adaptation.py); online mode: the target runs on them in the job.
+    eval_data: list[str] = dataclasses.field(default_factory=list)
+
+    def held_out_sets(self) -> dict[str, str]:
+        """{domain: file} from --eval-data DOMAIN=FILE; one clear error for a malformed or repeated domain."""
+        sets: dict[str, str] = {}
+        for spec in self.eval_data:
+            domain, sep, path = str(spec).partition("=")
+            if not sep or not domain or not path or "/" in domain or domain in sets:
+                raise ValueError(
+                    f"--eval-data {spec!r} must be DOMAIN=FILE, one per domain (e.g. --eval-data code=eval/code.jsonl)."
+                )
+            sets[domain] = path
+        return sets
+
 
 INDEXED_DATA_FLAGS = [
     Flag("--data-path", "data_path", {"nargs": "+", "help": "PREFIX, or WEIGHT PREFIX [WEIGHT PREFIX ...]"}),
@@ -87,5 +103,15 @@ DISTILL_DATA_FLAGS = [
         "--opd-max-new-tokens",
         "opd_max_new_tokens",
         {"type": int, "help": f"online Draft-OPD: new tokens per rollout ({OPD_MAX_NEW_TOKENS}, the authors')"},
+    ),
+    Flag(
+        "--eval-data",
+        "eval_data",
+        {
+            "action": "append",
+            "metavar": "DOMAIN=FILE",
+            "help": "held-out conversations whose TTT loss is logged as loss/valid/DOMAIN at every --eval-interval "
+            "(online mode; repeatable)",
+        },
     ),
 ]

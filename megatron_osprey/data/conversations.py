@@ -35,6 +35,11 @@ ROLE_KEYS = {
 }
 
 
+# A row's field holding the user turns sent after the first in evaluation, each after the model's answer to the one
+# before (eval/suites.py writes MT-Bench's second question there; eval/prompts.py sends it).
+NEXT_TURNS_KEY = "next_turns"
+
+
 class ConversationFormatError(ValueError):
     """A conversations JSONL row does not follow the schema."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import random
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -51,12 +50,24 @@ from megatron_osprey.data.conversations import (
     load_json,
     write_conversations,
 )
+from megatron_osprey.data.splits import (  # noqa: F401  (first_prompt, normalize_prompt: this module's API)
+    SPLIT_RULES,
+    DomainSplit,
+    first_prompt,
+    normalize_prompt,
+    split_domains,
+    user_prompts,
+)
 
 SUMMARY_FILE = "data_summary.json"
 TOKEN_COUNTS_FILE = "token_counts.json"
 PROMPT_TURNS = ("all", "first")
 # A domain names files (prompts/{domain}.jsonl), job names and log paths: no separator, no leading dot.
 DOMAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Held-out conversations per domain: the paper's 512 (the release's data/*_eval_512_*.jsonl, LeanModels/Osprey
+# README.md). 64, this project's earlier default, stays a flag value: cheaper, noisier, not comparable cell for cell.
+PAPER_EVAL_SIZE = 512
+EARLIER_EVAL_SIZE = 64
 _PARQUET_MAGIC = b"PAR1"
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -68,9 +79,10 @@ class UserDataConfig:
     inputs: list[str] = dataclasses.field(default_factory=list)  # DOMAIN=PATH, repeatable (a domain may repeat)
     target: str | None = None  # the target's HF directory: its tokenizer (and config.json, when there)
     output: str | None = None
-    eval_size: int = 64  # held-out conversations per domain
+    eval_size: int = PAPER_EVAL_SIZE  # held-out conversations per domain
     max_train: int | None = None  # at most this many training conversations per domain (the first, in input order)
     seed: int = 0
+    split_rule: str = "seeded"  # SPLIT_RULES
     reasoning: str | None = None  # template | drop | inline; None: what the target's template does
     tools: str | None = None  # template | drop; None: what the target's template does
     prompt_turns: str = "all"  # all: every user turn up to the first tool turn; first: the first user turn
@@ -90,6 +102,10 @@ class UserDataConfig:
             raise ValueError(f"--tools must be one of {TOOL_MODES}, got {self.tools!r}.")
         if self.prompt_turns not in PROMPT_TURNS:
             raise ValueError(f"--prompt-turns must be one of {PROMPT_TURNS}, got {self.prompt_turns!r}.")
+        if self.split_rule not in SPLIT_RULES:
+            raise ValueError(f"--split-rule must be one of {SPLIT_RULES}, got {self.split_rule!r}.")
+        if self.split_rule == "shuffle" and self.max_train is None:
+            raise ValueError("--split-rule shuffle takes the first --max-train rows of the shuffle as train: pass it.")
         if self.eval_size < 0 or self.seq_length < 1 or (self.max_train is not None and self.max_train < 1):
             raise ValueError("--eval-size must be at least 0, --seq-length and --max-train at least 1.")
 
@@ -247,90 +263,6 @@ def load_domain(domain: str, paths: list[Path]) -> list[Conversation]:
 # --- Splitting ------------------------------------------------------------------------
 
 
-def normalize_prompt(text: str) -> str:
-    """A prompt as compared for duplicates and leaks: whitespace collapsed, case folded."""
-    return " ".join(text.split()).casefold()
-
-
-def first_prompt(conversation: Conversation) -> str:
-    """The normalized first user message: what evaluation sends."""
-    return normalize_prompt(next(m["content"] for m in conversation.messages if m["role"] == "user"))
-
-
-def user_prompts(conversation: Conversation) -> set[str]:
-    return {normalize_prompt(m["content"]) for m in conversation.messages if m["role"] == "user"}
-
-
-@dataclasses.dataclass
-class DomainSplit:
-    """One domain's training and eval conversations, and what was left out on the way."""
-
-    train: list[Conversation]
-    eval: list[Conversation]
-    rows: int
-    duplicates: int
-    tool_conversations_dropped: int
-    leaks_removed: int
-
-
-def split_domains(
-    domains: dict[str, list[Conversation]],
-    eval_size: int,
-    seed: int,
-    drop_tools: bool = False,
-    max_train: int | None = None,
-) -> dict[str, DomainSplit]:
-    """Seeded per-domain eval splits; no training conversation holds any domain's eval prompt as a user turn."""
-    kept: dict[str, tuple[list[Conversation], int, int]] = {}
-    for domain, conversations in domains.items():
-        usable = [c for c in conversations if not (drop_tools and c.has_tool_turns)]
-        unique, seen = [], set()
-        for conversation in usable:
-            key = first_prompt(conversation)
-            if key not in seen:
-                seen.add(key)
-                unique.append(conversation)
-        if len(unique) <= eval_size:
-            raise ValueError(
-                f"domain {domain!r} has {len(unique)} distinct prompts; --eval-size {eval_size} would leave none to "
-                f"train on: pass a smaller --eval-size."
-            )
-        kept[domain] = (unique, len(conversations) - len(usable), len(usable) - len(unique))
-    evals = {}
-    for domain, (unique, _, _) in kept.items():
-        chosen = set(random.Random(f"{seed}:{domain}").sample(range(len(unique)), eval_size))
-        evals[domain] = [c for i, c in enumerate(unique) if i in chosen]
-    held_out = {first_prompt(c) for rows in evals.values() for c in rows}
-    splits = {}
-    for domain, (unique, tool_dropped, duplicates) in kept.items():
-        chosen_ids = {c.id for c in evals[domain]}
-        rest = [c for c in unique if c.id not in chosen_ids]
-        train = [c for c in rest if not (user_prompts(c) & held_out)]
-        leaks = len(rest) - len(train)
-        train = train[:max_train]
-        if not train:
-            raise ValueError(f"domain {domain!r}: every training conversation repeats an eval prompt.")
-        splits[domain] = DomainSplit(train, evals[domain], len(domains[domain]), duplicates, tool_dropped, leaks)
-    check_splits_disjoint(splits)
-    return splits
-
-
-def check_splits_disjoint(splits: dict[str, DomainSplit]) -> None:
-    """Raise when any training conversation has a user turn equal to an eval prompt (of any domain)."""
-    held_out = {first_prompt(c): (domain, c.id) for domain, split in splits.items() for c in split.eval}
-    for domain, split in splits.items():
-        for conversation in split.train:
-            for prompt in user_prompts(conversation) & set(held_out):
-                eval_domain, eval_id = held_out[prompt]
-                raise ValueError(
-                    f"training conversation {conversation.id!r} of {domain!r} repeats eval prompt {eval_id!r} of "
-                    f"{eval_domain!r}."
-                )
-
-
-# --- What is written ------------------------------------------------------------------
-
-
 def with_reasoning(conversation: Conversation, mode: str) -> Conversation:
     """The conversation as it will be rendered: reasoning kept for the template, dropped or inlined."""
     return dataclasses.replace(conversation, messages=tuple(apply_reasoning(conversation.messages, mode)))
@@ -429,7 +361,7 @@ def build_user_data(config: UserDataConfig, tokenizer=None, record: Callable[[Pa
         target |= {"shape": arch.shape(), "aux_layer_ids": arch.default_aux_layer_ids}
 
     domains = {d: [with_reasoning(c, reasoning) for c in load_domain(d, paths)] for d, paths in domains_in.items()}
-    splits = split_domains(domains, config.eval_size, config.seed, tools == "drop", config.max_train)
+    splits = split_domains(domains, config.eval_size, config.seed, tools == "drop", config.max_train, config.split_rule)
     # Rendering every conversation once here also proves the template and the mask can follow each of them.
     chat = ChatTokenizer(tokenizer, ChatTemplateConfig(max_length=config.seq_length))
     trained = [c for split in splits.values() for c in split.train if has_reply(c)]

@@ -13,15 +13,18 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.data.chat_template import render_generation_prompt
-from megatron_osprey.data.conversations import read_conversations
+from megatron_osprey.data.conversations import NEXT_TURNS_KEY, read_conversations
 
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One request of an eval split."""
+    """One request of an eval split; a multi-turn benchmark row (MT-Bench) also carries its messages and the user
+    turns still to send, each after the answer to the one before (follow_up)."""
 
     id: str
     input_ids: torch.Tensor
+    messages: tuple[dict, ...] = ()
+    next_turns: tuple[str, ...] = ()
 
 
 PROMPT_MODES = ("first_user", "before_assistant")
@@ -49,7 +52,9 @@ def load_prompts(
     for conversation in read_conversations(path):
         if limit is not None and len(prompts) >= limit:
             break
-        messages = prompt_messages(conversation.messages, mode)
+        next_turns = tuple(conversation.extra.get(NEXT_TURNS_KEY) or ())
+        # A multi-turn benchmark row states its own protocol: its system prompt and first turn, then the next turns.
+        messages = prompt_messages(conversation.messages, "before_assistant" if next_turns else mode)
         if not messages:
             raise ValueError(f"--data {path}: conversation {conversation.id!r} has no user message to prompt with.")
         text = render_generation_prompt(tokenizer, messages, enable_thinking)
@@ -57,7 +62,25 @@ def load_prompts(
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ValueError(f"--data {path}: conversation {conversation.id!r} renders to an empty prompt.")
-        prompts.append(EvalPrompt(conversation.id, torch.tensor(ids, dtype=torch.long)))
+        prompt = EvalPrompt(conversation.id, torch.tensor(ids, dtype=torch.long))
+        if next_turns:
+            prompt = EvalPrompt(prompt.id, prompt.input_ids, tuple(messages), next_turns)
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"--data {path}: no conversations in the file.")
     return prompts
+
+
+def follow_up(prompt: EvalPrompt, output_ids: list[int], tokenizer, enable_thinking: bool | None = None) -> EvalPrompt:
+    """The next turn of a multi-turn prompt: its messages, the answer decoded from `output_ids`, the next user turn
+    (as the release's MT-Bench sends its second question after the model's first answer)."""
+    answer = tokenizer.decode(output_ids, skip_special_tokens=True)
+    messages = (
+        *prompt.messages,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": prompt.next_turns[0]},
+    )
+    text = render_generation_prompt(tokenizer, list(messages), enable_thinking)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    turn = len([m for m in messages if m["role"] == "user"])
+    return EvalPrompt(f"{prompt.id}#turn{turn}", torch.tensor(ids, dtype=torch.long), messages, prompt.next_turns[1:])

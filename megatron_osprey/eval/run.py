@@ -27,7 +27,7 @@ from megatron_osprey.eval.checks import (
 from megatron_osprey.eval.config import DrafterSpec  # noqa: F401  (the drafters a run names)
 from megatron_osprey.eval.loading import load_drafter
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
-from megatron_osprey.eval.prompts import load_prompts
+from megatron_osprey.eval.prompts import follow_up, load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
 from megatron_osprey.speculative.ngram import NgramDrafter
 
@@ -196,7 +196,9 @@ def run_eval(config) -> dict:
     specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
     prompts, truncated = _load_split_prompts(config, splits, tokenizer, target_config, specs)
     drafters, warnings = _load_drafters(config, tokenizer, target_config)
-    cells, cell_records, mismatches = _run_sweep(config, model, device, target_config, drafters, specs, splits, prompts)
+    cells, cell_records, mismatches = _run_sweep(
+        config, model, device, target_config, drafters, specs, splits, prompts, tokenizer
+    )
     sweep = [{**_setting(spec), "matrices": build_matrices(cells[i], splits)} for i, spec in enumerate(specs)]
     results = {
         "format": RESULTS_TAG,
@@ -270,7 +272,7 @@ def _load_drafters(config, tokenizer, target_config) -> tuple[list[tuple], dict]
     return drafters, warnings
 
 
-def _run_sweep(config, model, device, target_config, drafters, specs, splits, prompts) -> tuple[list, list, list]:
+def _run_sweep(config, model, device, target_config, drafters, specs, splits, prompts, tokenizer) -> tuple:
     """Every drafter on every setting and split: (cells per setting, cell records, lossless mismatches)."""
     from tqdm import tqdm
 
@@ -295,17 +297,9 @@ def _run_sweep(config, model, device, target_config, drafters, specs, splits, pr
             for index, spec in enumerate(specs):
                 for split in splits:
                     progress.set_description(f"{item.name} on {split}")
+                    engine = (config, model, drafter, target, session)
                     results = _decode_split(
-                        config,
-                        model,
-                        drafter,
-                        target,
-                        session,
-                        prompts[split],
-                        spec,
-                        progress,
-                        references[split],
-                        features[split],
+                        engine, tokenizer, prompts[split], spec, progress, references[split], features[split]
                     )
                     requests = [r.to_dict() for r in results]
                     summary = summarize(requests)
@@ -331,8 +325,22 @@ def _run_sweep(config, model, device, target_config, drafters, specs, splits, pr
     return cells, cell_records, mismatches
 
 
-def _decode_split(config, model, drafter, target, session, prompts, spec, progress, references, features) -> list:
-    """One drafter on one split at one setting, with the engine the config names (replay, batched, or batch 1)."""
+def _decode_split(engine: tuple, tokenizer, prompts, spec, progress, references, features) -> list:
+    """One drafter (`engine`: config, model, drafter, target, session) on one split at one setting; a multi-turn
+    prompt's next turns follow, each rendered with `tokenizer` after its answer, as the release's MT-Bench."""
+    config = engine[0]
+    results = _decode_turn(*engine, prompts, spec, progress, references, features)
+    pending = [p for p in prompts if p.next_turns]
+    while pending:
+        answers = {r.id: r.output_ids for r in results}
+        pending = [follow_up(p, answers[p.id], tokenizer, config.enable_thinking) for p in pending]
+        results += _decode_turn(*engine, pending, spec, progress, references, features)
+        pending = [p for p in pending if p.next_turns]
+    return results
+
+
+def _decode_turn(config, model, drafter, target, session, prompts, spec, progress, references, features) -> list:
+    """One drafter on one turn's prompts at one setting, with the engine the config names (replay, batched, batch 1)."""
     if config.replay:
         return benchmark.run_requests_replayed(
             model, drafter, prompts, spec, config.batch_size, progress, references, features

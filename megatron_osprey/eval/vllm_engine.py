@@ -388,6 +388,18 @@ def check_reference(reference: dict, path, config, splits: list[str], prompts: d
                 )
 
 
+def _refuse_multi_turn(paths: list[str]) -> None:
+    """vLLM is sent one turn per request: a multi-turn benchmark row (MT-Bench's two turns) is refused up front."""
+    from megatron_osprey.data.conversations import NEXT_TURNS_KEY, read_conversations
+
+    for path in paths:
+        if any(c.extra.get(NEXT_TURNS_KEY) for c in read_conversations(path)):
+            raise ValueError(
+                f"--data {path} holds multi-turn rows (MT-Bench's second turn): --engine vllm sends one turn per "
+                "request; write the set with `osprey suite --first-turn-only`, or use the reference engine."
+            )
+
+
 def run_vllm_eval(config) -> dict:
     """--engine vllm: the reference engine's results (run here, or --reference-results), then vLLM on the same
     requests; writes OUTPUT/results.json (with its "vllm" section) and OUTPUT/vllm.md."""
@@ -420,6 +432,7 @@ def run_vllm_eval(config) -> dict:
             raise ValueError(f"--drafter {item.name} cannot be served in vLLM: {refusal}")
         drafters.append((item, loaded, item.method or _variant(loaded.drafter)))
     splits = split_names(config.data)
+    _refuse_multi_turn(config.data)
     if config.reference_results:
         path = Path(config.reference_results)
         if not path.is_file():

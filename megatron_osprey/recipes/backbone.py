@@ -22,11 +22,15 @@ FP8 = {"bf16": (None, "delayed"), "fp8": ("hybrid", "delayed"), "mxfp8": ("e4m3"
 PAPER_STEPS_FULL = 55_000
 PAPER_STEPS_BUDGET = 10_000
 GLOBAL_BATCH = 2_048  # 462B tokens / 55k steps / 4,096 tokens per sequence
+# The release's two backbones (LeanModels/Osprey README.md): the source LM preset and the blocks Stage 1 keeps. The
+# Qwen3-4B 2-layer backbone gives the headline results; LayerSkip-Llama 4-layer is the other one the paper reports.
+BACKBONE_LAYERS = {"qwen3_4b": 2, "layerskip_llama32_1b": 4}
 PREPROCESS_FILES = 16  # preprocessing array tasks; task k of 16 tokenizes shards k, k + 16, ... of paths.pretrain_text
 
 
-def backbone_pretrain(steps: int, hardware: str, precision: str) -> Recipe:
-    """prune -> preprocess -> pretrain for `steps` updates on 64 GPUs at the paper's tokens per step."""
+def backbone_pretrain(steps: int, hardware: str, precision: str, source: str = "qwen3_4b") -> Recipe:
+    """prune -> preprocess -> pretrain for `steps` updates on 64 GPUs at the paper's tokens per step, of `source`'s
+    first BACKBONE_LAYERS[source] blocks."""
     fp8_format, fp8_recipe = FP8[precision]
     pretrain = PretrainConfig(
         model=BackboneConfig(
@@ -49,12 +53,12 @@ def backbone_pretrain(steps: int, hardware: str, precision: str) -> Recipe:
         hardware=hardware,
         precision=precision,
         chain=("prune", "preprocess", "pretrain"),
-        source="qwen3_4b",
+        source=source,
         budget=(
             f"{steps:,} steps of the paper ({'full run' if steps > 20_000 else 'the 10k-step budget of its ablation'});"
             f" global batch {GLOBAL_BATCH:,} x 4,096 tokens derived from 462B tokens / 55k steps"
         ),
-        prune=PruneConfig(num_layers=2),
+        prune=PruneConfig(num_layers=BACKBONE_LAYERS[source]),
         preprocess=PreprocessConfig(workers=32),
         pretrain=pretrain,
         resources={

@@ -28,7 +28,13 @@ from megatron_osprey.stages.preprocess import PreprocessConfig
 from megatron_osprey.stages.pretrain import PretrainConfig
 from megatron_osprey.stages.prune import PruneConfig
 from megatron_osprey.stages.regenerate import RegenerateConfig
-from megatron_osprey.training.config import CheckpointConfig, LoggingConfig, OptimizerConfig, TrainingConfig
+from megatron_osprey.training.config import (
+    ADAM_BETA2_RELEASE,
+    CheckpointConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
 
 # The toy target has 4 layers, too few for the default [1, L//2 - 1, L - 4].
 TINY_AUX = [0, 1, 2]
@@ -72,15 +78,16 @@ def tiny_distill(domain: str, *, tp: int, baseline: str | None = None) -> Recipe
     """Stage 4 at toy scale: the toy target (TP `tp`) on `CPU_TASKS` (tp 2) or 1 gloo rank, the drafter online."""
     ranks = CPU_TASKS if tp > 1 else 1
     one_process = ranks == 1
+    beta2 = {"adam_beta2": ADAM_BETA2_RELEASE}  # the release's AdamW betas, as the distill stage's default
     training = (
         TrainingConfig(micro_batch_size=2, global_batch_size=4, seq_length=128, train_iters=100)
         if one_process
         else TrainingConfig(micro_batch_size=2, global_batch_size=4, seq_length=64, train_iters=math.ceil(3 * 16 / 4))
     )
     optimizer = (
-        OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0)
+        OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0, **beta2)
         if one_process
-        else OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_fraction=0.04, weight_decay=0.01, clip_grad=1.0)
+        else OptimizerConfig(lr=1e-4, min_lr=1e-5, lr_warmup_fraction=0.04, weight_decay=0.01, clip_grad=1.0, **beta2)
     )
     distill = DistillConfig(
         drafter=DistillDrafterConfig(
@@ -137,7 +144,9 @@ def smollm2_smoke() -> Recipe:
         data=DistillDataConfig(mode="offline"),
         ttt=TTTLossConfig(),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=2, seq_length=256, train_iters=4),
-        optimizer=OptimizerConfig(lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.25, weight_decay=0.0, clip_grad=1.0),
+        optimizer=OptimizerConfig(
+            lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.25, weight_decay=0.0, clip_grad=1.0, adam_beta2=ADAM_BETA2_RELEASE
+        ),
         checkpoint=CheckpointConfig(save_interval=2),
         logging=_cpu_logging(),
     )

@@ -5,28 +5,40 @@ Chains (`osprey pipeline` runs them in order; each stage reads what the one befo
              output directory, RUN/pretrain of a backbone recipe)
     EAGLE-3: regenerate -> distill -> export -> evaluate             (from scratch, the target's frozen embedding)
 
-Budgets, from the paper and its release (`osprey plan` prints each recipe's):
+Budgets, from the paper and its release (LeanModels/Osprey; `osprey plan` prints each recipe's schedule). Updates per
+epoch are the release's: examples // global batch (its data loader drops a last partial batch).
 - Qwen3-8B: 3 epochs over 65,000 regenerated examples per domain at global batch 2 (one 4,096-token sequence per GPU on
-  2 GPUs): 97,500 updates at lr 1e-4, 4% warmup, clip 1.0 (the paper).
+  2 GPUs): 97,500 updates at lr 1e-4, 4% warmup, clip 1.0 (the paper; scripts/osprey/run_adaptation.py).
 - Llama-3.3-70B: the release's examples/llama33-70b/train.sh: 8 GPUs, global batch 8, a 100,000-sample split x 3
   epochs = 37,500 updates at lr 1e-4, the target at TP 4 in the same job. Here the drafter shares the target's TP
   group (DP 2), so the global batch of 8 is 4 micro-batches per DP rank; batch and updates are the release's.
-- MiniMax-M2.5: the paper adapts on code only, 70,000 regenerated prompts. Neither the paper nor the release fixes the
-  batch or the epochs for it: 3 epochs at global batch 8 (the 70B release's) are this project's choice.
+- MiniMax-M2.5: the release's examples/minimax-m25/train.sh and README.md: 4 GPUs (one 4 x B200 node), global batch 4
+  (one sample per GPU), the 70,897-sample code split (its README's count), lr 1e-4 with the 4% warmup of
+  scripts/osprey/run_adaptation.py; a cosine schedule over 3 epochs = 3 x 17,724 = 53,172 updates, stopped at
+  MAX_NUM_STEPS = 35,000 (its epoch_1_step_35000 checkpoint), so the run ends at the cosine's value there, about 28% of
+  the peak lr. Here that is --lr-decay-iters 53172 with --train-iters 35000. The target is the FP8 checkpoint at TP 4 /
+  EP 4 as the release serves it; its training forward here runs the FP8 weights dequantized to BF16 (no FP8 target
+  forward exists), which fits 4 x B200 and not 4 x H100 (the release's README: its adaptation does not fit H100 either),
+  so the H100 recipe keeps 8 GPUs at TP 8 / EP 8 with the release's batch and schedule. The evaluation is the release's
+  examples/minimax-m25/eval.sh suites (MINIMAX_EVAL_SUITES, built by `osprey suite`; `osprey plan` lists the commands),
+  served at TP 4 / EP 4 with --trust-remote-code and --disable-custom-all-reduce.
 
 Regeneration follows the release's scripts/osprey/regenerate_data.sh: temperature 1.0, 4,096 new tokens, SGLang's
-reasoning parser (qwen3; minimax-append-think for MiniMax-M2.5), a context of 2 x 4,096 + 2,048. Greedy is the named
-option `--set regenerate.sampling.temperature=0`. The frozen target runs in BF16 (no FP8 target forward exists), so
-the recipes are BF16 only; the drafter's GEMMs are BF16 too.
+reasoning parser (qwen3; minimax-append-think for MiniMax-M2.5), a context of 2 x 4,096 + 2,048, 32 requests in flight
+per server, --trust-remote-code on every server. Greedy is the named option `--set regenerate.sampling.temperature=0`.
+The frozen target runs in BF16 (no FP8 target forward exists), so the recipes are BF16 only; the drafter's GEMMs are
+BF16 too.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 from megatron_osprey.data.config import OPD_FORMS, DistillDataConfig
 from megatron_osprey.data.regenerate.backends import SamplingParams
+from megatron_osprey.data.user_data import UserDataConfig
 from megatron_osprey.losses.config import TTTLossConfig
 from megatron_osprey.models.drafter.config import DistillDrafterConfig
 from megatron_osprey.models.target.config import TargetConfig
@@ -48,16 +60,36 @@ EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432}
 
 
+# The release's regenerate_data.sh: CONCURRENCY=32 requests in flight per server (this project had 64 in all).
+REGENERATE_CONCURRENCY_PER_SERVER = 32
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetLayout:
     """How one target runs on one GPU type: GPUs per node (and nodes), target TP/EP, the server pool, the budget."""
 
-    def __init__(
-        self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat", nodes=1
-    ):
-        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp  # gpus: per node
-        self.nodes = nodes  # > 1: the distillation job spans nodes (expert parallelism across them)
-        self.examples, self.global_batch, self.budget = examples, global_batch, budget
-        self.reasoning_parser, self.domain = reasoning_parser, domain
+    gpus: int  # per node
+    tp: int
+    ep: int
+    server_tp: int
+    examples: int
+    global_batch: int
+    budget: str
+    reasoning_parser: str | None
+    domain: str = "chat"
+    stop_step: int | None = None  # the release stops before its schedule's end (MiniMax-M2.5: 35,000 of 53,172)
+    server_ep: int = 1  # the eval server's --ep-size
+    fp8_target_serving: bool = False  # the eval server's --disable-custom-all-reduce (the release's FP8 MoE serving)
+    nodes: int = 1  # > 1: the distillation job spans nodes (expert parallelism across them)
+
+    @property
+    def schedule_steps(self) -> int:
+        """The learning-rate schedule's length: EPOCHS x (examples // global batch), the release's updates."""
+        return EPOCHS * (self.examples // self.global_batch)
+
+    @property
+    def train_iters(self) -> int:
+        return self.stop_step or self.schedule_steps
 
 
 _QWEN3_8B = dict(
@@ -71,14 +103,23 @@ _LLAMA = dict(
     global_batch=8,
     budget="the release (examples/llama33-70b/train.sh): 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
     reasoning_parser=None,
+    domain="perfectblend",
 )
+# examples/llama33-70b/README.md: PerfectBlend records numbered in file order, random.seed(42), random.shuffle, the
+# first 100,000 train and the next 512 eval (multi-turn conversations kept as they are).
+PERFECTBLEND_RULE = dict(split_rule="shuffle", seed=42, max_train=100_000, eval_size=512, prompt_turns="all")
+# examples/minimax-m25/train.sh: NUM_GPUS 4, MAX_NUM_STEPS 35000; README.md: 70,897 samples, 17,724 steps an epoch.
+MINIMAX_EXAMPLES, MINIMAX_GLOBAL_BATCH, MINIMAX_STOP_STEP = 70_897, 4, 35_000
 _MINIMAX = dict(
-    examples=70_000,
-    global_batch=8,
-    budget="the paper's 70,000 code prompts; 3 epochs and global batch 8 are this project's choice (not fixed "
-    "by the paper or the release for MiniMax-M2.5)",
+    examples=MINIMAX_EXAMPLES,
+    global_batch=MINIMAX_GLOBAL_BATCH,
+    budget="the release (examples/minimax-m25/train.sh): a cosine over 3 epochs x 70,897 samples / global batch 4 = "
+    "53,172 updates, stopped at step 35,000",
     reasoning_parser="minimax-append-think",
     domain="code",
+    stop_step=MINIMAX_STOP_STEP,
+    server_ep=4,
+    fp8_target_serving=True,
 )
 # DeepSeek-V3 / Kimi-K2: neither the paper nor the release trains a drafter for them; the 70B release's budget.
 _DEEPSEEK = dict(
@@ -93,13 +134,28 @@ LAYOUTS = {
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("llama33_70b", "h100"): TargetLayout(8, 4, 1, 4, **_LLAMA),
     ("llama33_70b", "b200"): TargetLayout(8, 4, 1, 4, **_LLAMA),
-    # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
-    ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
+    # The release's layout on B200: 4 GPUs, target TP 4 / EP 4. The BF16-dequantized target does not fit 4 H100s
+    # (`osprey plan` shows it), so on H100 8 GPUs at TP 8 / EP 8; the FP8 eval server is the release's TP 4 / EP 4.
+    ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 4, **_MINIMAX),
     ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
     # DeepSeek-V3 in BF16 (dequantized from its FP8 checkpoint at load): one node of B200 at TP 8 / EP 8; on H100 the
     # experts need 4 nodes (EP 32). Kimi-K2 is the same architecture: its config at paths.target plans its own size.
     ("deepseek_v3", "h100"): TargetLayout(8, 8, 32, 8, **_DEEPSEEK, nodes=4),
     ("deepseek_v3", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
+}
+
+# examples/minimax-m25/eval.sh: the public suite (humaneval, math500, livecodebench, mtbench, commonsense_eval at 64
+# prompts each) and the multilingual one (mgsm 64, global_mmlu 84, global_mmlu_native 84). Eval set -> prompts; each
+# is an `osprey suite` eval set of exactly that many prompts (the first ones, as the release's benchmark takes).
+MINIMAX_EVAL_SUITES = {
+    "humaneval": 64,
+    "math500": 64,
+    "livecodebench": 64,
+    "mtbench": 64,
+    "commonsense": 64,
+    "mgsm": 64,
+    "global_mmlu": 84,
+    "global_mmlu_native": 84,
 }
 
 
@@ -132,14 +188,16 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
         ttt=TTTLossConfig(),
         parallel=parallel,
         training=TrainingConfig(
-            micro_batch_size=1,
-            global_batch_size=lay.global_batch,
-            seq_length=4096,
-            train_iters=adaptation_steps(lay.examples, lay.global_batch),
+            micro_batch_size=1, global_batch_size=lay.global_batch, seq_length=4096, train_iters=lay.train_iters
         ),
         checkpoint=CheckpointConfig(save_interval=1000),
         logging=LoggingConfig(wandb_project="osprey"),
     )
+    if lay.stop_step is not None:
+        # The cosine spans the whole schedule and the run stops inside it; the release's warmup is
+        # int(0.04 x total steps) (SpecForge's BF16Optimizer), of the schedule, not of the shorter run.
+        distill.optimizer.lr_decay_iters = lay.schedule_steps
+        distill.optimizer.lr_warmup_iters = int(distill.optimizer.lr_warmup_fraction * lay.schedule_steps)
     sampling = SamplingParams(temperature=1.0, max_tokens=REGENERATE_MAX_TOKENS)
     recipe = Recipe(
         name="",
@@ -156,6 +214,12 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             tensor_parallel_size=lay.server_tp,
             reasoning_parser=lay.reasoning_parser,
             context_length=2 * REGENERATE_MAX_TOKENS + 2048,
+            # The release passes --trust-remote-code to every regeneration server (scripts/osprey/regenerate_data.sh)
+            # and to its MiniMax eval server (examples/minimax-m25/eval.sh), not to the Qwen3 / Llama eval servers.
+            trust_remote_code=True,
+            eval_trust_remote_code=lay.fp8_target_serving,
+            expert_parallel_size=lay.server_ep,
+            disable_custom_all_reduce=lay.fp8_target_serving,
         ),
         resources={
             "adapt": Resources(cpus_per_task=16, time="01:00:00"),
@@ -169,12 +233,25 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
         # No aux layer ids: they come from the target's config.json by EAGLE-3's rule (1, L/2-1, L-4), for
         # MiniMax-M2.5's 62 layers the paper's [1, 30, 58]; a target swapped in with paths.target gets its own.
         adapt=None if eagle3 else AdaptConfig(),
-        regenerate=RegenerateConfig(backend="server", sampling=sampling, concurrency=64),
+        regenerate=RegenerateConfig(
+            backend="server", sampling=sampling, concurrency=REGENERATE_CONCURRENCY_PER_SERVER * (8 // lay.server_tp)
+        ),
         distill=distill,
         export=ExportConfig(format="sglang"),
         evaluate=EvaluateConfig(),
     )
+    _release_inputs(recipe, target)
     return recipe
+
+
+def _release_inputs(recipe: Recipe, target: str) -> None:
+    """The release's inputs: Llama-3.3-70B's PerfectBlend split rule, MiniMax-M2.5's benchmark eval sets."""
+    if target == "llama33_70b":
+        recipe.data = UserDataConfig(**PERFECTBLEND_RULE)
+    if target == "minimax_m25":
+        recipe.eval_domains = list(MINIMAX_EVAL_SUITES)
+        recipe.eval_suites = dict(MINIMAX_EVAL_SUITES)
+        recipe.paths.eval_data = "{root}/data/suites/{domain}.jsonl"
 
 
 PIPELINE_OSPREY = ("adapt", "regenerate", "distill", "export", "evaluate")
@@ -268,6 +345,8 @@ def _opd_offline(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
     sft.data = DistillDataConfig(mode="on-policy", opd_form="offline")
     sft.ttt.ttt_steps = OPD_STEPS
     sft.training.train_iters = adaptation_steps(prompts, lay.global_batch, OPD_EPOCHS)
+    # Its own schedule over its own run, not the SFT's cosine stopped early (MiniMax-M2.5's).
+    sft.optimizer.lr_decay_iters, sft.optimizer.lr_warmup_iters = None, 0
     sft.optimizer.lr /= OPD_LR_SHARE
     sft.checkpoint.save_interval = 500
     recipe.chain, recipe.adapt, recipe.regenerate = PIPELINE_OPD, None, None

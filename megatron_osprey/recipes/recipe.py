@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from megatron_osprey.base.hardware import GPU_CAPABILITY, fp8_recipe_refusal
-from megatron_osprey.data.user_data import DOMAIN_NAME
+from megatron_osprey.data.user_data import DOMAIN_NAME, UserDataConfig
 from megatron_osprey.stages.adapt import AdaptConfig
 from megatron_osprey.stages.distill import DistillConfig
 from megatron_osprey.stages.evaluate import EvaluateConfig
@@ -98,7 +98,22 @@ class ServerPool:
     startup_timeout: int = 1800  # seconds until every server answers /health
     reasoning_parser: str | None = None  # the engine's --reasoning-parser (qwen3, minimax-append-think)
     context_length: int | None = None  # None: the model's
+    # SGLang server flags the release passes (scripts/osprey/regenerate_data.sh, examples/minimax-m25/eval.sh):
+    trust_remote_code: bool = False  # --trust-remote-code on the regeneration servers (the release: every target)
+    eval_trust_remote_code: bool = False  # --trust-remote-code on the eval server (the release: MiniMax-M2.5)
+    expert_parallel_size: int = 1  # the eval server's --ep-size (an MoE target's experts over its GPUs)
+    disable_custom_all_reduce: bool = False  # the eval server's --disable-custom-all-reduce (an FP8 MoE target)
     batch_sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 16])  # eval_sglang's / eval_vllm's sweep
+
+    def sglang_flags(self, evaluation: bool) -> list[str]:
+        """The SGLang server flags of a regeneration (`evaluation` False) or an eval server, beyond model and TP."""
+        trust = self.eval_trust_remote_code if evaluation else self.trust_remote_code
+        flags = ["--trust-remote-code"] if trust else []
+        if evaluation and self.expert_parallel_size > 1:
+            flags += ["--ep-size", str(self.expert_parallel_size)]
+        if evaluation and self.disable_custom_all_reduce:
+            flags.append("--disable-custom-all-reduce")
+        return flags
 
 
 @dataclasses.dataclass
@@ -130,8 +145,14 @@ class Recipe:
     source: str | None = None  # source LM preset name: {source} in paths, the prune stage's shape
     domain: str | None = None  # the training domain of per-domain recipes
     eval_domains: list[str] = dataclasses.field(default_factory=list)
+    # Eval sets that are public benchmark suites (`osprey suite`): name -> prompts, each set written with exactly that
+    # many (the first ones, as the release's benchmark takes them) at paths.eval_data; `osprey plan` lists the commands.
+    eval_suites: dict[str, int] = dataclasses.field(default_factory=dict)
     budget: str = ""  # where the training length comes from (paper, release, or neither), for `osprey plan`
     paths: Paths = dataclasses.field(default_factory=Paths)
+    # The input rule: the `osprey data` run that builds paths.prompts / paths.eval_data from a source file (its split
+    # rule, seed and sizes; the source and the output are the user's). `osprey plan` prints the command.
+    data: UserDataConfig | None = None
     slurm: Slurm = dataclasses.field(default_factory=Slurm)
     servers: ServerPool = dataclasses.field(default_factory=ServerPool)
     resources: dict[str, Resources] = dataclasses.field(default_factory=dict)
@@ -164,6 +185,14 @@ class Recipe:
                 raise ValueError(f"recipe {self.name}: chain stage {stage!r} is not one of {', '.join(STAGES)}.")
             if getattr(self, stage) is None:
                 raise ValueError(f"recipe {self.name}: its chain runs {stage} but it has no {stage} config.")
+        if self.servers.expert_parallel_size < 1:
+            raise ValueError(f"recipe {self.name}: servers.expert_parallel_size must be at least 1.")
+        for suite, prompts in self.eval_suites.items():
+            if suite not in self.eval_domains or not isinstance(prompts, int) or prompts < 1:
+                raise ValueError(
+                    f"recipe {self.name}: eval_suites.{suite} = {prompts!r} must name one of its eval_domains "
+                    f"({', '.join(self.eval_domains)}) with a number of prompts of at least 1."
+                )
         for stage, res in self.resources.items():
             for key in ("nodes", "gpus_per_node", "array_tasks", "cpus_per_task"):
                 if getattr(res, key) is not None and int(getattr(res, key)) < 1:

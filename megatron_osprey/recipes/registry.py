@@ -46,6 +46,12 @@ def _pretrain_recipes() -> dict[str, Callable[..., Recipe]]:
                 out[name] = _registered(
                     name, functools.partial(backbone.backbone_pretrain, steps, hardware, precision), doc
                 )
+    for label, steps in (("55k", backbone.PAPER_STEPS_FULL), ("10k", backbone.PAPER_STEPS_BUDGET)):
+        for hardware in ("h100", "b200"):
+            name = f"layerskip_llama32_1b_backbone_pretrain_{label}_64gpu_{hardware}_bf16"
+            doc = f"The release's LayerSkip-Llama 4-layer backbone, {steps:,} steps, 64 x {hardware.upper()}, BF16."
+            build = functools.partial(backbone.backbone_pretrain, steps, hardware, "bf16", "layerskip_llama32_1b")
+            out[name] = _registered(name, build, doc)
     for hardware in ("h100", "b200"):
 
         def monolingual(domain: str | None = None, _h=hardware) -> Recipe:

@@ -6,7 +6,8 @@ as data and checks every preset against them. Wherever a recipe's paths.target (
 config.json, planning reads that file instead: any supported HF config is a target (`--set
 paths.target=DIR`), and a preset is only the shape to plan with until it exists.
 
-Sources: Qwen/Qwen3-4B, Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, MiniMaxAI/MiniMax-M2.5 (the M2
+Sources: Qwen/Qwen3-4B, Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, facebook/layerskip-llama3.2-1B (the
+architecture of meta-llama/Llama-3.2-1B), MiniMaxAI/MiniMax-M2.5 (the M2
 family config as published for MiniMax-M2.1, e.g. QuixiAI/MiniMax-M2.1-bf16, with M2.5's vocabulary),
 HuggingFaceTB/SmolLM2-135M-Instruct, deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct; the tiny presets are the
 toy models megatron_osprey.testing builds.
@@ -161,6 +162,25 @@ PRESETS: types.MappingProxyType[str, dict[str, Any]] = types.MappingProxyType(
             "routed_scaling_factor": 2.827,
             "topk_group": 1,
             "vocab_size": 163840,
+        },
+        # The release's second backbone (LeanModels/Osprey README.md, "The pretrained backbone"): LayerSkip-Llama,
+        # facebook/layerskip-llama3.2-1B (Llama-3.2-1B's architecture, 16 layers), of which Stage 1 keeps 4.
+        "layerskip_llama32_1b": {
+            "model_type": "llama",
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_hidden_layers": 16,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0,
+            "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "vocab_size": 128256,
+            "torch_dtype": "bfloat16",
         },
         "smollm2_135m_instruct": {
             "model_type": "llama",

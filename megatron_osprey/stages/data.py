@@ -1,7 +1,7 @@
 """Build every input a recipe reads from the conversations you have: prompts, eval splits, token counts.
 
     python -m megatron_osprey data --input code=code.jsonl --input finance=finance.parquet \\
-        --target TARGET_DIR --output DATA_DIR [--eval-size 64] [--seed 0] [--reasoning template|drop|inline]
+        --target TARGET_DIR --output DATA_DIR [--eval-size 512] [--seed 0] [--reasoning template|drop|inline]
 
 An input is DOMAIN=PATH (a domain is any name; repeat --input for more domains or more files of one domain):
 JSONL (plain or gzip), a JSON array, Parquet, or a `datasets` save_to_disk directory, with rows in OpenAI
@@ -20,6 +20,7 @@ from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.data.chat_template import REASONING_MODES, TOOL_MODES
 from megatron_osprey.data.user_data import (
     PROMPT_TURNS,
+    SPLIT_RULES,
     UserDataConfig,
     build_user_data,
     data_outputs,
@@ -39,9 +40,25 @@ FLAGS = {
         ),
         Flag("--target", "target", {"help": "the target's HF directory (tokenizer + chat template; config.json)"}),
         Flag("--output", "output", {"help": "the data directory recipes read (paths.prompts, paths.eval_data, ...)"}),
-        Flag("--eval-size", "eval_size", {"type": int, "help": "held-out conversations per domain (default 64)"}),
+        Flag(
+            "--eval-size",
+            "eval_size",
+            {
+                "type": int,
+                "help": "held-out conversations per domain (default 512, the paper's; 64 was the earlier default)",
+            },
+        ),
         Flag("--max-train", "max_train", {"type": int, "help": "at most N training conversations per domain"}),
         Flag("--seed", "seed", {"type": int, "help": "the seed of the eval draw (same seed, same files)"}),
+        Flag(
+            "--split-rule",
+            "split_rule",
+            {
+                "choices": list(SPLIT_RULES),
+                "help": "seeded (default: duplicates removed, a seeded eval sample) or shuffle (the release's Llama "
+                "split: shuffle with --seed, the first --max-train train, the next --eval-size eval)",
+            },
+        ),
         Flag(
             "--reasoning",
             "reasoning",

@@ -1,13 +1,16 @@
 """Stage 4: distill the adapted drafter against a frozen target (TTT loss), online or from a hidden-state store.
 
     torchrun --nproc_per_node=N -m megatron_osprey distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
-        --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
+        --mode online --data-path CONVERSATIONS.jsonl [--eval-data DOMAIN=HELD_OUT.jsonl ...] \\
+        | --mode offline --hidden-states STORE \\
         | --mode on-policy --data-path PROMPTS.jsonl (--drafter-init: the distill stage's --save; Draft-OPD's
           online loop) | --mode on-policy --opd-form offline --hidden-states ROLLOUT_STORE \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
 Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
-seq 4096, TTT 5 (losses/config.py). The training itself is training/distillation.py on the shared assembly.
+seq 4096, TTT 5 (losses/config.py), and the release's AdamW betas (0.9, 0.999); `--adam-beta2 0.95` is the value
+this stage used before (the GPT-pretraining convention Stage 2 keeps). The training itself is
+training/distillation.py on the shared assembly.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron_osprey.stages.cli import (
 )
 from megatron_osprey.stages.pretrain import SHARED_TRAINING_FLAGS
 from megatron_osprey.training.config import (
+    ADAM_BETA2_RELEASE,
     CheckpointConfig,
     LoggingConfig,
     OptimizerConfig,
@@ -39,8 +43,11 @@ from megatron_osprey.training.config import (
 
 
 def _adaptation_optimizer() -> OptimizerConfig:
-    """The paper's adaptation schedule (Stage 2's defaults are the optimizer's own)."""
-    return OptimizerConfig(lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0)
+    """The paper's adaptation schedule and the release's AdamW betas (0.9, 0.999); Stage 2's defaults are the
+    optimizer's own (beta2 0.95, training/config.py's ADAM_BETA2_GPT, a named value here: `--adam-beta2 0.95`)."""
+    return OptimizerConfig(
+        lr=1e-4, min_lr=0.0, lr_warmup_fraction=0.04, weight_decay=0.0, clip_grad=1.0, adam_beta2=ADAM_BETA2_RELEASE
+    )
 
 
 @dataclasses.dataclass
@@ -117,6 +124,11 @@ class DistillConfig:
         for path in data.data_path:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--data-path {path} does not exist.")
+        for domain, path in data.held_out_sets().items():
+            if data.mode != "online":
+                raise ValueError("--eval-data runs the held-out files through the online target: use --mode online.")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--eval-data {domain}={path}: {path} does not exist.")
         if self.parallel.pipeline_model_parallel_size != 1:
             raise ValueError(
                 "distillation runs the drafter and the online target without pipeline parallelism: use "

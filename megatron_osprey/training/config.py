@@ -14,6 +14,13 @@ from megatron_osprey.config.flags import STORE_TRUE, Flag
 from megatron_osprey.parallel.config import ParallelConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# Adam's beta2, by name. The release distills with SpecForge's BF16Optimizer, a torch.optim.AdamW left at torch's
+# default betas (0.9, 0.999) (LeanModels/Osprey scripts/train_eagle3.py -> specforge/optimizer.py): distillation's
+# default (stages/distill.py). 0.95 is the GPT-pretraining convention (Megatron-LM's GPT recipes, GPT-3, Llama),
+# which Stage 2 keeps as OptimizerConfig's default and which distillation inherited from it until it was found to
+# differ from the release; it is kept as a named value (`--adam-beta2 0.95`) for runs that reproduce that setting.
+ADAM_BETA2_RELEASE = 0.999
+ADAM_BETA2_GPT = 0.95
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
@@ -56,7 +63,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    adam_beta2: float = ADAM_BETA2_GPT  # Stage 2's; distillation's default is ADAM_BETA2_RELEASE
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = False
     # Overlap the gradient reduce-scatter with the backward and the parameter all-gather with the next forward
@@ -68,11 +75,58 @@ class OptimizerConfig:
     # Megatron-LM's default is the DP-reshardable distributed-optimizer format.
     dist_ckpt_optim_fully_reshardable: bool = False
 
+    def decay_iters(self, train_iters: int) -> int:
+        """The schedule's length: --lr-decay-iters (a cosine longer than the run, stopped early), else the run's."""
+        return self.lr_decay_iters or train_iters
+
     def warmup_iters(self, train_iters: int) -> int:
-        """--lr-warmup-iters, else --lr-warmup-fraction of the run's iterations."""
+        """--lr-warmup-iters, else --lr-warmup-fraction of the schedule's length (Megatron-LM's: of
+        --lr-decay-iters when set, as the release's warmup ratio is of its total cosine steps)."""
         if self.lr_warmup_iters or self.lr_warmup_fraction is None:
             return self.lr_warmup_iters
-        return int(round(self.lr_warmup_fraction * train_iters))
+        return int(round(self.lr_warmup_fraction * self.decay_iters(train_iters)))
+
+    def lr_at(self, train_iters: int, step: int) -> float:
+        """The learning rate Megatron-Core's OptimizerParamScheduler gives after `step` updates (torch-free, for
+        `osprey plan`: the warmup, the decay, and the rate a run stopped before the decay's end finishes at)."""
+        warmup, decay = self.warmup_iters(train_iters), self.decay_iters(train_iters)
+        if warmup > 0 and step <= warmup:
+            return self.lr * step / warmup
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if step > decay:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(self.min_lr, self.lr * max(warmup, 1) ** 0.5 / max(step, 1) ** 0.5)
+        ratio = (step - warmup) / (decay - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD
+            start = decay - self.lr_wsd_decay_iters
+            wsd = max(0.0, (step - start) / self.lr_wsd_decay_iters)
+            coeff = {
+                "linear": 1.0 - wsd,
+                "cosine": 0.5 * (math.cos(math.pi * wsd) + 1.0),
+                "exponential": 2.0 * 0.5**wsd - 1.0,
+                "minus_sqrt": 1.0 - math.sqrt(wsd),
+            }[self.lr_wsd_decay_style]
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    def schedule(self, train_iters: int) -> dict:
+        """The schedule as `osprey plan` shows it: warmup, the decay's total length, the stop step, the final lr."""
+        final = self.lr_at(train_iters, train_iters)
+        return {
+            "decay_style": self.lr_decay_style,
+            "peak_lr": self.lr,
+            "min_lr": self.min_lr,
+            "warmup_iters": self.warmup_iters(train_iters),
+            "decay_iters": self.decay_iters(train_iters),
+            "stop_iter": train_iters,
+            "final_lr": final,
+            "final_lr_share_of_peak": final / self.lr,
+        }
 
 
 @dataclasses.dataclass
@@ -164,7 +218,7 @@ def validate_optimizer(optimizer: OptimizerConfig, training: TrainingConfig) -> 
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (the parameter "
             "all-gather exists only under the distributed optimizer, and Megatron-Core starts it from the grad sync)."
         )
-    decay = optimizer.lr_decay_iters or training.num_train_iters()
+    decay = optimizer.decay_iters(training.num_train_iters())
     warmup = optimizer.warmup_iters(training.num_train_iters())
     if warmup >= decay:  # Megatron's scheduler asserts warmup < decay
         raise ValueError(

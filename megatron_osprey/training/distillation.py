@@ -316,7 +316,7 @@ def run_distill(cfg, parallel: ParallelState, online_rollout=None) -> DistillRes
             seed=cfg.parallel.seed,
             shuffle=cfg.data.shuffle,
             device=parallel.device,
-        ), None
+        ), held_out_sets(cfg, tokenizer, collate, parallel)
 
     spec = TrainSpec(
         run_config=run_config,
@@ -351,6 +351,30 @@ def _online_batches(cfg, parallel: ParallelState, model: list, online_rollout, s
         shuffle=cfg.data.shuffle,
         device=parallel.device,
     )
+
+
+def held_out_sets(cfg, tokenizer, collate, parallel: ParallelState) -> dict | None:
+    """--eval-data: per domain, a fresh in-order pass over its held-out conversations (whole global batches covering
+    the file once, the last one wrapping to its start), for the loop's loss/valid/DOMAIN; None without it."""
+    from megatron_osprey.data.distill_data import ConversationSamples
+    from megatron_osprey.training.loop import HeldOutSet
+
+    sets = cfg.data.held_out_sets()
+    if not sets:
+        return None
+    out = {}
+    for domain, path in sets.items():
+        try:
+            samples = ConversationSamples([path], tokenizer, cfg.training.seq_length, cfg.data.enable_thinking)
+        except ValueError as err:
+            raise ValueError(f"--eval-data {domain}={path}: {err}") from None
+
+        def fresh(samples=samples):
+            mbs, dp = cfg.training.micro_batch_size, (parallel.dp_rank, parallel.dp_size)
+            return micro_batches(samples, 0, mbs, *dp, collate, shuffle=False, device=parallel.device)
+
+        out[domain] = HeldOutSet(fresh, math.ceil(len(samples) / cfg.training.global_batch_size))
+    return out
 
 
 def draft_vocabulary(source, arch: DrafterArch, parallel: ParallelState) -> torch.Tensor:

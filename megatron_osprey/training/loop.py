@@ -128,16 +128,36 @@ def train_step(forward_step: Callable, data_iterator, run: TrainRun) -> StepResu
 
 
 @torch.no_grad()
-def evaluate(forward_step: Callable, data_iterator, run: TrainRun) -> float:
-    """Mean validation loss over --eval-iters global batches (forward only)."""
+def evaluate(forward_step: Callable, data_iterator, run: TrainRun, iters: int | None = None, extra: bool = False):
+    """Mean validation loss over `iters` (default --eval-iters) global batches, forward only; with `extra`, also the
+    means of the other reports (per-TTT-step acc/ploss): (loss, {key: mean})."""
     for chunk in run.model:
         chunk.eval()
     reports = []
-    for _ in range(run.logging.eval_iters):
+    for _ in range(run.logging.eval_iters if iters is None else iters):
         reports += _global_batch(forward_step, data_iterator, run, forward_only=True)
     for chunk in run.model:
         chunk.train()
-    return global_mean_loss(reports, run.device)
+    loss = global_mean_loss(reports, run.device)
+    return (loss, extra_means(reports, run.device)) if extra else loss
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOutSet:
+    """A named held-out set evaluated at every --eval-interval: a fresh iterator over it, and its global batches."""
+
+    iterator: Callable[[], Iterator]
+    iters: int
+
+
+def _validate(forward_step: Callable, valid, run: TrainRun, iteration: int) -> None:
+    """loss/valid over the one validation iterator, or loss/valid/NAME (and valid/NAME/acc/k...) per held-out set."""
+    if callable(valid):
+        run.metrics.validation(iteration, evaluate(forward_step, valid(), run))
+        return
+    for name, held_out in valid.items():
+        loss, extra = evaluate(forward_step, held_out.iterator(), run, held_out.iters, extra=True)
+        run.metrics.validation(iteration, loss, name, extra)
 
 
 def train(
@@ -145,7 +165,7 @@ def train(
     state: TrainState,
     forward_step: Callable,
     train_iterator,
-    valid_iterator: Callable[[], Iterator] | None = None,
+    valid_iterator: Callable[[], Iterator] | dict[str, HeldOutSet] | None = None,
 ) -> TrainState:
     """Train until --train-iters, --exit-interval, --exit-duration-in-mins or a signal; save as configured."""
     total = run.training.num_train_iters()
@@ -168,7 +188,7 @@ def train(
                 )
             if valid_iterator and run.logging.eval_iters and state.iteration % run.logging.eval_interval == 0:
                 gather_params(run.model)
-                run.metrics.validation(state.iteration, evaluate(forward_step, valid_iterator(), run))
+                _validate(forward_step, valid_iterator, run, state.iteration)
                 run.metrics.reset_window()
             # One all-reduce per step: every rank sees the same decision at the same iteration.
             stop = any_rank(signal_flag.received or deadline.passed(), run.device)

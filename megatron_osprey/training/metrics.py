@@ -131,9 +131,13 @@ class MetricsLogger:
         self._write(iteration, metrics)
         return metrics
 
-    def validation(self, iteration: int, loss: float) -> None:
-        """Write loss/valid."""
-        self._write(iteration, {"loss/valid": loss})
+    def validation(self, iteration: int, loss: float, name: str | None = None, extra: dict | None = None) -> None:
+        """Write loss/valid, or for a named held-out set loss/valid/NAME and its per-step metrics as valid/NAME/KEY."""
+        if name is None:
+            self._write(iteration, {"loss/valid": loss})
+            return
+        per_step = {f"valid/{name}/{key}": value for key, value in (extra or {}).items()}
+        self._write(iteration, {f"loss/valid/{name}": loss, **per_step})
 
     def note(self, text: str) -> None:
         """A console line on rank 0 that does not break the progress bar."""

@@ -9,7 +9,7 @@ def build_scheduler(optimizer, section: OptimizerConfig, train_iters: int):
     """Linear warmup, then constant / linear / cosine / inverse-sqrt / WSD decay to --min-lr."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay_iters = section.lr_decay_iters or train_iters
+    decay_iters = section.decay_iters(train_iters)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

@@ -10,7 +10,7 @@ from megatron_osprey.data.micro_batches import micro_batches
 from megatron_osprey.models.target.lm_head import TargetHead
 from megatron_osprey.models.target.online import OnlineTarget
 from megatron_osprey.parallel import ParallelConfig, parallel_context
-from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
+from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config, write_topic_conversations
 from megatron_osprey.training.distillation import distill_forward_step, run_distill
 
 
@@ -295,3 +295,56 @@ def test_store_loss_masks_are_read_without_hidden_states_and_match_the_samples(t
     assert [m.tolist() for m in masks] == [source[i]["loss_mask"].tolist() for i in range(3)]
     assert loss_token_survivors(source, seq_length=64) == (2, 4)
     assert loss_token_survivors(source, seq_length=6) == (1, 2)  # sample 1's loss tokens sit at 7 and 8
+
+
+# --- distill --eval-data DOMAIN=FILE: the held-out TTT loss per domain at every --eval-interval, as the release's
+# --eval-data (LeanModels/Osprey scripts/osprey/run_adaptation.py), logged like the training loss.
+
+
+def test_each_domain_held_out_loss_is_logged_at_every_eval_interval(setup, tmp_path):
+    held_out = write_topic_conversations(tmp_path / "chat.jsonl", 8)  # 2 global batches of 4
+    other = write_topic_conversations(tmp_path / "other.jsonl", 4, seed=7)
+    cfg = tiny_distill_config(
+        setup,
+        training__train_iters=4,
+        logging__eval_interval=2,
+        logging__tensorboard_dir=str(tmp_path / "tb"),
+        data__eval_data=[f"chat={held_out}", f"same={held_out}", f"other={other}"],
+    )
+    with parallel_context(cfg.parallel) as state:
+        result = run_distill(cfg, state)
+    merged = {}  # one history entry per held-out set and evaluation
+    for h in result.history:
+        if any(key.startswith("loss/valid/") for key in h):
+            merged.setdefault(h["iteration"], {}).update(h)
+    assert sorted(merged) == [2, 4]
+    valid = [merged[2], merged[4]]
+    for h in valid:
+        # In order and deterministic: the same file under two names gives the same loss; another file another.
+        assert h["loss/valid/chat"] == h["loss/valid/same"] != h["loss/valid/other"]
+        # The 0.8^k-weighted sum over 5 TTT steps: about 3.36 x the per-step loss (measured 22.8, then 21.4).
+        assert 0 < h["loss/valid/chat"] < 40 and 0 <= h["valid/chat/acc/0"] <= 1 and "valid/other/ploss/4" in h
+    assert valid[0]["loss/valid/chat"] != valid[1]["loss/valid/chat"]  # the drafter moved between the two
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    logged = events.Scalars("loss/valid/chat")
+    assert [e.step for e in logged] == [2, 4]
+    assert logged[1].value == pytest.approx(valid[1]["loss/valid/chat"], rel=1e-6)  # TB stores float32
+    assert "loss/train" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"data__eval_data": ["chat"]}, r"--eval-data 'chat' must be DOMAIN=FILE"),
+        ({"data__eval_data": ["a=x.jsonl", "a=y.jsonl"]}, r"--eval-data 'a=y.jsonl' must be DOMAIN=FILE, one per"),
+        ({"data__eval_data": ["chat=missing.jsonl"]}, r"--eval-data chat=missing.jsonl: missing.jsonl does not exist"),
+        ({"data__eval_data": ["chat=x"], "data__mode": "offline", "data__hidden_states": "s"}, r"use --mode online"),
+    ],
+)
+def test_bad_eval_data_is_refused_naming_the_flag(setup, changes, message):
+    cfg = tiny_distill_config(setup, **changes)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        cfg.validate(1)

@@ -493,3 +493,41 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(tiny_setup, 
     # A writable --output reaches the run, and the probe leaves nothing behind.
     assert _cli(tiny_setup, tmp_path / "fresh") == 2 and "the run started" in capsys.readouterr().err
     assert list((tmp_path / "fresh").iterdir()) == []
+
+
+def test_mt_bench_sends_its_system_prompt_and_second_turn_after_the_first_answer(tiny_setup, tmp_path):
+    """The release's MT-Bench (benchmarks/benchmarker/mtbench.py): system prompt, question 1, the model's answer,
+    question 2; both turns are requests. Checked against transformers' own greedy decode and chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_osprey.eval.suites import MT_BENCH_SYSTEM_PROMPT, write_suite
+
+    source = tmp_path / "question.jsonl"
+    turns = [[f"Write about {i} cats.", f"Now about {i} dogs."] for i in range(2)]
+    source.write_text("".join(json.dumps({"question_id": 81 + i, "turns": t}) + "\n" for i, t in enumerate(turns)))
+    data = tmp_path / "mtbench.jsonl"
+    assert write_suite("mtbench", source, data) == 2
+    cells = []
+    for engine in (["--verify-lossless"], ["--verify-lossless", "--batch-size", "2"], ["--replay"]):
+        out = tmp_path / str(len(cells))
+        argv = ["--target", str(tiny_setup / "target"), "--drafter", f"a={tiny_setup / 'drafter'}", "--data", str(data)]
+        argv += ["--output", str(out), "--steps", "2", "--max-new-tokens", "7", "--no-progress", *engine]
+        assert main(argv) == 0
+        cells += json.loads((out / "results.json").read_text())["cells"]
+    requests = cells[0]["requests"]
+    assert [r["id"] for r in requests] == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
+    for other in cells[1:]:  # the batched and the replay engines send the same turns and get the same answers
+        assert [(r["id"], r["output_ids"]) for r in other["requests"]] == [(r["id"], r["output_ids"]) for r in requests]
+    tok = AutoTokenizer.from_pretrained(tiny_setup / "target")
+    model = AutoModelForCausalLM.from_pretrained(tiny_setup / "target")
+    system = {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
+    for i, (first, second) in enumerate(turns):
+        messages = [system, {"role": "user", "content": first}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        greedy = model.generate(**ids, max_new_tokens=7, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
+        assert requests[i]["prompt_tokens"] == ids["input_ids"].shape[1]
+        assert requests[i]["output_ids"] == greedy[: len(requests[i]["output_ids"])]
+        answer = tok.decode(requests[i]["output_ids"], skip_special_tokens=True)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
+        expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert requests[2 + i]["prompt_tokens"] == len(expected["input_ids"])

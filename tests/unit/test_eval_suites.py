@@ -8,7 +8,14 @@ import pytest
 from megatron_osprey.base.checksums import file_sha256
 from megatron_osprey.data.conversations import read_conversations
 from megatron_osprey.eval.prompts import prompt_messages
-from megatron_osprey.eval.suites import MGSM_INSTRUCTION, SUITES, read_benchmark_rows, suite_conversations, write_suite
+from megatron_osprey.eval.suites import (
+    MGSM_INSTRUCTION,
+    MT_BENCH_SYSTEM_PROMPT,
+    SUITES,
+    read_benchmark_rows,
+    suite_conversations,
+    write_suite,
+)
 
 ROWS = {
     "humaneval": [{"task_id": "HumanEval/0", "prompt": "def f(x):\n    '''Double x.'''\n", "test": "assert 1"}],
@@ -59,10 +66,13 @@ def test_single_language_suites_in_every_format(tmp_path, suite, fmt):
     out = tmp_path / "eval.jsonl"
     assert write_suite(suite, source, out) == 1
     (conversation,) = list(read_conversations(out))
-    assert (conversation.id, conversation.messages[0]["content"]) == EXPECTED[suite]
-    # The eval's prompt (first user turn) is the benchmark's prompt, MT-Bench's second turn not sent.
+    assert (conversation.id, conversation.messages[-1]["content"]) == EXPECTED[suite]
+    # The eval's first prompt is the benchmark's prompt; MT-Bench's system prompt and second turn are sent too.
     assert prompt_messages(conversation.messages) == [{"role": "user", "content": EXPECTED[suite][1]}]
     assert conversation.extra["suite"] == suite
+    if suite == "mtbench":
+        assert conversation.messages[0] == {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
+        assert conversation.extra["next_turns"] == ["Now shorter."]
 
 
 def mgsm_rows(language, count):

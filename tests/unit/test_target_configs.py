@@ -272,6 +272,42 @@ SMOLLM2_135M_INSTRUCT = {
     "vocab_size": 49152,
 }
 
+# meta-llama/Llama-3.2-1B's published config.json: facebook/layerskip-llama3.2-1B is that model trained on with
+# LayerSkip's recipe, the same architecture (16 layers, hidden 2048, tied embeddings).
+LLAMA32_1B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
 # The published config each named preset copies; the tiny_* presets are toy models with no published config.
 PUBLISHED_FOR_PRESET = {
     "qwen3_4b": QWEN3_4B,
@@ -281,6 +317,7 @@ PUBLISHED_FOR_PRESET = {
     "smollm2_135m_instruct": SMOLLM2_135M_INSTRUCT,
     "deepseek_v3": DEEPSEEK_V3,
     "kimi_k2": KIMI_K2_INSTRUCT,
+    "layerskip_llama32_1b": LLAMA32_1B,
 }
 
 
