@@ -30,6 +30,7 @@ from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, p
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
 from megatron_osprey.speculative.ngram import NgramDrafter
+from megatron_osprey.training.checkpoint_files import skipped_checksum_note
 
 RESULTS_TAG = "megatron_osprey.eval/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -256,7 +257,9 @@ def _load_drafters(config, tokenizer, target_config) -> tuple[list[tuple], dict]
     """Each --drafter loaded and checked against the target: ([(item, loaded, domain, method)], {name: warning})."""
     drafters, warnings = [], {}
     for item in config.drafters:
-        loaded = load_drafter(item.path)
+        loaded = load_drafter(item.path, verify=not config.skip_checksum)
+        if config.skip_checksum and loaded.source == "megatron":
+            print(skipped_checksum_note(item.path), file=sys.stderr, flush=True)
         if isinstance(loaded.drafter, NgramDrafter):
             check_ngram_fits_target(item.path, loaded.drafter, config.target, tokenizer)
         else:

@@ -18,13 +18,15 @@ stderr, no traceback); 1 a run that failed on its own (a non-finite training los
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_osprey.base import provenance
+from megatron_osprey.base.outputs import claimed_output
 from megatron_osprey.config.flags import FlagGroups, add_flag_groups, apply_flags
 from megatron_osprey.config.overrides import apply_overrides
 
@@ -166,6 +168,19 @@ def exit_code(
     except FloatingPointError as error:  # a non-finite loss: the run failed, not its input
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def claimed_on_rank0(output: str | Path, inputs: dict, overwrite: bool, stage: str) -> Iterator[Path]:
+    """A collective stage's output, claimed by rank 0 for the block (base/outputs.claimed_output: one writer, the
+    stage's earlier or partial output emptied, WRITING_MARKER until provenance.json is written). Rank 0 claims it
+    before the process groups start, so the other ranks, which write only after the stage's first barrier, never
+    write into an unclaimed directory; they only check it (the stage's validate) and refuse as rank 0 would."""
+    if is_rank0():
+        with claimed_output(output, inputs, overwrite, stage=stage) as claimed:
+            yield claimed
+    else:
+        yield Path(output).expanduser()
 
 
 def in_process_groups(parallel, work: Callable):

@@ -18,6 +18,7 @@ import yaml
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, resume_check
+from megatron_osprey.training.checkpoint_files import skipped_checksum_note
 from megatron_osprey.training.flops import device_peak_tflops
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel
@@ -138,7 +139,7 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
             run_identity=spec.run_identity,
         )
         if cfg.checkpoint.skip_checksum:
-            notes.append(f"--skip-checksum: the files of {cfg.checkpoint.load} were loaded without verification")
+            notes.append(skipped_checksum_note(cfg.checkpoint.load))
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 
