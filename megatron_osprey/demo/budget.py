@@ -97,6 +97,7 @@ class Resize:
     budget: float
     predicted: float  # seconds at the configured sizes
     predicted_after: float  # seconds at the sizes chosen
+    other: float = 0.0  # of them, the untrained steps' seconds (not resized)
     stage2_scale: float = 1.0
     distill_scale: float = 1.0
 
@@ -130,13 +131,13 @@ def resize(rate_gflops: float, budget: float, steps: list[TrainedStep], other_re
 
     predicted = total(1.0, 1.0)
     if predicted <= budget:
-        return Resize(rate_gflops, budget, predicted, predicted)
+        return Resize(rate_gflops, budget, predicted, predicted, other)
     s2 = _largest_scale(lambda x: total(x, 1.0), budget, STAGE2_FLOOR)
     d = 1.0
     if total(s2, 1.0) > budget:
         s2 = STAGE2_FLOOR
         d = _largest_scale(lambda x: total(STAGE2_FLOOR, x), budget, 0.0)
-    return Resize(rate_gflops, budget, predicted, total(s2, d), s2, d)
+    return Resize(rate_gflops, budget, predicted, total(s2, d), other, s2, d)
 
 
 def scaled(iterations: int, scale: float) -> int:
@@ -257,7 +258,13 @@ def describe(decision: Resize, before, after, threads: int, probe_seconds: float
             f"distillation {before.distill_epochs:g} -> {after.distill_epochs:g} epochs ({updates[0]} -> "
             f"{updates[1]} updates)"
         )
+    over = ""
+    if decision.predicted_after > decision.budget:  # the smallest sizes do not fit: say what does not shrink
+        over = (
+            f", still over the budget: the untrained steps (regeneration, extraction, evaluation...) alone take "
+            f"{decision.other / 60:.1f} min here"
+        )
     return (
-        f"{head}: RESIZED {', '.join(changes)}; predicted {decision.predicted_after / 60:.1f} min "
+        f"{head}: RESIZED {', '.join(changes)}; predicted {decision.predicted_after / 60:.1f} min{over} "
         f"(--no-resize keeps the sizes)"
     )

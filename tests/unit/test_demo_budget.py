@@ -156,3 +156,14 @@ def test_make_demo_is_fitted_to_30_minutes_unless_told_otherwise(monkeypatch, tm
     monkeypatch.setattr(pipeline, "run_demo", record)
     assert demo.main([*argv, "--output", str(tmp_path)]) == 1
     assert seen["budget"] == (None if minutes is None else 60 * minutes)
+
+
+def test_a_machine_too_slow_for_the_smallest_sizes_says_what_does_not_shrink():
+    rate = 0.5 * _rate_for(STAGE2_FLOOR, 0.0)
+    decision = resize(rate, BUDGET_SECONDS, QUICK, OTHER)
+    assert (decision.stage2_scale, decision.distill_scale) == (STAGE2_FLOOR, 0.0)
+    assert decision.predicted_after > BUDGET_SECONDS
+    quick = DemoConfig.quick()
+    line = budget.describe(decision, quick, budget.apply(quick, decision), 2, 2.0)
+    assert "RESIZED Stage 2 120 -> 30 iterations, distillation 2 -> 0 epochs (48 -> 1 updates)" in line
+    assert "still over the budget: the untrained steps (regeneration, extraction, evaluation...) alone take " in line
