@@ -21,7 +21,7 @@ from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
     check_inputs,
-    claimed_on_rank0,
+    claimed_by_rank0,
     exit_code,
     in_process_groups,
     is_rank0,
@@ -104,13 +104,17 @@ def run(config: AdaptConfig, invocation: Invocation = Invocation("adapt")) -> di
     inputs |= {"target_config": Path(config.target) / "config.json", "token_counts": config.token_counts}
     inputs = check_inputs(inputs) if is_rank0() else {}
     target = ModelArch.from_hf_config(config.target)  # the one parse of its config.json
-    # Marked partial from before the first file to provenance.json, written last (as prune's output).
-    with claimed_on_rank0(config.output, config.inputs(), config.overwrite, "adapt") as output:
-        report = in_process_groups(config.parallel, lambda state: _adapt_and_write(config, target, state))
-        if is_rank0():
-            names = ("megatron", "hf", "run_config.yaml", "tokenizer_alignment.json")
-            invocation.record(output, config, inputs, {name.split(".")[0]: output / name for name in names})
-    return report
+
+    def adapt_and_write(state):
+        # Marked partial from before the first file to provenance.json, written last (as prune's output).
+        with claimed_by_rank0(config.output, config.inputs(), config.overwrite, "adapt") as output:
+            report = _adapt_and_write(config, target, state)
+            if state.rank == 0:
+                names = ("megatron", "hf", "run_config.yaml", "tokenizer_alignment.json")
+                invocation.record(output, config, inputs, {name.split(".")[0]: output / name for name in names})
+        return report
+
+    return in_process_groups(config.parallel, adapt_and_write)
 
 
 def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
@@ -138,7 +142,7 @@ def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
         "alignment_counts": adapted.report["counts"],
         "parallel": parallel,
     }
-    if state.rank == 0:  # rank 0 claimed OUT (run) before the groups started
+    if state.rank == 0:  # rank 0 has claimed OUT (run)
         (output / "hf").mkdir(parents=True, exist_ok=True)
         adapted.drafter.save_pretrained(output / "hf")
         copy_tokenizer_files(config.target, output / "hf")

@@ -171,15 +171,26 @@ def exit_code(
 
 
 @contextlib.contextmanager
-def claimed_on_rank0(output: str | Path, inputs: dict, overwrite: bool, stage: str) -> Iterator[Path]:
-    """A collective stage's output, claimed by rank 0 for the block (base/outputs.claimed_output: one writer, the
-    stage's earlier or partial output emptied, WRITING_MARKER until provenance.json is written). Rank 0 claims it
-    before the process groups start, so the other ranks, which write only after the stage's first barrier, never
-    write into an unclaimed directory; they only check it (the stage's validate) and refuse as rank 0 would."""
-    if is_rank0():
-        with claimed_output(output, inputs, overwrite, stage=stage) as claimed:
-            yield claimed
-    else:
+def claimed_by_rank0(output: str | Path, inputs: dict, overwrite: bool, stage: str) -> Iterator[Path]:
+    """Collective, inside the process groups: a collective stage's output, claimed by rank 0 for the block
+    (base/outputs.claimed_output: one writer, the stage's earlier or partial output emptied, WRITING_MARKER until
+    provenance.json is written). Its refusal is broadcast, so every rank raises it instead of waiting for rank 0."""
+    import torch
+
+    rank0 = torch.distributed.get_rank() == 0
+    with contextlib.ExitStack() as stack:
+        refusal: list = [None]
+        if rank0:
+            try:
+                stack.enter_context(claimed_output(output, inputs, overwrite, stage=stage))
+            except INPUT_ERRORS as error:
+                refusal = [(isinstance(error, FileExistsError), str(error))]
+                torch.distributed.broadcast_object_list(refusal, src=0)
+                raise
+        torch.distributed.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            exists, message = refusal[0]
+            raise (FileExistsError if exists else ValueError)(message)
         yield Path(output).expanduser()
 
 

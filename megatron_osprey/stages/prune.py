@@ -20,7 +20,7 @@ from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
     check_inputs,
-    claimed_on_rank0,
+    claimed_by_rank0,
     exit_code,
     in_process_groups,
     is_rank0,
@@ -86,14 +86,23 @@ def run(config: PruneConfig, invocation: Invocation = Invocation("prune")):
 
     config.validate()
     inputs = check_inputs({"source": config.source}) if is_rank0() else {}
-    # Marked partial (WRITING_MARKER) from before the first file to provenance.json, written last: a run stopped
-    # in between leaves an output the next stage refuses and `prune --overwrite` empties.
-    with claimed_on_rank0(config.output, config.inputs(), config.overwrite, "prune") as output:
-        pruned = in_process_groups(config.parallel, lambda state: _write(config, prune_backbone(config, state), state))
-        if is_rank0():
-            outputs = {"megatron": output / "megatron", "hf": output / "hf", "run_config": output / "run_config.yaml"}
-            invocation.record(output, config, inputs, outputs)
-    return pruned
+
+    def prune_and_write(state):
+        pruned = prune_backbone(config, state)
+        # Marked partial (WRITING_MARKER) from before the first file to provenance.json, written last: a run
+        # stopped in between leaves an output the next stage refuses and `prune --overwrite` empties.
+        with claimed_by_rank0(config.output, config.inputs(), config.overwrite, "prune") as output:
+            _write(config, pruned, state)
+            if state.rank == 0:
+                outputs = {
+                    "megatron": output / "megatron",
+                    "hf": output / "hf",
+                    "run_config": output / "run_config.yaml",
+                }
+                invocation.record(output, config, inputs, outputs)
+        return pruned
+
+    return in_process_groups(config.parallel, prune_and_write)
 
 
 def _write(config: PruneConfig, pruned, state):
@@ -106,7 +115,7 @@ def _write(config: PruneConfig, pruned, state):
     from megatron_osprey.training.checkpointing import save_checkpoint
 
     output, arch = Path(config.output), pruned.arch
-    torch.distributed.barrier()  # every rank has pruned: rank 0 claimed OUT before the groups started
+    torch.distributed.barrier()  # every rank has pruned, and rank 0 has claimed OUT
     run_config = {
         "stage": "prune",
         "source": str(config.source),
