@@ -8,7 +8,7 @@ optimizer, norms and Python overhead run below GEMM speed), `startup` its fixed 
 loading, the final save). The steps that do not train (data, prune, adapt, regeneration, extraction, evaluation)
 are taken as one figure of measured seconds, scaled by the probe's rate against the rate they were measured at.
 `resize` is a pure function of (rate, budget): it shortens Stage 2 first, down to STAGE2_FLOOR of its iterations,
-then the distillation epochs, so that the predicted total fits.
+then the distillation epochs, down to DISTILL_FLOOR, so that the predicted total fits.
 """
 
 from __future__ import annotations
@@ -51,28 +51,45 @@ def gemm_rate(threads: int, seconds: float = 2.0) -> float:
 class StageCost:
     """One trained step's measured constants (see the module docstring)."""
 
-    efficiency: float  # achieved FLOP/s of its iterations over the probe's rate, measured together
-    startup: float  # seconds besides its iterations
+    # The step's counted FLOP/s (training/flops.py's count over its iteration time) over the probe's rate. Not a
+    # hardware efficiency: the count assumes every sequence fills --seq-length, so a step whose batches are shorter
+    # (distillation of regenerated conversations) reads above 1.
+    efficiency: float
+    startup: float  # seconds besides its iterations (start-up, loading, the final save)
 
 
-# Measured with benchmarks/demo_budget_calibration.py on this project's 2-core machine with the AVX2 path forced
-# (MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OSPREY_CPU_CAPABILITY=avx2),
-# OMP_NUM_THREADS=2, float32, the quick demo's shapes (seq 256; pretraining global batch 8, distillation 4,
-# 5 TTT steps), while other engineers' jobs shared the 2 cores (load average 6-10); see docs/demo-and-results.md.
+# Measured with benchmarks/demo_budget_calibration.py (6 iterations of each trained step at the quick demo's shapes:
+# seq 256, Stage 2 global batch 8, distillation 4 with 5 TTT steps) on this project's 2-core machine with the AVX2
+# path forced (MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# OSPREY_CPU_CAPABILITY=avx2), OMP_NUM_THREADS=2, float32, while other engineers' jobs shared the 2 cores:
+#   run 1 (load average 9 rising to 23): probe 56.8 GFLOP/s before, 11.7 after; Stage 2 9.86 s per iteration
+#     (44.5 counted GFLOP/s: 0.78 of the first probe), start-up 22.5 s; its distillation data were short (16-token
+#     replies), so its distillation figures are not used;
+#   run 2 (load average 33-39, replies of the demo's 96 tokens): probes 11.2, 6.8, 5.7, 10.1 GFLOP/s; Stage 2 28.9 s
+#     per iteration (15.2 counted GFLOP/s), Osprey's distillation 21.2 s (51.6 counted GFLOP/s: 3.4x Stage 2's),
+#     EAGLE-3's 5.57 s (59.4: 3.9x), start-ups 68, 135 and 58 s.
+# Stage 2's ratio is run 1's against its least contended probe (0.78; the issue's 17 min for 120 iterations on this
+# path is 0.91); the distillations' are Stage 2's times their run-2 multiples, rounded to 2.4 and 3.6 (the native-bf16
+# demo's per-iteration times give 2.75x and 5.4x); the start-ups are run 1's, rounded up.
 STAGE_COSTS = {
-    "pretrain": StageCost(efficiency=0.60, startup=25.0),
-    "distill_osprey": StageCost(efficiency=0.45, startup=25.0),
-    "distill_eagle3": StageCost(efficiency=0.35, startup=25.0),
+    "pretrain": StageCost(efficiency=0.8, startup=25.0),
+    "distill_osprey": StageCost(efficiency=2.4, startup=75.0),
+    "distill_eagle3": StageCost(efficiency=3.6, startup=50.0),
 }
-# The untrained steps of `make demo`, in seconds at OTHER_STEPS_RATE GFLOP/s: fixed ones (the target asset, osprey
-# data, preprocessing, prune, adapt, the evaluation), and per training conversation the regeneration in-process and
-# the extraction; with the vLLM engine installed, regeneration in vLLM and the evaluation in vLLM instead.
-OTHER_FIXED_SECONDS = 120.0
+# The untrained steps of `make demo`, in seconds at OTHER_STEPS_RATE GFLOP/s (run 1's first probe): fixed ones (the
+# target asset, osprey data 4 s, preprocessing 1, prune 15, adapt 30, extraction's start-up 10, the evaluation 120:
+# not measured on this path, the last make demo's 69 s rounded up), per training conversation the regeneration
+# in-process (run 2: 45 s each at a probe of 6.3 GFLOP/s, 5.0 s at OTHER_STEPS_RATE; the native demo's 5.4) and the
+# extraction; with the vLLM engine installed, regeneration and evaluation in vLLM (the last make demo's 69 + 670 s,
+# measured on the native-bf16 path under contention) instead of the in-process regeneration.
+OTHER_FIXED_SECONDS = 190.0
 REGENERATE_SECONDS_PER_CONVERSATION = 5.0
 EXTRACT_SECONDS_PER_CONVERSATION = 0.5
 VLLM_SECONDS = 740.0
-OTHER_STEPS_RATE = 20.0
+OTHER_STEPS_RATE = 56.8
 STAGE2_FLOOR = 0.25  # Stage 2 keeps at least this share of its iterations before distillation is shortened
+DISTILL_FLOOR = 0.25  # and distillation this share of its epochs (below it the comparison says little): a machine
+# too slow for both floors runs them, over the budget, and the line says why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +130,8 @@ def other_reference_seconds(conversations: int, vllm: bool) -> float:
 
 
 def resize(rate_gflops: float, budget: float, steps: list[TrainedStep], other_reference: float = 0.0) -> Resize:
-    """The largest scales (Stage 2 first, down to STAGE2_FLOOR, then distillation) whose predicted total fits
+    """The largest scales (Stage 2 first, down to STAGE2_FLOOR, then distillation, down to DISTILL_FLOOR) whose
+    predicted total fits
     `budget` seconds at `rate_gflops`, the untrained steps taking `other_reference` seconds at OTHER_STEPS_RATE;
     scales are 1 where it already fits. Pure: no clock, no model."""
     if not rate_gflops > 0:
@@ -136,7 +154,7 @@ def resize(rate_gflops: float, budget: float, steps: list[TrainedStep], other_re
     d = 1.0
     if total(s2, 1.0) > budget:
         s2 = STAGE2_FLOOR
-        d = _largest_scale(lambda x: total(STAGE2_FLOOR, x), budget, 0.0)
+        d = _largest_scale(lambda x: total(STAGE2_FLOOR, x), budget, DISTILL_FLOOR)
     return Resize(rate_gflops, budget, predicted, total(s2, d), other, s2, d)
 
 

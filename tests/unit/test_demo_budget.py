@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megatron_osprey.demo import budget
-from megatron_osprey.demo.budget import BUDGET_SECONDS, STAGE2_FLOOR, TrainedStep, resize, scaled
+from megatron_osprey.demo.budget import BUDGET_SECONDS, DISTILL_FLOOR, STAGE2_FLOOR, TrainedStep, resize, scaled
 from megatron_osprey.demo.sizes import DemoConfig
 
 # The quick demo's trained steps as demo_trained_steps counts them on SmolLM2-135M (FLOPs per iteration, the
@@ -51,9 +51,9 @@ def test_a_slower_machine_shortens_stage2_first_to_the_largest_size_that_fits():
 
 
 def test_a_much_slower_machine_also_shortens_distillation():
-    rate = (_rate_for(STAGE2_FLOOR, 1.0) * _rate_for(STAGE2_FLOOR, 0.2)) ** 0.5
+    rate = (_rate_for(STAGE2_FLOOR, 1.0) * _rate_for(STAGE2_FLOOR, 0.4)) ** 0.5
     decision = resize(rate, BUDGET_SECONDS, QUICK, OTHER)
-    assert decision.stage2_scale == STAGE2_FLOOR and 0 < decision.distill_scale < 1.0
+    assert decision.stage2_scale == STAGE2_FLOOR and DISTILL_FLOOR < decision.distill_scale < 1.0
     assert decision.predicted_after <= BUDGET_SECONDS < _total(rate, STAGE2_FLOOR, decision.distill_scale + 0.01)
 
 
@@ -159,11 +159,11 @@ def test_make_demo_is_fitted_to_30_minutes_unless_told_otherwise(monkeypatch, tm
 
 
 def test_a_machine_too_slow_for_the_smallest_sizes_says_what_does_not_shrink():
-    rate = 0.5 * _rate_for(STAGE2_FLOOR, 0.0)
+    rate = 0.5 * _rate_for(STAGE2_FLOOR, DISTILL_FLOOR)
     decision = resize(rate, BUDGET_SECONDS, QUICK, OTHER)
-    assert (decision.stage2_scale, decision.distill_scale) == (STAGE2_FLOOR, 0.0)
+    assert (decision.stage2_scale, decision.distill_scale) == (STAGE2_FLOOR, DISTILL_FLOOR)
     assert decision.predicted_after > BUDGET_SECONDS
     quick = DemoConfig.quick()
     line = budget.describe(decision, quick, budget.apply(quick, decision), 2, 2.0)
-    assert "RESIZED Stage 2 120 -> 30 iterations, distillation 2 -> 0 epochs (48 -> 1 updates)" in line
+    assert "RESIZED Stage 2 120 -> 30 iterations, distillation 2 -> 0.5 epochs (48 -> 12 updates)" in line
     assert "still over the budget: the untrained steps (regeneration, extraction, evaluation...) alone take " in line
