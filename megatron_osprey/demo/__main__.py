@@ -36,6 +36,53 @@ def main(argv=None) -> int:
         help="add extra arms to a quick or smoke run ('all', or any of: " + ", ".join(EXTRA_ARMS) + "); --full "
         "has them all. A finished run resumes with more arms.",
     )
+    _add_run_flags(parser)
+    args = parser.parse_args(argv)
+    from megatron_osprey.base.hardware import cpu_capability
+    from megatron_osprey.demo.pipeline import run_demo
+    from megatron_osprey.demo.sizes import DemoConfig
+
+    try:
+        cpu = cpu_capability(os.environ)
+    except ValueError as error:
+        parser.error(str(error))
+    cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
+    # bf16 only where the CPU computes it natively: emulated, a bf16 matmul is ~50x slower than float32.
+    cfg = dataclasses.replace(cfg, bf16=cfg.bf16 and cpu.native_bf16)
+    print(cpu.line(), flush=True)
+    if args.cross_tokenizer:
+        cfg = cfg.with_cross_tokenizer()
+    if args.arms:
+        try:
+            cfg = cfg.with_arms(args.arms)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.regenerate_temperature is not None:
+        if args.regenerate_temperature < 0:
+            parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
+        cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
+    budget = _budget_seconds(parser, args)
+    try:
+        # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; it regenerates the training data and
+        # serves the drafters beside the reference engine. None installed: in-process regeneration, one report line.
+        vllm_python = os.environ.get("VLLM_PYTHON")
+        report = run_demo(cfg, args.output, fresh=args.fresh, vllm_python=vllm_python, serve=True, budget=budget)
+    except RuntimeError as error:
+        print(f"demo failed: {error}", file=sys.stderr)
+        return 1
+    print((args.output / "report.md").read_text())
+    gain = (report.get("osprey_gain_over_eagle3") or {}).get("mean")
+    resized = (report.get("config") or {}).get("resized")
+    print(
+        f"demo: wrote {args.output}/report.md, report.json and heatmap.png "
+        f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%"
+        + ("; RESIZED to fit the time budget, see report.md)" if resized else ")")
+    )
+    return 0
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of how the run goes: regeneration's temperature, resuming, the time budget."""
     parser.add_argument(
         "--regenerate-temperature",
         type=float,
@@ -59,60 +106,20 @@ def main(argv=None) -> int:
     budget.add_argument(
         "--no-resize", action="store_true", help="keep the configured sizes whatever the probe predicts"
     )
-    args = parser.parse_args(argv)
-    from megatron_osprey.base.hardware import cpu_capability
-    from megatron_osprey.demo.budget import BUDGET_SECONDS
-    from megatron_osprey.demo.pipeline import run_demo
-    from megatron_osprey.demo.sizes import DemoConfig
 
-    try:
-        cpu = cpu_capability(os.environ)
-    except ValueError as error:
-        parser.error(str(error))
-    cfg = DemoConfig.full() if args.full else DemoConfig.smoke() if args.smoke else DemoConfig.quick()
-    # bf16 only where the CPU computes it natively: emulated, a bf16 matmul is ~50x slower than float32.
-    cfg = dataclasses.replace(cfg, bf16=cfg.bf16 and cpu.native_bf16)
-    print(cpu.line(), flush=True)
-    if args.cross_tokenizer:
-        cfg = cfg.with_cross_tokenizer()
-    if args.arms:
-        try:
-            cfg = cfg.with_arms(args.arms)
-        except ValueError as error:
-            parser.error(str(error))
-    if args.regenerate_temperature is not None:
-        if args.regenerate_temperature < 0:
-            parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
-        cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
+
+def _budget_seconds(parser: argparse.ArgumentParser, args) -> float | None:
+    """The budget the run is fitted to (seconds), or None: make demo's promise is 30 minutes, so its base size is
+    fitted to it unless --no-resize; a larger run only when asked (the prediction covers the base arms, not the extra
+    arms or the cross-tokenizer arm)."""
+    from megatron_osprey.demo.budget import BUDGET_SECONDS
+
     if args.time_budget is not None and not args.time_budget > 0:
         parser.error("--time-budget must be > 0 minutes.")
-    # make demo's promise is 30 minutes: its base size is fitted to it unless --no-resize; a larger run only when
-    # asked (the prediction covers the base arms, not the extra arms or the cross-tokenizer arm).
+    if args.no_resize:
+        return None
     quick = not (args.full or args.smoke or args.arms or args.cross_tokenizer)
-    minutes = None if args.no_resize else args.time_budget or (BUDGET_SECONDS / 60 if quick else None)
-    try:
-        # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; it regenerates the training data and
-        # serves the drafters beside the reference engine. None installed: in-process regeneration, one report line.
-        report = run_demo(
-            cfg,
-            args.output,
-            fresh=args.fresh,
-            vllm_python=os.environ.get("VLLM_PYTHON"),
-            serve=True,
-            budget=None if minutes is None else 60 * minutes,
-        )
-    except RuntimeError as error:
-        print(f"demo failed: {error}", file=sys.stderr)
-        return 1
-    print((args.output / "report.md").read_text())
-    gain = (report.get("osprey_gain_over_eagle3") or {}).get("mean")
-    resized = (report.get("config") or {}).get("resized")
-    print(
-        f"demo: wrote {args.output}/report.md, report.json and heatmap.png "
-        f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%"
-        + ("; RESIZED to fit the time budget, see report.md)" if resized else ")")
-    )
-    return 0
+    return 60 * args.time_budget if args.time_budget else BUDGET_SECONDS if quick else None
 
 
 if __name__ == "__main__":

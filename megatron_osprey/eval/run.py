@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.checksums import skipped_checksum_note
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.checks import (
     check_drafter_fits_target,
@@ -30,7 +31,6 @@ from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, p
 from megatron_osprey.eval.prompts import load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
 from megatron_osprey.speculative.ngram import NgramDrafter
-from megatron_osprey.training.checkpoint_files import skipped_checksum_note
 
 RESULTS_TAG = "megatron_osprey.eval/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -71,10 +71,10 @@ FLAGS = {
 
 def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> Path:
     """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
+    from megatron_osprey.base.checksums import skipped_checksum_note
     from megatron_osprey.base.outputs import claimed_output
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.export.formats import export_drafter
-    from megatron_osprey.training.checkpoint_files import skipped_checksum_note
 
     for flag, value in (("--checkpoint", config.checkpoint), ("--output", config.output)):
         if not value:

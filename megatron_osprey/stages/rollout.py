@@ -183,7 +183,7 @@ def _load_drafter(config: RolloutConfig, vocab_size: int, device, dtype):
 
     loaded = load_drafter(config.drafter, "--drafter", verify=not config.skip_checksum)
     if config.skip_checksum and loaded.source == "megatron" and is_rank0():
-        from megatron_osprey.training.checkpoint_files import skipped_checksum_note
+        from megatron_osprey.base.checksums import skipped_checksum_note
 
         print(skipped_checksum_note(config.drafter), file=sys.stderr, flush=True)
     if not isinstance(loaded.drafter, ReferenceDrafter):

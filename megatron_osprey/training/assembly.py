@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import yaml
 
+from megatron_osprey.base.checksums import skipped_checksum_note
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, resume_check
-from megatron_osprey.training.checkpoint_files import skipped_checksum_note
 from megatron_osprey.training.flops import device_peak_tflops
 from megatron_osprey.training.loop import TrainState, train
 from megatron_osprey.training.metrics import MetricsLogger, ThroughputModel

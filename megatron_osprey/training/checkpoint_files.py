@@ -184,11 +184,6 @@ class PlainDataLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
 SKIP_CHECKSUM_HINT = "pass --skip-checksum"
 
 
-def skipped_checksum_note(path: str | Path) -> str:
-    """The line a stage prints when --skip-checksum let it load PATH's checkpoint files unverified."""
-    return f"--skip-checksum: the files of {path} were loaded without verification"
-
-
 def check_checkpoint_files(path: str | Path, verify: bool = True) -> None:
     """Collective: rank 0 compares PATH's files with the checksums the save recorded; every rank raises its refusal.
 
