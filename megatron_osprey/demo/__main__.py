@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         if args.regenerate_temperature < 0:
             parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
         cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
-    budget = _budget_seconds(parser, args)
+    budget = _budget_seconds(parser, args, float32=not cfg.bf16)
     try:
         # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; it regenerates the training data and
         # serves the drafters beside the reference engine. None installed: in-process regeneration, one report line.
@@ -108,17 +108,17 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _budget_seconds(parser: argparse.ArgumentParser, args) -> float | None:
+def _budget_seconds(parser: argparse.ArgumentParser, args, float32: bool) -> float | None:
     """The budget the run is fitted to (seconds), or None: make demo's promise is 30 minutes, so its base size is
-    fitted to it unless --no-resize; a larger run only when asked (the prediction covers the base arms, not the extra
-    arms or the cross-tokenizer arm)."""
+    fitted to it on a CPU that computes it in float32 (the path the model is calibrated on) unless --no-resize; a
+    larger run, or a native-bf16 CPU, only when asked (the prediction covers the base arms, in float32)."""
     from megatron_osprey.demo.budget import BUDGET_SECONDS
 
     if args.time_budget is not None and not args.time_budget > 0:
         parser.error("--time-budget must be > 0 minutes.")
     if args.no_resize:
         return None
-    quick = not (args.full or args.smoke or args.arms or args.cross_tokenizer)
+    quick = float32 and not (args.full or args.smoke or args.arms or args.cross_tokenizer)
     return 60 * args.time_budget if args.time_budget else BUDGET_SECONDS if quick else None
 
 

@@ -140,10 +140,17 @@ def test_fit_to_budget_says_what_it_changed_and_a_resumed_run_keeps_it(smollm2_l
 
 
 @pytest.mark.parametrize(
-    "argv, minutes",
-    [([], 30.0), (["--no-resize"], None), (["--time-budget", "45"], 45.0), (["--smoke"], None)],
+    "argv, cpu, minutes",
+    [
+        ([], "avx2", 30.0),
+        (["--no-resize"], "avx2", None),
+        (["--time-budget", "45"], "avx2", 45.0),
+        (["--smoke"], "avx2", None),
+        ([], "avx512_bf16", None),  # the model is calibrated on the float32 path: a bf16 CPU runs as configured
+        (["--time-budget", "30"], "avx512_bf16", 30.0),
+    ],
 )
-def test_make_demo_is_fitted_to_30_minutes_unless_told_otherwise(monkeypatch, tmp_path, argv, minutes):
+def test_make_demo_is_fitted_to_30_minutes_unless_told_otherwise(monkeypatch, tmp_path, argv, cpu, minutes):
     import megatron_osprey.demo.__main__ as demo
     import megatron_osprey.demo.pipeline as pipeline
 
@@ -154,6 +161,7 @@ def test_make_demo_is_fitted_to_30_minutes_unless_told_otherwise(monkeypatch, tm
         raise RuntimeError("stopped after the config")
 
     monkeypatch.setattr(pipeline, "run_demo", record)
+    monkeypatch.setenv("OSPREY_CPU_CAPABILITY", cpu)
     assert demo.main([*argv, "--output", str(tmp_path)]) == 1
     assert seen["budget"] == (None if minutes is None else 60 * minutes)
 
