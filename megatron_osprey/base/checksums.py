@@ -78,6 +78,11 @@ def verify_checksums(directory: str | os.PathLike, skip_hint: str) -> bool:
     return True
 
 
+def skipped_checksum_note(path: str | os.PathLike) -> str:
+    """The line a stage prints when --skip-checksum let it load PATH's checkpoint files unverified."""
+    return f"--skip-checksum: the files of {path} were loaded without verification"
+
+
 def _mismatch(path: Path, found: str, recorded: str, skip_hint: str) -> str:
     return (
         f"{path} is corrupt: it has {found} but the save recorded {recorded}; load another iteration "

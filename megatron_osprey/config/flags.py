@@ -25,6 +25,19 @@ class Flag:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def skip_checksum_flag(what: str) -> Flag:
+    """--skip-checksum for the stages that load a dist checkpoint: `what` names the flags whose checkpoint it covers."""
+    return Flag(
+        "--skip-checksum",
+        "skip_checksum",
+        {
+            **STORE_TRUE,
+            "help": f"load {what} without verifying its files against the sha256 recorded at save, or without that "
+            "record (checksums.json): only a copy you trust",
+        },
+    )
+
+
 def under(section: str, flags: Iterable[Flag]) -> list[Flag]:
     """The same flags, their fields inside `section` of a composed config."""
     return [dataclasses.replace(f, dest=f"{section}.{f.dest}") for f in flags]

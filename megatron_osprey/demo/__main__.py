@@ -1,5 +1,6 @@
 """python -m megatron_osprey.demo [--full | --smoke] [--cross-tokenizer] [--arms all|ARM ...]
-[--regenerate-temperature T] [--output demo_out] [--fresh]: the Osprey pipeline on a real target."""
+[--regenerate-temperature T] [--time-budget MIN | --no-resize] [--output demo_out] [--fresh]: the Osprey pipeline
+on a real target."""
 
 import argparse
 import dataclasses
@@ -35,17 +36,7 @@ def main(argv=None) -> int:
         help="add extra arms to a quick or smoke run ('all', or any of: " + ", ".join(EXTRA_ARMS) + "); --full "
         "has them all. A finished run resumes with more arms.",
     )
-    parser.add_argument(
-        "--regenerate-temperature",
-        type=float,
-        default=None,
-        metavar="T",
-        help="the target's sampling temperature when it regenerates the training conversations (default 1.0, "
-        "the Osprey release's, seeded; 0: greedy)",
-    )
-    parser.add_argument(
-        "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
-    )
+    _add_run_flags(parser)
     args = parser.parse_args(argv)
     from megatron_osprey.base.hardware import cpu_capability
     from megatron_osprey.demo.pipeline import run_demo
@@ -70,20 +61,65 @@ def main(argv=None) -> int:
         if args.regenerate_temperature < 0:
             parser.error("--regenerate-temperature must be >= 0 (0: greedy).")
         cfg = dataclasses.replace(cfg, regenerate_temperature=args.regenerate_temperature)
+    budget = _budget_seconds(parser, args, float32=not cfg.bf16)
     try:
         # The serving engine: VLLM_PYTHON, else the repository's .venv-vllm; it regenerates the training data and
         # serves the drafters beside the reference engine. None installed: in-process regeneration, one report line.
-        report = run_demo(cfg, args.output, fresh=args.fresh, vllm_python=os.environ.get("VLLM_PYTHON"), serve=True)
+        vllm_python = os.environ.get("VLLM_PYTHON")
+        report = run_demo(cfg, args.output, fresh=args.fresh, vllm_python=vllm_python, serve=True, budget=budget)
     except RuntimeError as error:
         print(f"demo failed: {error}", file=sys.stderr)
         return 1
     print((args.output / "report.md").read_text())
     gain = (report.get("osprey_gain_over_eagle3") or {}).get("mean")
+    resized = (report.get("config") or {}).get("resized")
     print(
         f"demo: wrote {args.output}/report.md, report.json and heatmap.png "
-        f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%)"
+        f"(Osprey vs EAGLE-3 mean AL gain {100 * (gain or 0):+.1f}%"
+        + ("; RESIZED to fit the time budget, see report.md)" if resized else ")")
     )
     return 0
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of how the run goes: regeneration's temperature, resuming, the time budget."""
+    parser.add_argument(
+        "--regenerate-temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="the target's sampling temperature when it regenerates the training conversations (default 1.0, "
+        "the Osprey release's, seeded; 0: greedy)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="replace a previous demo run in --output instead of resuming it"
+    )
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="the wall-time budget a quick run (make demo) is fitted to by a few-second GEMM probe of this machine "
+        "(default 30; the other sizes are not resized unless it is given)",
+    )
+    budget.add_argument(
+        "--no-resize", action="store_true", help="keep the configured sizes whatever the probe predicts"
+    )
+
+
+def _budget_seconds(parser: argparse.ArgumentParser, args, float32: bool) -> float | None:
+    """The budget the run is fitted to (seconds), or None: make demo's promise is 30 minutes, so its base size is
+    fitted to it on a CPU that computes it in float32 (the path the model is calibrated on) unless --no-resize; a
+    larger run, or a native-bf16 CPU, only when asked (the prediction covers the base arms, in float32)."""
+    from megatron_osprey.demo.budget import BUDGET_SECONDS
+
+    if args.time_budget is not None and not args.time_budget > 0:
+        parser.error("--time-budget must be > 0 minutes.")
+    if args.no_resize:
+        return None
+    quick = float32 and not (args.full or args.smoke or args.arms or args.cross_tokenizer)
+    return 60 * args.time_budget if args.time_budget else BUDGET_SECONDS if quick else None
 
 
 if __name__ == "__main__":

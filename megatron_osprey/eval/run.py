@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.base.atomic_io import write_text_atomic
+from megatron_osprey.base.checksums import skipped_checksum_note
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.checks import (
     check_drafter_fits_target,
@@ -258,7 +259,9 @@ def _load_drafters(config, tokenizer, target_config) -> tuple[list[tuple], dict]
     """Each --drafter loaded and checked against the target: ([(item, loaded, domain, method)], {name: warning})."""
     drafters, warnings = [], {}
     for item in config.drafters:
-        loaded = load_drafter(item.path)
+        loaded = load_drafter(item.path, verify=not config.skip_checksum)
+        if config.skip_checksum and loaded.source == "megatron":
+            print(skipped_checksum_note(item.path), file=sys.stderr, flush=True)
         if isinstance(loaded.drafter, NgramDrafter):
             check_ngram_fits_target(item.path, loaded.drafter, config.target, tokenizer)
         else:

@@ -424,7 +424,7 @@ def run_vllm_eval(config) -> dict:
     target_config = json.loads(target_file.read_text()) if target_file.is_file() else None
     drafters = []
     for item in config.drafters:
-        loaded = load_drafter(item.path)
+        loaded = load_drafter(item.path, verify=not config.skip_checksum)
         if not hasattr(loaded.drafter, "config"):
             raise ValueError(f"--drafter {item.name}: an n-gram drafter has no vLLM EAGLE-3 export.")
         refusal = vllm_refusal(loaded.drafter.config, target_config)  # before the reference engine runs

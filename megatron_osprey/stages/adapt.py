@@ -14,10 +14,19 @@ import dataclasses
 import json
 from pathlib import Path
 
-from megatron_osprey.base.outputs import check_disjoint
+from megatron_osprey.base.outputs import check_not_partial, check_output
+from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
-from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, in_process_groups, is_rank0, parse_config
+from megatron_osprey.stages.cli import (
+    Invocation,
+    check_inputs,
+    claimed_by_rank0,
+    exit_code,
+    in_process_groups,
+    is_rank0,
+    parse_config,
+)
 
 ALIGNMENT_POLICIES = ("reference", "bytes_and_roles")
 
@@ -43,10 +52,9 @@ class AdaptConfig:
                 raise ValueError(f"{flag} is required.")
         if self.alignment_policy not in ALIGNMENT_POLICIES:
             raise ValueError(f"--alignment-policy must be one of {ALIGNMENT_POLICIES}, got {self.alignment_policy!r}.")
-        output = Path(self.output)
-        check_disjoint(output, self.inputs())
-        if output.exists() and any(output.iterdir()) and not self.overwrite:
-            raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
+        check_not_partial(self.backbone, "--backbone")  # a prune or pretrain run stopped midway, by name
+        # Every rank refuses a taken --output here, before any process group; rank 0 claims it in run().
+        check_output(self.output, self.inputs(), PROVENANCE_FILE, self.overwrite, stage="adapt")
 
     def inputs(self) -> dict:
         return {"--backbone": self.backbone, "--target": self.target, "--token-counts": self.token_counts}
@@ -96,12 +104,17 @@ def run(config: AdaptConfig, invocation: Invocation = Invocation("adapt")) -> di
     inputs |= {"target_config": Path(config.target) / "config.json", "token_counts": config.token_counts}
     inputs = check_inputs(inputs) if is_rank0() else {}
     target = ModelArch.from_hf_config(config.target)  # the one parse of its config.json
-    report = in_process_groups(config.parallel, lambda state: _adapt_and_write(config, target, state))
-    if is_rank0():
-        output = Path(config.output)
-        outputs = {name: output / name for name in ("megatron", "hf", "run_config.yaml", "tokenizer_alignment.json")}
-        invocation.record(output, config, inputs, {name.split(".")[0]: path for name, path in outputs.items()})
-    return report
+
+    def adapt_and_write(state):
+        # Marked partial from before the first file to provenance.json, written last (as prune's output).
+        with claimed_by_rank0(config.output, config.inputs(), config.overwrite, "adapt") as output:
+            report = _adapt_and_write(config, target, state)
+            if state.rank == 0:
+                names = ("megatron", "hf", "run_config.yaml", "tokenizer_alignment.json")
+                invocation.record(output, config, inputs, {name.split(".")[0]: output / name for name in names})
+        return report
+
+    return in_process_groups(config.parallel, adapt_and_write)
 
 
 def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
@@ -110,8 +123,6 @@ def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
 
     from megatron_osprey.base.atomic_io import write_text_atomic
     from megatron_osprey.base.hf_files import copy_tokenizer_files
-    from megatron_osprey.base.outputs import prepare_output
-    from megatron_osprey.base.provenance import PROVENANCE_FILE
     from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.models.drafter.adapt import adapt_reference_drafter
     from megatron_osprey.models.drafter.convert import load_reference_state
@@ -131,8 +142,7 @@ def _adapt_and_write(config: AdaptConfig, target, state) -> dict:
         "alignment_counts": adapted.report["counts"],
         "parallel": parallel,
     }
-    if state.rank == 0:
-        prepare_output(output, config.inputs(), PROVENANCE_FILE, config.overwrite, stage="adapt")
+    if state.rank == 0:  # rank 0 has claimed OUT (run)
         (output / "hf").mkdir(parents=True, exist_ok=True)
         adapted.drafter.save_pretrained(output / "hf")
         copy_tokenizer_files(config.target, output / "hf")

@@ -18,13 +18,15 @@ stderr, no traceback); 1 a run that failed on its own (a non-finite training los
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_osprey.base import provenance
+from megatron_osprey.base.outputs import claimed_output
 from megatron_osprey.config.flags import FlagGroups, add_flag_groups, apply_flags
 from megatron_osprey.config.overrides import apply_overrides
 
@@ -166,6 +168,30 @@ def exit_code(
     except FloatingPointError as error:  # a non-finite loss: the run failed, not its input
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def claimed_by_rank0(output: str | Path, inputs: dict, overwrite: bool, stage: str) -> Iterator[Path]:
+    """Collective, inside the process groups: a collective stage's output, claimed by rank 0 for the block
+    (base/outputs.claimed_output: one writer, the stage's earlier or partial output emptied, WRITING_MARKER until
+    provenance.json is written). Its refusal is broadcast, so every rank raises it instead of waiting for rank 0."""
+    import torch
+
+    rank0 = torch.distributed.get_rank() == 0
+    with contextlib.ExitStack() as stack:
+        refusal: list = [None]
+        if rank0:
+            try:
+                stack.enter_context(claimed_output(output, inputs, overwrite, stage=stage))
+            except INPUT_ERRORS as error:
+                refusal = [(isinstance(error, FileExistsError), str(error))]
+                torch.distributed.broadcast_object_list(refusal, src=0)
+                raise
+        torch.distributed.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            exists, message = refusal[0]
+            raise (FileExistsError if exists else ValueError)(message)
+        yield Path(output).expanduser()
 
 
 def in_process_groups(parallel, work: Callable):

@@ -34,7 +34,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean
+from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, skip_checksum_flag
 from megatron_osprey.eval.config import DTYPE_NAMES, EVAL_ENGINES, TARGET_BACKENDS, DrafterSpec
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
@@ -69,6 +69,7 @@ class EvaluateConfig:
     target_backend: str = "hf"  # or "megatron": the Megatron-Core model (exact recompute, no KV cache)
     truncate_prompts: bool = False  # keep a too-long prompt's last tokens instead of refusing it
     overwrite: bool = False  # replace an existing OUTPUT/results.json
+    skip_checksum: bool = False  # load Megatron --drafter checkpoints without checking them against checksums.json
     batch_size: int = 1  # > 1: the batched greedy-chain engine (same tokens and AL, several requests per forward)
     replay: bool = False  # AL by replaying the target's greedy output: one target forward per prompt for all drafters
     # The real serving engine (--engine vllm): the reference engine runs (or --reference-results is read), then
@@ -141,6 +142,7 @@ FLAGS = {
         Flag("--train-domain", "train_domain", {"action": "extend", "nargs": "+", "help": "[NAME=]DOMAIN, in order"}),
         Flag("--method", "method", {"action": "extend", "nargs": "+", "help": "[NAME=]METHOD, in --drafter order"}),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace an existing OUTPUT/results.json"}),
+        skip_checksum_flag("each Megatron --drafter checkpoint"),
     ],
     "decoding": [
         Flag("--steps", "steps", {"type": int}),

@@ -28,9 +28,10 @@ checked against an allow-list first, but load only checkpoints you trust. The ex
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
-from megatron_osprey.config.flags import STORE_TRUE, Flag
+from megatron_osprey.config.flags import STORE_TRUE, Flag, skip_checksum_flag
 from megatron_osprey.export.config import ARCHITECTURE_NAMES, FORMATS
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
@@ -45,6 +46,7 @@ class ExportConfig:
     overwrite: bool = False
     # sglang config architectures: this project's plugin (osprey) or the names Osprey's patched SGLang registers
     architecture_names: str = "osprey"
+    skip_checksum: bool = False  # load a Megatron --checkpoint without checking its files against checksums.json
 
 
 FLAGS = {
@@ -53,6 +55,7 @@ FLAGS = {
         Flag("--format", "format", {"choices": list(FORMATS)}),
         Flag("--output", "output", {}),
         Flag("--overwrite", "overwrite", {**STORE_TRUE, "help": "replace a non-empty --output"}),
+        skip_checksum_flag("a Megatron --checkpoint"),
         Flag(
             "--architecture-names",
             "architecture_names",
@@ -68,6 +71,7 @@ FLAGS = {
 
 def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> Path:
     """Load any drafter checkpoint (Megatron, Stage 3 output, reference dir) and export it."""
+    from megatron_osprey.base.checksums import skipped_checksum_note
     from megatron_osprey.base.outputs import claimed_output
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.export.formats import export_drafter
@@ -80,7 +84,10 @@ def run(config: ExportConfig, invocation: Invocation = Invocation("export")) -> 
     # Refused before the drafter loads; emptied only when it holds this stage's own earlier (or partial) export. The
     # marker written first and provenance.json written last make an export stopped midway a partial one to evaluate.
     with claimed_output(config.output, {"--checkpoint": config.checkpoint}, config.overwrite, stage="export") as output:
-        loaded = load_drafter(config.checkpoint, "--checkpoint")  # names --checkpoint when it is not a drafter
+        # Names --checkpoint when it is not a drafter; a Megatron one is checked against its checksums.json.
+        loaded = load_drafter(config.checkpoint, "--checkpoint", verify=not config.skip_checksum)
+        if config.skip_checksum and loaded.source == "megatron":
+            print(skipped_checksum_note(config.checkpoint), file=sys.stderr, flush=True)
         inputs = check_inputs({"checkpoint": config.checkpoint})  # before anything is written
         target = loaded.run_config.get("target")
         tokenizer_dir = Path(target) if target and Path(target).is_dir() else None

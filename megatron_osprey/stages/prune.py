@@ -12,11 +12,20 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from megatron_osprey.base.outputs import check_disjoint
+from megatron_osprey.base.outputs import check_output
+from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, under
 from megatron_osprey.models.backbone.config import PRUNE_STRATEGIES, TRANSFORMER_IMPLS
 from megatron_osprey.parallel.config import PARALLEL_FLAGS, ParallelConfig
-from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, in_process_groups, is_rank0, parse_config
+from megatron_osprey.stages.cli import (
+    Invocation,
+    check_inputs,
+    claimed_by_rank0,
+    exit_code,
+    in_process_groups,
+    is_rank0,
+    parse_config,
+)
 
 
 @dataclasses.dataclass
@@ -39,7 +48,8 @@ class PruneConfig:
         for flag, value in (("--source", self.source), ("--output", self.output)):
             if not value:
                 raise ValueError(f"{flag} is required.")
-        check_disjoint(self.output, self.inputs())
+        # Every rank refuses a taken --output here, before any process group; rank 0 claims it in run().
+        check_output(self.output, self.inputs(), PROVENANCE_FILE, self.overwrite, stage="prune")
         validate(self)
 
     def inputs(self) -> dict:
@@ -76,12 +86,23 @@ def run(config: PruneConfig, invocation: Invocation = Invocation("prune")):
 
     config.validate()
     inputs = check_inputs({"source": config.source}) if is_rank0() else {}
-    pruned = in_process_groups(config.parallel, lambda state: _write(config, prune_backbone(config, state), state))
-    output = Path(config.output)
-    if is_rank0():
-        outputs = {"megatron": output / "megatron", "hf": output / "hf", "run_config": output / "run_config.yaml"}
-        invocation.record(output, config, inputs, outputs)
-    return pruned
+
+    def prune_and_write(state):
+        pruned = prune_backbone(config, state)
+        # Marked partial (WRITING_MARKER) from before the first file to provenance.json, written last: a run
+        # stopped in between leaves an output the next stage refuses and `prune --overwrite` empties.
+        with claimed_by_rank0(config.output, config.inputs(), config.overwrite, "prune") as output:
+            _write(config, pruned, state)
+            if state.rank == 0:
+                outputs = {
+                    "megatron": output / "megatron",
+                    "hf": output / "hf",
+                    "run_config": output / "run_config.yaml",
+                }
+                invocation.record(output, config, inputs, outputs)
+        return pruned
+
+    return in_process_groups(config.parallel, prune_and_write)
 
 
 def _write(config: PruneConfig, pruned, state):
@@ -89,16 +110,12 @@ def _write(config: PruneConfig, pruned, state):
     import torch
 
     from megatron_osprey.base.hf_files import copy_tokenizer_files
-    from megatron_osprey.base.outputs import prepare_output
-    from megatron_osprey.base.provenance import PROVENANCE_FILE
     from megatron_osprey.base.run_config import save_run_config
     from megatron_osprey.convert.megatron_to_hf import export_to_hf
     from megatron_osprey.training.checkpointing import save_checkpoint
 
     output, arch = Path(config.output), pruned.arch
-    if state.rank == 0:
-        prepare_output(output, config.inputs(), PROVENANCE_FILE, config.overwrite, stage="prune")
-    torch.distributed.barrier()
+    torch.distributed.barrier()  # every rank has pruned, and rank 0 has claimed OUT
     run_config = {
         "stage": "prune",
         "source": str(config.source),

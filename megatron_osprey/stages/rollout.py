@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from pathlib import Path
 
 from megatron_osprey.base.outputs import check_disjoint
 from megatron_osprey.base.provenance import PROVENANCE_FILE
-from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, under
+from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, skip_checksum_flag, under
 from megatron_osprey.eval.config import TARGET_BACKENDS
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS
 from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAGS, ParallelConfig
@@ -73,6 +74,7 @@ class RolloutConfig:
     transformer_impl: str = "auto"
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     overwrite: bool = False
+    skip_checksum: bool = False  # load a Megatron --drafter without checking its files against checksums.json
 
     def validate(self) -> None:
         """Flags and paths, before any model is loaded."""
@@ -162,6 +164,7 @@ FLAGS = {
             "overwrite",
             {**STORE_TRUE, "help": "delete a store made from other inputs or settings (the same ones resume)"},
         ),
+        skip_checksum_flag("a Megatron --drafter checkpoint"),
     ],
     "distributed": under(
         "parallel",
@@ -178,7 +181,11 @@ def _load_drafter(config: RolloutConfig, vocab_size: int, device, dtype):
     from megatron_osprey.eval.loading import load_drafter
     from megatron_osprey.models.drafter.reference import ReferenceDrafter
 
-    loaded = load_drafter(config.drafter, "--drafter")
+    loaded = load_drafter(config.drafter, "--drafter", verify=not config.skip_checksum)
+    if config.skip_checksum and loaded.source == "megatron" and is_rank0():
+        from megatron_osprey.base.checksums import skipped_checksum_note
+
+        print(skipped_checksum_note(config.drafter), file=sys.stderr, flush=True)
     if not isinstance(loaded.drafter, ReferenceDrafter):
         raise ValueError(f"--drafter {config.drafter} is a {loaded.source} drafter; the rollout trains a neural one.")
     if loaded.drafter.config.vocab_size != vocab_size:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import yaml
 
+from megatron_osprey.base.checksums import skipped_checksum_note
 from megatron_osprey.base.run_config import to_plain
 from megatron_osprey.parallel import ParallelState
 from megatron_osprey.training import checkpointing, resume_check
@@ -138,7 +139,7 @@ def _run_locked(cfg, spec: TrainSpec, parallel: ParallelState, notes: list[str])
             run_identity=spec.run_identity,
         )
         if cfg.checkpoint.skip_checksum:
-            notes.append(f"--skip-checksum: the files of {cfg.checkpoint.load} were loaded without verification")
+            notes.append(skipped_checksum_note(cfg.checkpoint.load))
         state = TrainState(info["iteration"], info["consumed_train_samples"])
         notes += info["notes"] + [f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}"]
 

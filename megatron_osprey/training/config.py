@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_osprey.config.flags import STORE_TRUE, Flag
+from megatron_osprey.config.flags import STORE_TRUE, Flag, skip_checksum_flag
 from megatron_osprey.parallel.config import ParallelConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -277,15 +277,7 @@ CHECKPOINT_FLAGS = [
     Flag("--ckpt-step", "ckpt_step", {"type": int}),
     Flag("--no-load-optim", "no_load_optim", STORE_TRUE),
     Flag("--no-load-rng", "no_load_rng", STORE_TRUE),
-    Flag(
-        "--skip-checksum",
-        "skip_checksum",
-        {
-            **STORE_TRUE,
-            "help": "load --load (and pretrain's --backbone, distill's --drafter-init) without verifying its files "
-            "against the sha256 recorded at save, or without that record (checksums.json)",
-        },
-    ),
+    skip_checksum_flag("--load (and pretrain's --backbone, distill's --drafter-init)"),
 ]
 LOGGING_FLAGS = [
     Flag("--log-interval", "log_interval", {"type": int}),

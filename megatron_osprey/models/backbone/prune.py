@@ -26,7 +26,7 @@ class PrunedBackbone:
 
 
 def validate(config) -> ModelArch:
-    """Check the source, N and the output before any work; returns the source architecture."""
+    """Check the source and N before any work; returns the source architecture."""
     source = Path(config.source)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"--source {source}: no config.json there (expected a HF model directory).")
@@ -38,10 +38,7 @@ def validate(config) -> ModelArch:
     check_vocab_fits(source, arch.vocab_size)
     if config.strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {STRATEGIES}, got {config.strategy!r}.")
-    output = Path(config.output)
-    if output.exists() and any(output.iterdir()) and not config.overwrite:
-        raise FileExistsError(f"--output {output} exists and is not empty; pass --overwrite to replace it.")
-    return arch
+    return arch  # --output: the stage checks it (check_output) and claims it before this runs
 
 
 def check_vocab_fits(source: Path, vocab_size: int) -> None:
