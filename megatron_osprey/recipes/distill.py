@@ -77,6 +77,13 @@ _MINIMAX = dict(
     reasoning_parser="minimax-append-think",
     domain="code",
 )
+_GPT_OSS = dict(
+    examples=70_000,
+    global_batch=8,
+    budget="this project's choice (no Osprey run on gpt-oss is published): MiniMax-M2.5's 70,000 prompts, 3 epochs "
+    "at global batch 8",
+    reasoning_parser="gpt-oss",
+)
 LAYOUTS = {
     ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
@@ -85,6 +92,9 @@ LAYOUTS = {
     # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
     ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
     ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
+    # gpt-oss-120B dequantized from MXFP4 to BF16 (~117B parameters): TP 8 / EP 8 over one node of either GPU.
+    ("gpt_oss_120b", "h100"): TargetLayout(8, 8, 8, 8, **_GPT_OSS),
+    ("gpt_oss_120b", "b200"): TargetLayout(8, 8, 8, 8, **_GPT_OSS),
 }
 
 
