@@ -1,6 +1,8 @@
-"""Run under `torchrun --nproc_per_node=2`: GLM-4.5 and gpt-oss targets at TP=2+SP and EP=2 against HF.
+"""Run under `torchrun --nproc_per_node=2`: GLM-4.5 and gpt-oss targets at TP=2+SP and EP=2 against HF, then a tiny
+drafter distilled online on a GLM-4.5 target at EP=2 for a few steps.
 
-argv: WORK RESULT. The gpt-oss target is written as an MXFP4 checkpoint (experts as blocks +
+argv: WORK RESULT TARGET DRAFTER DATA (the distillation's GLM-4.5 target, drafter adapted to it, conversations).
+The gpt-oss target is written as an MXFP4 checkpoint (experts as blocks +
 scales, dequantized by the loader); its HF reference is the model in memory, holding the same rounded values.
 Rank 0 writes a JSON of measured figures to RESULT; the pytest side asserts them.
 """
@@ -13,7 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from megatron_osprey.models.target.pipeline_stage import PrefillCapture, load_target
 from megatron_osprey.parallel import ParallelConfig, parallel_context
+from megatron_osprey.testing.distill_setup import tiny_distill_config
 from megatron_osprey.testing.tiny_models import TINY_TARGET_CONFIGS, write_chat_target
+from megatron_osprey.training.distillation import run_distill
 from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 
 FAMILIES = ("glm4_moe", "gpt_oss")
@@ -22,6 +26,7 @@ LAYOUTS = {
     "tp2_sp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
     "ep2": ParallelConfig(expert_model_parallel_size=2),
 }
+DISTILL_ITERS = 4
 SEQ = 32  # longer than gpt-oss's tiny window (8): the sliding layers mask keys the full layers see
 
 
@@ -41,7 +46,7 @@ def hf_outputs(model, ids):
     return outputs, logits
 
 
-def main(work: Path, result_path: Path) -> None:
+def main(work: Path, result_path: Path, target: str, drafter: str, data: str) -> None:
     results = {}
     rank = torch.distributed.get_rank()
     ids = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -79,6 +84,15 @@ def main(work: Path, result_path: Path) -> None:
                     )
                     mlp = stage.model.decoder.layers[-1].mlp
                     results[f"{family}_{label}_local_experts"] = len(mlp.experts.local_experts)
+    # Online distillation: the frozen GLM-4.5 target (experts over EP 2) feeds the dense drafter, replicated.
+    setup = {"target": target, "drafter": drafter, "data": data}
+    cfg = tiny_distill_config(setup, ttt__ttt_steps=3, training__train_iters=DISTILL_ITERS, checkpoint__save=None)
+    cfg.parallel = ParallelConfig(expert_model_parallel_size=2)
+    with parallel_context(cfg.parallel) as state:
+        history = run_distill(cfg, state).history
+    if rank == 0:
+        for key in ("loss/train", "acc/0", "optim/grad_norm"):
+            results[f"distill_{key}"] = [entry[key] for entry in history]
     merged = merged_on_rank0(results)
     if merged is not None:
         result_path.write_text(json.dumps(merged, indent=2))
