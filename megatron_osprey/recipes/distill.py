@@ -45,7 +45,8 @@ REGENERATE_MAX_TOKENS = 4096
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
-EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
+# gpt-oss: SpecForge's configs/gpt-oss-20B-eagle3.json (hidden 2880, as the 120B's).
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "gpt_oss_120b": 17280}
 
 
 class TargetLayout:

@@ -8,7 +8,8 @@ paths.target=DIR`), and a preset is only the shape to plan with until it exists.
 
 Sources: Qwen/Qwen3-4B, Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, MiniMaxAI/MiniMax-M2.5 (the M2
 family config as published for MiniMax-M2.1, e.g. QuixiAI/MiniMax-M2.1-bf16, with M2.5's vocabulary),
-HuggingFaceTB/SmolLM2-135M-Instruct, openai/gpt-oss-120b; the tiny presets are the toy models megatron_osprey.testing builds.
+HuggingFaceTB/SmolLM2-135M-Instruct, openai/gpt-oss-120b; the tiny presets are the toy models
+megatron_osprey.testing builds.
 """
 
 from __future__ import annotations
