@@ -201,7 +201,7 @@ def write_byte_level_bpe(out: Path, texts, vocab_size: int, special_tokens, conf
 
 
 def glm4_moe_config(layers: int = 4, vocab: int = VOCAB):
-    """Tiny GLM-4.5: a dense first layer, then 8 experts (top-4 of 2 groups, both kept) beside a shared expert,
+    """Tiny GLM-4.5: a dense first layer, then 8 experts (top-4 within the best 2 of 4 groups) beside a shared expert,
     sigmoid routing with a bias and a scaling factor, partial RoPE, q/k/v biases, per-head q/k norm."""
     from transformers import Glm4MoeConfig
 
@@ -216,7 +216,7 @@ def glm4_moe_config(layers: int = 4, vocab: int = VOCAB):
         n_routed_experts=8,
         n_shared_experts=1,
         num_experts_per_tok=4,
-        n_group=2,
+        n_group=4,
         topk_group=2,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,

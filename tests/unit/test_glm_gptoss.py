@@ -233,3 +233,47 @@ def test_the_sliding_window_mask_is_hf_own():
         [[not keep(zero, zero, torch.tensor(q), torch.tensor(k)) for k in range(10)] for q in range(10)]
     )
     assert torch.equal(sliding_window_mask(10, 10, (3, 0), "cpu"), expected)
+
+
+def test_the_weight_rules_of_each_spec():
+    from megatron_osprey.base.arch import ModelArch
+    from megatron_osprey.convert.weight_map import rules_for
+
+    layer = "decoder.layers.{layer}"
+    glm, oss = ModelArch.from_hf_config(GLM_4_5), ModelArch.from_hf_config(GPT_OSS_120B)
+    glm_te = {rule.megatron: rule.hf for rule in rules_for(glm, "transformer_engine")}
+    # Dense layers fuse the pre-MLP norm into fc1 under TE; MoE layers keep it standalone: both read the same tensor.
+    fused, standalone = f"{layer}.mlp.linear_fc1.layer_norm_weight", f"{layer}.pre_mlp_layernorm.weight"
+    assert glm_te[fused] == glm_te[standalone] == ("model.layers.{layer}.post_attention_layernorm.weight",)
+    assert glm_te[f"{layer}.mlp.router.expert_bias"] == ("model.layers.{layer}.mlp.gate.e_score_correction_bias",)
+    assert f"{layer}.self_attention.linear_proj.bias" not in glm_te  # GLM-4.5's o_proj has no bias
+    oss_local = {rule.megatron: rule for rule in rules_for(oss, "local")}
+    assert oss_local[f"{layer}.self_attention.core_attention.softmax_offset"].hf == (
+        "model.layers.{layer}.self_attn.sinks",
+    )
+    assert oss_local[f"{layer}.mlp.router.bias"].hf == ("model.layers.{layer}.mlp.router.bias",)
+    expert = f"{layer}.mlp.experts.local_experts.{{expert}}"
+    assert oss_local[f"{expert}.linear_fc1.bias"].hf == ("model.layers.{layer}.mlp.experts.gate_up_proj_bias",)
+    oss_te = {rule.megatron for rule in rules_for(oss, "transformer_engine")}
+    assert {
+        f"{layer}.mlp.experts.linear_fc1.bias{{expert}}",
+        f"{layer}.mlp.experts.linear_fc2.bias{{expert}}",
+    } <= oss_te
+
+
+def test_an_interleaved_expert_is_split_into_gate_and_up_per_rank(tmp_path):
+    from safetensors.torch import save_file
+
+    from megatron_osprey.convert.sharding import read_shard
+    from megatron_osprey.convert.weight_map import Split, WeightRule
+
+    # Expert 1 of 2: hidden 2, ffn 4; column 2j is gate j, 2j + 1 is up j (HF's gate_up_proj [E, hidden, 2 ffn]).
+    fused = torch.arange(2 * 2 * 8, dtype=torch.float32).reshape(2, 2, 8)
+    save_file({"gate_up": fused, "down": fused[:, :, :4].transpose(1, 2).contiguous()}, str(tmp_path / "m.safetensors"))
+    rule = WeightRule("fc1", ("gate_up",), Split.EXPERT_GATE_UP_INTERLEAVED, expert=True)
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        rank1 = read_shard(ckpt, rule, ["gate_up"], None, tp_rank=1, tp_size=2, expert=1)
+        gate, up = fused[1].T[0::2], fused[1].T[1::2]  # [ffn, hidden] each
+        assert torch.equal(rank1, torch.cat([gate[2:], up[2:]]))
+        down = read_shard(ckpt, WeightRule("fc2", ("down",), Split.EXPERT_DOWN), ["down"], None, 0, 2, expert=1)
+        assert torch.equal(down, fused[1, :, :4][:, :2])  # Megatron's [hidden, ffn], this rank's ffn half
