@@ -81,6 +81,13 @@ def yarn_inv_freq(arch: ModelArch) -> torch.Tensor:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def sliding_window_mask(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:
+    """[sq, sk] bool, True where masked: keys outside [q - window[0], q + window[1]] (queries end-aligned)."""
+    q = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    k = torch.arange(sk, device=device).unsqueeze(0)
+    return (k < q - window[0]) | (k > q + window[1])
+
+
 def decoder_spec(arch: ModelArch, transformer_impl: str, config, spec, vp_stage: int | None = None):
     """`spec` (one layer's) or, for a dense-then-MoE stack, the block spec of this stage's layers; on the local
     spec, sliding-window layers get SlidingWindowDotProductAttention."""
