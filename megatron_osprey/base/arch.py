@@ -24,6 +24,9 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    # Multi-latent attention with shared experts (base/deepseek_v3.py); Kimi-K2 is the same architecture.
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 
 
@@ -113,11 +116,14 @@ class ModelArch:
     rotary_dim: int = 0
     # "head": one RMSNorm per head (Qwen3); "projection": over all heads at once (MiniMax-M2).
     qk_norm_scope: str = "head"
-    # GLM-4.5 / gpt-oss (base/arch_glm_gptoss.py); the defaults are every other family's.
-    moe_shared_expert_size: int = 0  # a shared expert's FFN width beside the routed ones (0: none)
-    moe_dense_layers: int = 0  # the first N layers have a dense MLP (first_k_dense_replace)
-    moe_num_groups: int = 0  # group-limited routing: experts in this many groups (0: no groups)
-    moe_group_topk: int = 0  # ... of which this many are kept per token
+    # Multi-latent attention (DeepSeek-V3 / Kimi-K2, base/deepseek_v3.py); None: q/k/v projections.
+    mla: Any = None  # deepseek_v3.MLAShape
+    # 1 for a mixture-of-experts layer, 0 for a dense one (None: every layer of a MoE model is MoE).
+    moe_layer_pattern: tuple[int, ...] | None = None
+    moe_shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups (0: none) ...
+    moe_router_group_topk: int = 0  # ... of which this many are kept per token
+    # gpt-oss / GLM-4.5 (base/arch_glm_gptoss.py); the defaults are every other family's.
     linear_bias: bool = False  # biases on o_proj, the router and the experts (gpt-oss)
     attention_sinks: bool = False  # a learned logit per head beside the keys (gpt-oss)
     sliding_window: int = 0  # keys within the last N positions (itself included) on sliding_layers
@@ -144,6 +150,10 @@ class ModelArch:
                 f"{', '.join(sorted(SUPPORTED_FAMILIES))}."
             )
         check_config_fields(config, model_type, source)  # every field below has its type and a supported value
+        from megatron_osprey.base import deepseek_v3
+
+        if model_type in deepseek_v3.MLA_MODEL_TYPES:
+            return cls(**deepseek_v3.deepseek_v3_fields(config, source))
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         rope = dict(config.get("rope_parameters") or {})
@@ -205,6 +215,11 @@ class ModelArch:
         return self.num_experts > 0
 
     @property
+    def dense_layer_count(self) -> int:
+        """Layers with a dense MLP in a mixture-of-experts stack (moe_layer_pattern's zeros)."""
+        return 0 if self.moe_layer_pattern is None else self.moe_layer_pattern.count(0)
+
+    @property
     def is_dense(self) -> bool:
         return self.num_experts == 0
 
@@ -260,14 +275,16 @@ class ModelArch:
                 "score_function": self.moe_score_function,
                 "norm_topk_prob": self.moe_norm_topk_prob,
                 "expert_bias": self.moe_expert_bias,
-                "moe_layers": "all" if not self.moe_dense_layers else f"{self.moe_dense_layers}..{self.num_layers - 1}",
+                "moe_layers": "all",
             }
-            if self.moe_shared_expert_size:
-                shape["moe"]["shared_expert_ffn_hidden_size"] = self.moe_shared_expert_size
-            if self.moe_topk_scaling_factor:
-                shape["moe"]["routed_scaling_factor"] = self.moe_topk_scaling_factor
-            if self.moe_num_groups:
-                shape["moe"]["groups"] = {"num_groups": self.moe_num_groups, "group_topk": self.moe_group_topk}
+        if self.moe_layer_pattern is not None:
+            shape["moe"]["moe_layers"] = [i for i, moe in enumerate(self.moe_layer_pattern) if moe]
+            shape["moe"]["shared_expert_ffn_hidden_size"] = self.moe_shared_expert_ffn_hidden_size
+            shape["moe"]["router_groups"] = self.moe_router_num_groups
+            shape["moe"]["router_group_topk"] = self.moe_router_group_topk
+            shape["moe"]["topk_scaling_factor"] = self.moe_topk_scaling_factor
+        if self.mla is not None:
+            shape["mla"] = self.mla.shape()
         if self.attention_sinks:
             shape["attention_sinks"] = True
         if self.sliding_layers:
@@ -288,11 +305,12 @@ class ModelArch:
                 config[key] = config[key][:num_layers]
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], num_layers)
+        pattern = None if self.moe_layer_pattern is None else self.moe_layer_pattern[:num_layers]
         return dataclasses.replace(
             self,
             num_layers=num_layers,
             hf_config=config,
-            moe_dense_layers=min(self.moe_dense_layers, num_layers),
+            moe_layer_pattern=pattern,
             sliding_layers=tuple(i for i in self.sliding_layers if i < num_layers),
         )
 
@@ -319,10 +337,11 @@ class ModelArch:
             checks.append(("num_experts", self.num_experts, ep, "--expert-model-parallel-size"))
             if not self.linear_bias:  # biased experts run at expert-tensor-parallel size 1 (gpt-oss)
                 checks.append(("moe_intermediate_size", self.moe_ffn_hidden_size, tp, "--tensor-model-parallel-size"))
-            if self.moe_dense_layers:
+            if self.mla is None and self.dense_layer_count:
                 checks.append(("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"))
-            if self.moe_shared_expert_size:
-                checks.append(("shared expert width", self.moe_shared_expert_size, tp, "--tensor-model-parallel-size"))
+            if self.mla is None and self.moe_shared_expert_ffn_hidden_size:
+                shared = self.moe_shared_expert_ffn_hidden_size
+                checks.append(("shared expert width", shared, tp, "--tensor-model-parallel-size"))
         else:
             checks.append(("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"))
             if ep > 1:
@@ -330,6 +349,10 @@ class ModelArch:
                     f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; "
                     f"{self.family} is dense, use 1."
                 )
+        if self.mla is not None:
+            from megatron_osprey.base import deepseek_v3
+
+            checks += deepseek_v3.parallel_checks(self, tp)
         for name, value, size, flag in checks:
             if value % size:
                 raise ValueError(
@@ -348,6 +371,10 @@ class ModelArch:
 
     def num_parameters(self) -> int:
         """Parameter count of the HF model (embedding counted once when tied)."""
+        if self.mla is not None:
+            from megatron_osprey.base import deepseek_v3
+
+            return deepseek_v3.num_parameters(self)
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
@@ -363,12 +390,12 @@ class ModelArch:
         if self.is_moe:
             mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router rows
             mlp += self.num_experts if self.moe_expert_bias else 0
-            mlp += 3 * h * self.moe_shared_expert_size
+            mlp += 3 * h * self.moe_shared_expert_ffn_hidden_size
             if self.linear_bias:  # router bias, fc1 (gate and up) and fc2 biases
                 mlp += self.num_experts * (1 + 2 * self.moe_ffn_hidden_size + h)
         else:
             mlp = dense_mlp
-        dense = self.moe_dense_layers if self.is_moe else 0
+        dense = self.dense_layer_count if self.is_moe else 0
         layers = (self.num_layers - dense) * (attn + mlp + 2 * h) + dense * (attn + dense_mlp + 2 * h)
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed

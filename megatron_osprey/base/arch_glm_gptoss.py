@@ -57,10 +57,10 @@ def glm4_moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         moe_norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         moe_expert_bias=True,  # e_score_correction_bias: HF always has the buffer (zeros when untrained)
         moe_topk_scaling_factor=None if scaling == 1.0 else scaling,
-        moe_shared_expert_size=shared * int(config["moe_intermediate_size"]),
-        moe_dense_layers=dense,
-        moe_num_groups=groups if groups > 1 else 0,
-        moe_group_topk=group_topk if groups > 1 else 0,
+        moe_shared_expert_ffn_hidden_size=shared * int(config["moe_intermediate_size"]),
+        moe_layer_pattern=(0,) * dense + (1,) * (layers - dense),
+        moe_router_num_groups=groups if groups > 1 else 0,
+        moe_router_group_topk=group_topk if groups > 1 else 0,
         mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
     )
 

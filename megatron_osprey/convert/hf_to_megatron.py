@@ -1,4 +1,5 @@
-"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / GLM-4.5 / gpt-oss checkpoint into this rank's model stage.
+"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 / GLM-4.5 / gpt-oss checkpoint into this rank's
+model stage.
 
 Each rank reads only its own TP slice of its own PP stage's tensors, and of the
 experts only its EP rank's, straight from the safetensors files: a 70B or 229B
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.convert.deepseek_v3 import deepseek_v3_rules
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.sharding import read_shard
 from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
@@ -64,7 +66,8 @@ def _tensors_to_load(model, rules):
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: str | Path, arch: ModelArch, tp_rank: int, tp_size: int) -> list[str]:
     """Copy this rank's slices of the HF checkpoint into `model`; returns the tensor names set."""
-    rules = rules_for(arch, getattr(model, "transformer_impl", "local"))
+    impl = getattr(model, "transformer_impl", "local")
+    rules = rules_for(arch, impl) if arch.mla is None else deepseek_v3_rules(arch, impl)
     ep_rank, ep_size, etp_rank, etp_size = expert_layout(tp_rank, tp_size)
     experts_per_rank = arch.num_experts // ep_size if arch.is_moe else 0
     loaded = []

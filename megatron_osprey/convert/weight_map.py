@@ -29,6 +29,10 @@ class Split(enum.Enum):
     EXPERT_GATE_UP_INTERLEAVED = "expert_gate_up_interleaved"  # [in, 2 x out] with gate, up alternating columns
     EXPERT_DOWN = "expert_down"  # [in, out]: transposed, then split like ROW
     EXPERT_REPLICATED = "expert_replicated"  # [out] (the down-projection bias)
+    # Multi-latent attention (convert/deepseek_v3.py): the rope rows de-interleaved, then split.
+    MLA_Q = "mla_q"  # per head [nope | rope] rows, split by heads
+    MLA_KV_DOWN = "mla_kv_down"  # [kv latent | rope] rows, split along dim 0
+    MLA_KV_DOWN_FULL = "mla_kv_down_full"  # the same, whole on every rank (TE's duplicated down projection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +153,14 @@ GLM_GPTOSS_RULES: tuple[WeightRule, ...] = (
         (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
         Split.GATE_UP,
         families=_GLM,
-        when="moe_dense_layers",
+        when="dense_layer_count",
     ),
     WeightRule(
         f"{_LAYER}.mlp.linear_fc2.weight",
         (f"{_MLP}.down_proj.weight",),
         Split.ROW,
         families=_GLM,
-        when="moe_dense_layers",
+        when="dense_layer_count",
     ),
     WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MLP}.gate.weight",), Split.REPLICATED, families=_GLM),
     WeightRule(
@@ -172,14 +176,14 @@ GLM_GPTOSS_RULES: tuple[WeightRule, ...] = (
         (f"{_MLP}.shared_experts.gate_proj.weight", f"{_MLP}.shared_experts.up_proj.weight"),
         Split.GATE_UP,
         families=_GLM,
-        when="moe_shared_expert_size",
+        when="moe_shared_expert_ffn_hidden_size",
     ),
     WeightRule(
         f"{_LAYER}.mlp.shared_experts.linear_fc2.weight",
         (f"{_MLP}.shared_experts.down_proj.weight",),
         Split.ROW,
         families=_GLM,
-        when="moe_shared_expert_size",
+        when="moe_shared_expert_ffn_hidden_size",
     ),
     # gpt-oss: o_proj bias, a sink logit per head, a router with a bias, experts fused over the expert axis.
     WeightRule(
@@ -243,6 +247,8 @@ _QK_NORMS = (f"{_LAYER}.self_attention.q_layernorm.weight", f"{_LAYER}.self_atte
 
 def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRule]:
     """The rules that apply to `arch`, with the spec's parameter names."""
+    if arch.mla is not None:
+        raise ValueError(f"{arch.family}: multi-latent attention has its own rules (convert/deepseek_v3.py).")
     rules = []
     te = transformer_impl == "transformer_engine"
     for rule in DENSE_RULES + MOE_RULES + GLM_GPTOSS_RULES:
@@ -253,7 +259,7 @@ def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRu
             rule = dataclasses.replace(rule, split=Split.COLUMN)
         # MoE layers keep a standalone pre-MLP norm in the TE spec (no fused fc1 to hold it).
         fused_norm = rule.megatron in TE_RENAMES and not (arch.is_moe and "pre_mlp" in rule.megatron)
-        if te and arch.moe_dense_layers and rule.megatron in TE_RENAMES and "pre_mlp" in rule.megatron:
+        if te and arch.dense_layer_count and rule.megatron in TE_RENAMES and "pre_mlp" in rule.megatron:
             # A dense-then-MoE stack (GLM-4.5): dense layers fuse the norm into fc1, MoE layers keep it.
             rules.append(dataclasses.replace(rule, megatron=TE_RENAMES[rule.megatron]))
         if te and fused_norm:

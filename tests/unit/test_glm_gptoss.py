@@ -4,6 +4,7 @@ the weight rules. The Megatron-vs-HF forward is tests/distributed/test_targets_g
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -64,8 +65,9 @@ SHAPES = {
         "tie_word_embeddings": False, "rope_theta": 1000000.0, "rope_scaling": None, "rotary_dim": 64,
         "max_position_embeddings": 131072, "qk_norm": "head",
         "moe": {"num_experts": 160, "router_topk": 8, "expert_ffn_hidden_size": 1536, "score_function": "sigmoid",
-                "norm_topk_prob": True, "expert_bias": True, "moe_layers": "3..91",
-                "shared_expert_ffn_hidden_size": 1536, "routed_scaling_factor": 2.5},
+                "norm_topk_prob": True, "expert_bias": True, "moe_layers": list(range(3, 92)),
+                "shared_expert_ffn_hidden_size": 1536, "router_groups": 0, "router_group_topk": 0,
+                "topk_scaling_factor": 2.5},
         "mtp_layers_skipped": 1,
     }, [1, 45, 88]),
     "gpt_oss": (GPT_OSS_120B, {
@@ -213,7 +215,8 @@ def test_yarn_inverse_frequencies_and_scale_are_hf_own(tmp_path):
     from megatron_osprey.models.backbone.glm_gptoss import family_config_kwargs, yarn_inv_freq
 
     arch = load_target_config(_write(tmp_path, GPT_OSS_120B))
-    hf = GptOssConfig(**{k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"})
+    # A deep copy: transformers writes rope_theta into the rope dict it is given.
+    hf = GptOssConfig(**copy.deepcopy({k: v for k, v in GPT_OSS_120B.items() if k != "quantization_config"}))
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     assert torch.allclose(yarn_inv_freq(arch), inv_freq, rtol=1e-6, atol=0)  # measured: equal to the last bit
     # The clamped-SwiGLU branch imports Megatron-Core (seconds); the distributed test runs it.
@@ -228,7 +231,7 @@ def test_yarn_inverse_frequencies_and_scale_are_hf_own(tmp_path):
 def test_the_sliding_window_mask_is_hf_own():
     from transformers.masking_utils import sliding_window_causal_mask_function
 
-    from megatron_osprey.models.backbone.glm_gptoss import sliding_window_mask
+    from megatron_osprey.models.backbone.sliding_window import sliding_window_mask
 
     keep = sliding_window_causal_mask_function(4)
     zero = torch.tensor(0)

@@ -27,13 +27,6 @@ from megatron_osprey.base.arch_glm_gptoss import yarn_attention_factor
 def family_config_kwargs(arch: ModelArch, expert_tensor_parallel_size: int) -> dict:
     """TransformerConfig fields for GLM-4.5 / gpt-oss features (empty for the other families)."""
     kwargs: dict = {}
-    if arch.moe_shared_expert_size:
-        kwargs["moe_shared_expert_intermediate_size"] = arch.moe_shared_expert_size
-    if arch.moe_dense_layers:
-        kwargs["moe_layer_freq"] = [0] * arch.moe_dense_layers + [1] * (arch.num_layers - arch.moe_dense_layers)
-    if arch.moe_num_groups:
-        kwargs["moe_router_num_groups"] = arch.moe_num_groups
-        kwargs["moe_router_group_topk"] = arch.moe_group_topk
     if arch.linear_bias:
         if arch.is_moe and expert_tensor_parallel_size != 1:
             raise ValueError(
@@ -81,17 +74,10 @@ def yarn_inv_freq(arch: ModelArch) -> torch.Tensor:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def sliding_window_mask(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:
-    """[sq, sk] bool, True where masked: keys outside [q - window[0], q + window[1]] (queries end-aligned)."""
-    q = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
-    k = torch.arange(sk, device=device).unsqueeze(0)
-    return (k < q - window[0]) | (k > q + window[1])
-
-
 def decoder_spec(arch: ModelArch, transformer_impl: str, config, spec, vp_stage: int | None = None):
     """`spec` (one layer's) or, for a dense-then-MoE stack, the block spec of this stage's layers; on the local
     spec, sliding-window layers get SlidingWindowDotProductAttention."""
-    if arch.moe_dense_layers:
+    if arch.dense_layer_count:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(

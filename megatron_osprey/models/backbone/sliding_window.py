@@ -6,9 +6,15 @@ the local spec's sliding-window layers (gpt-oss) cannot run on a CPU; the mask h
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_osprey.models.backbone.glm_gptoss import sliding_window_mask
+
+def sliding_window_mask(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor:
+    """[sq, sk] bool, True where masked: keys outside [q - window[0], q + window[1]] (queries end-aligned)."""
+    q = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    k = torch.arange(sk, device=device).unsqueeze(0)
+    return (k < q - window[0]) | (k > q + window[1])
 
 
 class SlidingWindowDotProductAttention(DotProductAttention):
