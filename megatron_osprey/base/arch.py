@@ -2,7 +2,8 @@
 
 Dense: Qwen3, Llama-3.x. Mixture of experts: Qwen3-MoE (softmax router, optional
 renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction bias,
-partial rotary, and q/k RMSNorm over the whole projection rather than per head).
+partial rotary, and q/k RMSNorm over the whole projection rather than per head),
+GLM-4.5 and gpt-oss (base/arch_glm_gptoss.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_osprey.base.arch_glm_gptoss import FAMILY_FIELDS, YARN_FAMILIES, yarn_scaling
 from megatron_osprey.base.config_fields import check_config_fields
 
 # model_type in config.json -> (family, HF class name)
@@ -20,6 +22,8 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     # Multi-latent attention with shared experts (base/deepseek_v3.py); Kimi-K2 is the same architecture.
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
@@ -119,6 +123,14 @@ class ModelArch:
     moe_shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
     moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups (0: none) ...
     moe_router_group_topk: int = 0  # ... of which this many are kept per token
+    # gpt-oss / GLM-4.5 (base/arch_glm_gptoss.py); the defaults are every other family's.
+    linear_bias: bool = False  # biases on o_proj, the router and the experts (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head beside the keys (gpt-oss)
+    sliding_window: int = 0  # keys within the last N positions (itself included) on sliding_layers
+    sliding_layers: tuple[int, ...] = ()  # 0-based ids of the sliding-window layers
+    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss: clamped gate/up, sigmoid slope 1.702, up + 1)
+    swiglu_limit: float = 0.0
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint: never read
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "config.json") -> "ModelArch":
@@ -150,9 +162,13 @@ class ModelArch:
             rope.update(legacy_scaling)
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default, llama3).")
+        yarn = model_type in YARN_FAMILIES
+        if rope_type not in ("default", "llama3") and not (yarn and rope_type == "yarn"):
+            allowed = "default, llama3, yarn" if yarn else "default, llama3"
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported ({allowed}).")
         scaling = None
+        if rope_type == "yarn":
+            scaling = yarn_scaling(rope, int(config.get("max_position_embeddings", 4096)), source)
         if rope_type == "llama3":
             scaling = {
                 k: rope[k]
@@ -162,6 +178,8 @@ class ModelArch:
         head_dim = int(config.get("head_dim") or hidden // heads)
         moe = _moe_fields(config, model_type, source)
         rotary_dim = int(config.get("rotary_dim") or 0)
+        if model_type == "glm4_moe":  # HF's default for GLM-4.5 is half the head, and it may sit at the top level
+            rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor") or 0.5)
         if not rotary_dim and rope.get("partial_rotary_factor"):
             rotary_dim = int(head_dim * float(rope["partial_rotary_factor"]))
         if rotary_dim in (0, head_dim):
@@ -195,6 +213,11 @@ class ModelArch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def dense_layer_count(self) -> int:
+        """Layers with a dense MLP in a mixture-of-experts stack (moe_layer_pattern's zeros)."""
+        return 0 if self.moe_layer_pattern is None else self.moe_layer_pattern.count(0)
 
     @property
     def is_dense(self) -> bool:
@@ -252,7 +275,7 @@ class ModelArch:
                 "score_function": self.moe_score_function,
                 "norm_topk_prob": self.moe_norm_topk_prob,
                 "expert_bias": self.moe_expert_bias,
-                "moe_layers": "all",  # mixed dense/MoE stacks are refused when parsed
+                "moe_layers": "all",
             }
         if self.moe_layer_pattern is not None:
             shape["moe"]["moe_layers"] = [i for i, moe in enumerate(self.moe_layer_pattern) if moe]
@@ -262,6 +285,16 @@ class ModelArch:
             shape["moe"]["topk_scaling_factor"] = self.moe_topk_scaling_factor
         if self.mla is not None:
             shape["mla"] = self.mla.shape()
+        if self.attention_sinks:
+            shape["attention_sinks"] = True
+        if self.sliding_layers:
+            shape["sliding_window"] = {"window": self.sliding_window, "layers": len(self.sliding_layers)}
+        if self.linear_bias:
+            shape["linear_bias"] = True
+        if self.activation != "swiglu":
+            shape["activation"] = {"kind": self.activation, "limit": self.swiglu_limit}
+        if self.mtp_layers:
+            shape["mtp_layers_skipped"] = self.mtp_layers
         return shape
 
     def with_num_layers(self, num_layers: int) -> "ModelArch":
@@ -273,7 +306,13 @@ class ModelArch:
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], num_layers)
         pattern = None if self.moe_layer_pattern is None else self.moe_layer_pattern[:num_layers]
-        return dataclasses.replace(self, num_layers=num_layers, hf_config=config, moe_layer_pattern=pattern)
+        return dataclasses.replace(
+            self,
+            num_layers=num_layers,
+            hf_config=config,
+            moe_layer_pattern=pattern,
+            sliding_layers=tuple(i for i in self.sliding_layers if i < num_layers),
+        )
 
     def padded_vocab_size(self, tensor_parallel_size: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: a multiple of divisible_by x TP."""
@@ -296,7 +335,13 @@ class ModelArch:
         ]
         if self.is_moe:
             checks.append(("num_experts", self.num_experts, ep, "--expert-model-parallel-size"))
-            checks.append(("moe_intermediate_size", self.moe_ffn_hidden_size, tp, "--tensor-model-parallel-size"))
+            if not self.linear_bias:  # biased experts run at expert-tensor-parallel size 1 (gpt-oss)
+                checks.append(("moe_intermediate_size", self.moe_ffn_hidden_size, tp, "--tensor-model-parallel-size"))
+            if self.mla is None and self.dense_layer_count:
+                checks.append(("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"))
+            if self.mla is None and self.moe_shared_expert_ffn_hidden_size:
+                shared = self.moe_shared_expert_ffn_hidden_size
+                checks.append(("shared expert width", shared, tp, "--tensor-model-parallel-size"))
         else:
             checks.append(("intermediate_size", self.ffn_hidden_size, tp, "--tensor-model-parallel-size"))
             if ep > 1:
@@ -337,15 +382,24 @@ class ModelArch:
             attn += q + kv
         elif self.qk_layernorm:
             attn += 2 * d
+        if self.linear_bias:
+            attn += h  # o_proj bias
+        if self.attention_sinks:
+            attn += self.num_attention_heads
+        dense_mlp = 3 * h * f
         if self.is_moe:
             mlp = self.num_experts * (3 * h * self.moe_ffn_hidden_size + h)  # experts + router rows
             mlp += self.num_experts if self.moe_expert_bias else 0
+            mlp += 3 * h * self.moe_shared_expert_ffn_hidden_size
+            if self.linear_bias:  # router bias, fc1 (gate and up) and fc2 biases
+                mlp += self.num_experts * (1 + 2 * self.moe_ffn_hidden_size + h)
         else:
-            mlp = 3 * h * f
-        layer = attn + mlp + 2 * h
+            mlp = dense_mlp
+        dense = self.dense_layer_count if self.is_moe else 0
+        layers = (self.num_layers - dense) * (attn + mlp + 2 * h) + dense * (attn + dense_mlp + 2 * h)
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * layer + embed + head + h
+        return layers + embed + head + h
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -361,14 +415,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_target_config(path: str | Path) -> ModelArch:
     """A target's architecture from its local config.json (PATH or its directory); the one parse to pass down.
 
-    A Hub id is refused (download the model first), and so is a family other than qwen3, llama, qwen3_moe and
-    minimax_m2, by its model_type.
+    A Hub id is refused (download the model first), and so is a family not in SUPPORTED_FAMILIES, by its model_type.
     """
     return ModelArch.from_hf_config(hf_config_file(path, "target"))
 
 
 def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
     """The MoE ModelArch fields of a HF config (empty for dense families)."""
+    if model_type in FAMILY_FIELDS:
+        return FAMILY_FIELDS[model_type](config, source)
     if model_type == "qwen3_moe":
         sparse_step = int(config.get("decoder_sparse_step", 1))
         if config.get("mlp_only_layers") or sparse_step != 1:
@@ -414,6 +469,8 @@ def _qk_norm(config: dict[str, Any], model_type: str, source: str) -> tuple[bool
     """Whether q/k are RMS-normalized, and over what: one head, or the whole projection."""
     if model_type in ("qwen3", "qwen3_moe"):
         return True, "head"
+    if model_type == "glm4_moe":
+        return (True, "head") if config.get("use_qk_norm") else (False, "none")
     if model_type == "minimax_m2":
         if not config.get("use_qk_norm", True):
             return False, "none"

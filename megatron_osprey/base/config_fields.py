@@ -27,6 +27,7 @@ class ConfigField:
     supported: Callable[[Any], bool] | None = None  # None: every value of the type is implemented
     why: str = ""  # what another value would need that the Megatron model does not build
     families: tuple[str, ...] = ()  # () every family
+    skip_families: tuple[str, ...] = ()  # families with a row of their own for this field
 
 
 def _false(value) -> bool:
@@ -39,6 +40,16 @@ def _full_attention(layer_types) -> bool:
 
 _NO_SLIDING = "sliding-window attention is not implemented: every layer attends to the whole sequence"
 _QWEN3 = ("qwen3", "qwen3_moe")
+_GLM_GPTOSS = ("glm4_moe", "gpt_oss")
+_GLM, _GPTOSS = ("glm4_moe",), ("gpt_oss",)
+
+
+def _window_layer_types(layer_types) -> bool:
+    return all(t in ("sliding_attention", "full_attention") for t in layer_types)
+
+
+def _mxfp4(quantization) -> bool:
+    return quantization.get("quant_method") == "mxfp4"
 
 
 def _fp8_blocks(quant) -> bool:
@@ -149,11 +160,12 @@ FIELDS: tuple[ConfigField, ...] = (
         BOOL,
         supported=_false,
         why="biases on q_proj/k_proj/v_proj/o_proj are not implemented (the o_proj bias would never be read)",
+        skip_families=_GLM_GPTOSS,
     ),
     ConfigField("use_sliding_window", BOOL, supported=_false, why=_NO_SLIDING, families=_QWEN3),
     ConfigField("sliding_window", INT, minimum=1, families=_QWEN3),  # read only under use_sliding_window
     ConfigField("max_window_layers", INT, minimum=0, families=_QWEN3),
-    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING),
+    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING, skip_families=("gpt_oss",)),
     ConfigField("pretraining_tp", INT, minimum=1),  # the same product, computed in slices
     # Mixture of experts.
     ConfigField("num_experts", INT, minimum=1, families=("qwen3_moe",)),
@@ -170,6 +182,45 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("use_qk_norm", BOOL, families=("minimax_m2",)),
     ConfigField("qk_norm_type", STR, families=("minimax_m2",)),
     ConfigField("attn_type_list", LIST, families=("minimax_m2",)),
+    # GLM-4.5 and gpt-oss (base/arch_glm_gptoss.py): q/k/v biases on both, o_proj's too on gpt-oss.
+    ConfigField("attention_bias", BOOL, families=_GLM_GPTOSS),
+    ConfigField("n_routed_experts", INT, required=True, minimum=1, families=_GLM),
+    ConfigField("num_experts_per_tok", INT, required=True, minimum=1, families=_GLM_GPTOSS),
+    ConfigField("moe_intermediate_size", INT, required=True, minimum=1, families=_GLM),
+    ConfigField("n_shared_experts", INT, minimum=0, families=_GLM),
+    ConfigField("routed_scaling_factor", NUMBER, minimum=1e-30, families=_GLM),
+    ConfigField("n_group", INT, minimum=1, families=_GLM),
+    ConfigField("topk_group", INT, minimum=1, families=_GLM),
+    ConfigField("first_k_dense_replace", INT, minimum=0, families=_GLM),
+    ConfigField("norm_topk_prob", BOOL, families=_GLM),
+    ConfigField("use_qk_norm", BOOL, families=_GLM),
+    ConfigField("partial_rotary_factor", NUMBER, minimum=1e-30, families=_GLM),
+    # The multi-token-prediction layers stored after the last decoder layer: the target's forward never runs them.
+    ConfigField("num_nextn_predict_layers", INT, minimum=0, families=_GLM),
+    ConfigField("num_local_experts", INT, required=True, minimum=1, families=_GPTOSS),
+    ConfigField("sliding_window", INT, minimum=1, families=_GPTOSS),
+    ConfigField(
+        "layer_types",
+        LIST,
+        supported=_window_layer_types,
+        why="each layer is sliding_attention or full_attention",
+        families=_GPTOSS,
+    ),
+    ConfigField("swiglu_limit", NUMBER, minimum=1e-30, families=_GPTOSS),
+    ConfigField(
+        "swiglu_alpha",
+        NUMBER,
+        supported=lambda v: v == 1.702,
+        why="the experts' sigmoid slope is Megatron-Core's quick_gelu, fixed at 1.702",
+        families=_GPTOSS,
+    ),
+    ConfigField(
+        "quantization_config",
+        DICT,
+        supported=_mxfp4,
+        why="gpt-oss checkpoints are read as bf16/fp32 or MXFP4 (quant_method mxfp4, dequantized at load)",
+        families=_GPTOSS,
+    ),
     *DEEPSEEK_V3_FIELDS,
 )
 
@@ -202,7 +253,7 @@ def check_config_fields(config: dict[str, Any], model_type: str, source: str) ->
     """Refuse, naming the field, a config.json whose computation this project would not reproduce: a wrong
     type, a missing count, a value that is not implemented, heads that do not divide, incomplete llama3 RoPE."""
     for field in FIELDS:
-        if field.families and model_type not in field.families:
+        if (field.families and model_type not in field.families) or model_type in field.skip_families:
             continue
         value = config.get(field.name)
         if value is None:

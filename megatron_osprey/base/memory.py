@@ -63,6 +63,9 @@ def _stage_weight_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int, s
     if arch.is_moe:
         experts = math.ceil(arch.num_experts / ep)
         mlp = experts * 3 * h * arch.moe_ffn_hidden_size // etp + arch.num_experts * h
+        mlp += 3 * h * arch.moe_shared_expert_ffn_hidden_size // tp  # GLM-4.5's shared expert
+        if arch.linear_bias:  # gpt-oss: the experts' biases (at ETP 1)
+            mlp += experts * (2 * arch.moe_ffn_hidden_size + h)
     else:
         mlp = 3 * h * arch.ffn_hidden_size // tp
     layer = attn + mlp + 2 * h

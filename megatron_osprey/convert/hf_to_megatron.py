@@ -1,9 +1,11 @@
-"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 checkpoint into this rank's model stage.
+"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 / GLM-4.5 / gpt-oss checkpoint into this rank's
+model stage.
 
 Each rank reads only its own TP slice of its own PP stage's tensors, and of the
 experts only its EP rank's, straight from the safetensors files: a 70B or 229B
 checkpoint is never materialized whole. FP8 block-scaled tensors are dequantized
-as they are read, on the device the model lives on (see safetensors_io).
+as they are read, on the device the model lives on (see safetensors_io); MXFP4
+experts (gpt-oss) one expert at a time (see mxfp4).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def load_hf_weights(model, hf_dir: str | Path, arch: ModelArch, tp_rank: int, tp
                 expert = ep_rank * experts_per_rank + indices["expert"]
             names = hf_names_for(model, rule, indices.get("layer"), arch, ckpt, expert)
             rank, size = (etp_rank, etp_size) if rule.expert else (tp_rank, tp_size)
-            shard = read_shard(ckpt, rule, names, arch, rank, size)
+            shard = read_shard(ckpt, rule, names, arch, rank, size, expert)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{hf_dir}: {names} gives a shard of shape {tuple(shard.shape)} for {name} "

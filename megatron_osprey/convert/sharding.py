@@ -21,9 +21,13 @@ def read_shard(
     arch: ModelArch,
     tp_rank: int,
     tp_size: int,
+    expert: int | None = None,
 ) -> torch.Tensor:
-    """Read from disk only the slice of `hf_names` that TP rank `tp_rank` holds."""
+    """Read from disk only the slice of `hf_names` that TP rank `tp_rank` holds (`expert`: the global expert id,
+    for tensors that hold every expert)."""
     split = rule.split
+    if split in _EXPERT_SPLITS:
+        return _read_fused_expert(ckpt, split, hf_names[0], expert, tp_rank, tp_size)
     if split in (Split.MLA_Q, Split.MLA_KV_DOWN, Split.MLA_KV_DOWN_FULL):
         from megatron_osprey.convert.deepseek_v3 import read_mla_shard
 
@@ -61,6 +65,25 @@ def read_shard(
         rows = _part(ckpt.shape(hf_names[0])[0], tp_rank, tp_size)
         return torch.cat([ckpt.read(hf_names[0], rows=rows), ckpt.read(hf_names[1], rows=rows)], dim=0)
     raise ValueError(f"unknown split {split}")
+
+
+_EXPERT_SPLITS = (Split.EXPERT_GATE_UP_INTERLEAVED, Split.EXPERT_DOWN, Split.EXPERT_REPLICATED)
+
+
+def _read_fused_expert(ckpt, split: Split, name: str, expert: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """One expert's shard of a tensor over all experts (gpt-oss: bf16 [E, in, out] or MXFP4 blocks)."""
+    from megatron_osprey.convert.mxfp4 import read_expert
+
+    slab = read_expert(ckpt, name, expert)
+    if split is Split.EXPERT_REPLICATED:
+        return slab
+    if split is Split.EXPERT_DOWN:
+        weight = slab.T  # [in, out] -> Megatron's [out, in], split over `in`
+        return weight[:, slice(*_part(weight.shape[1], tp_rank, tp_size))].contiguous()
+    fused = slab.T if slab.dim() == 2 else slab  # [2 x ffn, hidden] or the bias [2 x ffn]
+    gate, up = fused[0::2], fused[1::2]  # HF alternates gate and up columns
+    rows = slice(*_part(gate.shape[0], tp_rank, tp_size))
+    return torch.cat([gate[rows], up[rows]], dim=0).contiguous()
 
 
 def merge_shards(

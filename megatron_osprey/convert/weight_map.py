@@ -25,6 +25,10 @@ class Split(enum.Enum):
     VOCAB = "vocab"  # dim 0, padded to Megatron's padded vocab size
     QKV = "qkv"  # q, k, v interleaved per query group, split by groups
     GATE_UP = "gate_up"  # gate and up each split, then concatenated per rank
+    # One expert's slice of a tensor that holds every expert (gpt-oss, maybe MXFP4: convert/mxfp4.py).
+    EXPERT_GATE_UP_INTERLEAVED = "expert_gate_up_interleaved"  # [in, 2 x out] with gate, up alternating columns
+    EXPERT_DOWN = "expert_down"  # [in, out]: transposed, then split like ROW
+    EXPERT_REPLICATED = "expert_replicated"  # [out] (the down-projection bias)
     # Multi-latent attention (convert/deepseek_v3.py): the rope rows de-interleaved, then split.
     MLA_Q = "mla_q"  # per head [nope | rope] rows, split by heads
     MLA_KV_DOWN = "mla_kv_down"  # [kv latent | rope] rows, split along dim 0
@@ -138,6 +142,91 @@ MOE_RULES: tuple[WeightRule, ...] = (
     *_expert_mlp(f"{_MOE_BLOCK}.experts.{{expert}}", "w1", "w3", "w2", _MINIMAX),
 )
 
+_GLM = ("glm4_moe",)
+_GPTOSS = ("gpt_oss",)
+_GPTOSS_EXPERTS = f"{_MLP}.experts"
+
+GLM_GPTOSS_RULES: tuple[WeightRule, ...] = (
+    # GLM-4.5: dense MLPs in the first layers, then a sigmoid router with a routing bias, routed and shared experts.
+    WeightRule(
+        f"{_LAYER}.mlp.linear_fc1.weight",
+        (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
+        Split.GATE_UP,
+        families=_GLM,
+        when="dense_layer_count",
+    ),
+    WeightRule(
+        f"{_LAYER}.mlp.linear_fc2.weight",
+        (f"{_MLP}.down_proj.weight",),
+        Split.ROW,
+        families=_GLM,
+        when="dense_layer_count",
+    ),
+    WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MLP}.gate.weight",), Split.REPLICATED, families=_GLM),
+    WeightRule(
+        f"{_LAYER}.mlp.router.expert_bias",
+        (f"{_MLP}.gate.e_score_correction_bias",),
+        Split.REPLICATED,
+        families=_GLM,
+        buffer=True,
+    ),
+    *_expert_mlp(f"{_MLP}.experts.{{expert}}", "gate_proj", "up_proj", "down_proj", _GLM),
+    WeightRule(
+        f"{_LAYER}.mlp.shared_experts.linear_fc1.weight",
+        (f"{_MLP}.shared_experts.gate_proj.weight", f"{_MLP}.shared_experts.up_proj.weight"),
+        Split.GATE_UP,
+        families=_GLM,
+        when="moe_shared_expert_ffn_hidden_size",
+    ),
+    WeightRule(
+        f"{_LAYER}.mlp.shared_experts.linear_fc2.weight",
+        (f"{_MLP}.shared_experts.down_proj.weight",),
+        Split.ROW,
+        families=_GLM,
+        when="moe_shared_expert_ffn_hidden_size",
+    ),
+    # gpt-oss: o_proj bias, a sink logit per head, a router with a bias, experts fused over the expert axis.
+    WeightRule(
+        f"{_LAYER}.self_attention.linear_proj.bias", (f"{_ATTN}.o_proj.bias",), Split.REPLICATED, when="linear_bias"
+    ),
+    WeightRule(
+        f"{_LAYER}.self_attention.core_attention.softmax_offset",
+        (f"{_ATTN}.sinks",),
+        Split.COLUMN,
+        when="attention_sinks",
+    ),
+    WeightRule(f"{_LAYER}.mlp.router.weight", (f"{_MLP}.router.weight",), Split.REPLICATED, families=_GPTOSS),
+    WeightRule(f"{_LAYER}.mlp.router.bias", (f"{_MLP}.router.bias",), Split.REPLICATED, families=_GPTOSS),
+    WeightRule(
+        f"{_EXPERT}.linear_fc1.weight",
+        (f"{_GPTOSS_EXPERTS}.gate_up_proj",),
+        Split.EXPERT_GATE_UP_INTERLEAVED,
+        families=_GPTOSS,
+        expert=True,
+    ),
+    WeightRule(
+        f"{_EXPERT}.linear_fc1.bias",
+        (f"{_GPTOSS_EXPERTS}.gate_up_proj_bias",),
+        Split.EXPERT_GATE_UP_INTERLEAVED,
+        families=_GPTOSS,
+        expert=True,
+    ),
+    WeightRule(
+        f"{_EXPERT}.linear_fc2.weight",
+        (f"{_GPTOSS_EXPERTS}.down_proj",),
+        Split.EXPERT_DOWN,
+        families=_GPTOSS,
+        expert=True,
+    ),
+    WeightRule(
+        f"{_EXPERT}.linear_fc2.bias",
+        (f"{_GPTOSS_EXPERTS}.down_proj_bias",),
+        Split.EXPERT_REPLICATED,
+        families=_GPTOSS,
+        expert=True,
+    ),
+)
+
 # The Transformer Engine spec fuses the pre-attention and pre-MLP norms into the
 # following linear layers: same tensors, other names.
 TE_RENAMES: dict[str, str] = {
@@ -150,6 +239,8 @@ TE_RENAMES: dict[str, str] = {
 TE_EXPERT_RENAMES: dict[str, str] = {
     f"{_EXPERT}.linear_fc1.weight": f"{_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
     f"{_EXPERT}.linear_fc2.weight": f"{_LAYER}.mlp.experts.linear_fc2.weight{{expert}}",
+    f"{_EXPERT}.linear_fc1.bias": f"{_LAYER}.mlp.experts.linear_fc1.bias{{expert}}",
+    f"{_EXPERT}.linear_fc2.bias": f"{_LAYER}.mlp.experts.linear_fc2.bias{{expert}}",
 }
 _QK_NORMS = (f"{_LAYER}.self_attention.q_layernorm.weight", f"{_LAYER}.self_attention.k_layernorm.weight")
 
@@ -160,7 +251,7 @@ def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRu
         raise ValueError(f"{arch.family}: multi-latent attention has its own rules (convert/deepseek_v3.py).")
     rules = []
     te = transformer_impl == "transformer_engine"
-    for rule in DENSE_RULES + MOE_RULES:
+    for rule in DENSE_RULES + MOE_RULES + GLM_GPTOSS_RULES:
         if not rule.applies(arch):
             continue
         if rule.megatron in _QK_NORMS and arch.qk_norm_over_projection:
@@ -168,6 +259,9 @@ def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRu
             rule = dataclasses.replace(rule, split=Split.COLUMN)
         # MoE layers keep a standalone pre-MLP norm in the TE spec (no fused fc1 to hold it).
         fused_norm = rule.megatron in TE_RENAMES and not (arch.is_moe and "pre_mlp" in rule.megatron)
+        if te and arch.dense_layer_count and rule.megatron in TE_RENAMES and "pre_mlp" in rule.megatron:
+            # A dense-then-MoE stack (GLM-4.5): dense layers fuse the norm into fc1, MoE layers keep it.
+            rules.append(dataclasses.replace(rule, megatron=TE_RENAMES[rule.megatron]))
         if te and fused_norm:
             rule = dataclasses.replace(rule, megatron=TE_RENAMES[rule.megatron])
         if te and rule.megatron in TE_EXPERT_RENAMES:

@@ -57,7 +57,8 @@ REGENERATE_MAX_TOKENS = 4096
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
-EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432}
+# gpt-oss: SpecForge's configs/gpt-oss-20B-eagle3.json (hidden 2880, as the 120B's).
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432, "gpt_oss_120b": 17280}
 
 
 # The release's regenerate_data.sh: CONCURRENCY=32 requests in flight per server (this project had 64 in all).
@@ -129,6 +130,13 @@ _DEEPSEEK = dict(
     "release's 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
     reasoning_parser=None,
 )
+_GPT_OSS = dict(
+    examples=70_000,
+    global_batch=8,
+    budget="this project's choice (no Osprey run on gpt-oss is published): MiniMax-M2.5's 70,000 prompts, 3 epochs "
+    "at global batch 8",
+    reasoning_parser="gpt-oss",
+)
 LAYOUTS = {
     ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
@@ -142,6 +150,9 @@ LAYOUTS = {
     # experts need 4 nodes (EP 32). Kimi-K2 is the same architecture: its config at paths.target plans its own size.
     ("deepseek_v3", "h100"): TargetLayout(8, 8, 32, 8, **_DEEPSEEK, nodes=4),
     ("deepseek_v3", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
+    # gpt-oss-120B dequantized from MXFP4 to BF16 (~117B parameters): TP 8 / EP 8 over one node of either GPU.
+    ("gpt_oss_120b", "h100"): TargetLayout(8, 8, 8, 8, **_GPT_OSS),
+    ("gpt_oss_120b", "b200"): TargetLayout(8, 8, 8, 8, **_GPT_OSS),
 }
 
 # examples/minimax-m25/eval.sh: the public suite (humaneval, math500, livecodebench, mtbench, commonsense_eval at 64

@@ -9,8 +9,8 @@ paths.target=DIR`), and a preset is only the shape to plan with until it exists.
 Sources: Qwen/Qwen3-4B, Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, facebook/layerskip-llama3.2-1B (the
 architecture of meta-llama/Llama-3.2-1B), MiniMaxAI/MiniMax-M2.5 (the M2
 family config as published for MiniMax-M2.1, e.g. QuixiAI/MiniMax-M2.1-bf16, with M2.5's vocabulary),
-HuggingFaceTB/SmolLM2-135M-Instruct, deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct; the tiny presets are the
-toy models megatron_osprey.testing builds.
+HuggingFaceTB/SmolLM2-135M-Instruct, deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct, openai/gpt-oss-120b;
+the tiny presets are the toy models megatron_osprey.testing builds.
 """
 
 from __future__ import annotations
@@ -181,6 +181,34 @@ PRESETS: types.MappingProxyType[str, dict[str, Any]] = types.MappingProxyType(
             "tie_word_embeddings": True,
             "vocab_size": 128256,
             "torch_dtype": "bfloat16",
+        },
+        "gpt_oss_120b": {
+            "model_type": "gpt_oss",
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_hidden_layers": 36,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 18,
+            "sliding_window": 128,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 150000,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+            "tie_word_embeddings": False,
+            "vocab_size": 201088,
         },
         "smollm2_135m_instruct": {
             "model_type": "llama",

@@ -1,4 +1,5 @@
-"""Tiny random HF models for tests and benchmarks: Qwen3 (decoupled head_dim, qk-norm) and Llama (llama3 RoPE)."""
+"""Tiny random HF models for tests and benchmarks: Qwen3 (decoupled head_dim, qk-norm), Llama (llama3 RoPE), and
+the mixture-of-experts families (Qwen3-MoE, MiniMax-M2, GLM-4.5, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -184,16 +185,23 @@ TINY_TARGET_CONFIGS = {
     "qwen3": lambda vocab: qwen3_config(tie=False, layers=6, vocab=vocab),
     "qwen3_moe": lambda vocab: qwen3_moe_config(layers=6, vocab=vocab),
     "minimax_m2": lambda vocab: minimax_m2_config(layers=6, vocab=vocab),
+    "glm4_moe": lambda vocab: glm4_moe_config(layers=6, vocab=vocab),
+    "gpt_oss": lambda vocab: gpt_oss_config(layers=6, vocab=vocab),
     "deepseek_v3": lambda vocab: deepseek_v3_config(layers=4, vocab=vocab),
 }
 
 
-def write_chat_target(directory: str | Path, family: str, seed: int = 0):
-    """A 6-layer random target of `family` with a tiny chat tokenizer saved beside it; returns the HF model."""
+def write_chat_target(directory: str | Path, family: str, seed: int = 0, mxfp4: bool = False):
+    """A 6-layer random target of `family` with a tiny chat tokenizer saved beside it; returns the HF model
+    (`mxfp4`: gpt-oss's experts written as MXFP4, see make_glm_gptoss_model)."""
     from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer("llama3" if family == "llama" else "qwen3")
-    model = make_moe_hf_model(TINY_TARGET_CONFIGS[family](len(tokenizer)), directory, seed)
+    config = TINY_TARGET_CONFIGS[family](len(tokenizer))
+    if family in ("glm4_moe", "gpt_oss"):
+        model = make_glm_gptoss_model(config, directory, seed, mxfp4=mxfp4 and family == "gpt_oss")
+    else:
+        model = make_moe_hf_model(config, directory, seed)
     tokenizer.save_pretrained(str(directory))
     return model
 
@@ -233,3 +241,102 @@ def write_byte_level_bpe(out: Path, texts, vocab_size: int, special_tokens, conf
     train_byte_level_bpe(texts, vocab_size, special_tokens).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+def glm4_moe_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny GLM-4.5: a dense first layer, then 8 experts (top-4 within the best 2 of 4 groups) beside a shared expert,
+    sigmoid routing with a bias and a scaling factor, partial RoPE, q/k/v biases, per-head q/k norm."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+        num_nextn_predict_layers=1,
+    )
+
+
+def gpt_oss_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny gpt-oss: sliding (window 8) and full layers alternating, sinks, biases, YaRN, 8 experts top-2 with the
+    clamped SwiGLU (limit 7)."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=vocab,
+        sliding_window=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 8,
+        },
+        attn_implementation="eager",  # the sinks are in HF's eager attention
+    )
+
+
+def make_glm_gptoss_model(config, directory: str | Path, seed: int = 0, mxfp4: bool = False):
+    """make_hf_model for GLM-4.5 / gpt-oss with every zero-initialized tensor HF leaves (routing bias, sinks,
+    linear biases, router) made random, so that one the loader ignores shows. `mxfp4` (gpt-oss): the experts are
+    rounded to MXFP4 in the returned model and written as `_blocks` + `_scales`, as the released checkpoints are."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_osprey.convert.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4, quantize_mxfp4
+
+    model = make_hf_model(config, directory, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("e_score_correction_bias", "sinks", "bias")) or ".router." in name:
+                tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+            if name.endswith(("gate_up_proj", "down_proj")) and tensor.dim() == 3:
+                # Wide enough that the gpt-oss clamp (|x| <= 7) cuts some gate / up values.
+                tensor.mul_(40.0)
+    model.save_pretrained(str(directory))
+    if mxfp4:
+        path = Path(directory) / "model.safetensors"
+        tensors = load_file(str(path))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    blocks, scales = quantize_mxfp4(param.transpose(1, 2))  # stored [experts, out, in]
+                    param.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+                    del tensors[name]
+                    tensors[name + BLOCKS_SUFFIX] = blocks
+                    tensors[name + SCALES_SUFFIX] = scales
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        config_path = Path(directory) / "config.json"
+        written = json.loads(config_path.read_text())
+        written["quantization_config"] = {"quant_method": "mxfp4"}
+        config_path.write_text(json.dumps(written, indent=2))
+    return model

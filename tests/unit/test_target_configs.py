@@ -16,6 +16,7 @@ import pytest
 from megatron_osprey.base.arch import ModelArch, load_target_config
 from megatron_osprey.recipes.targets import PRESETS
 from tests.unit.test_deepseek_v3 import DEEPSEEK_V3, KIMI_K2_INSTRUCT
+from tests.unit.test_glm_gptoss import GPT_OSS_120B
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -318,6 +319,7 @@ PUBLISHED_FOR_PRESET = {
     "deepseek_v3": DEEPSEEK_V3,
     "kimi_k2": KIMI_K2_INSTRUCT,
     "layerskip_llama32_1b": LLAMA32_1B,
+    "gpt_oss_120b": GPT_OSS_120B,
 }
 
 
@@ -429,7 +431,9 @@ def test_the_layer_count_is_read_not_assumed(tmp_path, name, layers, aux):
 def test_an_unsupported_family_is_refused_by_its_model_type(tmp_path):
     config = dict(QWEN3_32B, model_type="gemma3", architectures=["Gemma3ForCausalLM"])
     with pytest.raises(
-        ValueError, match=r"model_type='gemma3'.*supported: deepseek_v3, kimi_k2, llama, minimax_m2, qwen3, qwen3_moe"
+        ValueError,
+        match=r"model_type='gemma3'.*supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, qwen3, "
+        r"qwen3_moe",
     ):
         load_target_config(_write(tmp_path, config))
 

@@ -1,4 +1,4 @@
-"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 config."""
+"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / GLM-4.5 / gpt-oss config."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.hardware import transformer_engine_usable
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS  # noqa: E402,F401
+from megatron_osprey.models.backbone.glm_gptoss import decoder_spec, family_config_kwargs, yarn_inv_freq
 from megatron_osprey.models.backbone.gpu_support import fusions_usable, refuse_without_transformer_engine
 from megatron_osprey.models.backbone.mla import local_mla_build, mla_block_spec, mla_config_kwargs
 from megatron_osprey.parallel import ParallelConfig
@@ -170,6 +171,7 @@ def transformer_config(
         batch_p2p_comm=on_gpu,
     )
     kwargs.update(moe_config_kwargs(arch))
+    kwargs.update(family_config_kwargs(arch, kwargs["expert_tensor_parallel_size"]))
     if arch.mla is not None:
         kwargs.update(mla_config_kwargs(arch))
     kwargs.update(overrides)
@@ -215,7 +217,11 @@ def build_gpt_model(
     with local_mla_build(impl if arch.mla is not None else "transformer_engine"):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(arch, impl) if arch.mla is None else mla_block_spec(config, impl),
+            transformer_layer_spec=(
+                decoder_spec(arch, impl, config, layer_spec(arch, impl), vp_stage)
+                if arch.mla is None
+                else mla_block_spec(config, impl)
+            ),
             vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre_process,
@@ -236,7 +242,9 @@ def build_gpt_model(
 
 
 def rotary_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """RoPE inverse frequencies exactly as the HF model computes them (default or llama3)."""
+    """RoPE inverse frequencies exactly as the HF model computes them (default, llama3 or YaRN)."""
+    if arch.rope_scaling is not None and arch.rope_scaling.get("rope_type") == "yarn":
+        return yarn_inv_freq(arch)
     dim = arch.rotary_dim or arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if arch.rope_scaling is None:

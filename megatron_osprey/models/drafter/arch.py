@@ -12,6 +12,10 @@ from megatron_osprey.base.arch import ModelArch, padded_size
 from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
 
 
+def _llama3(scaling) -> bool:
+    return bool(scaling) and scaling.get("rope_type", "llama3") == "llama3"
+
+
 def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
     """EAGLE-3's layer body for `target`: Llama-style midlayers as wide as the target, no q/k norm.
 
@@ -42,7 +46,8 @@ def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
         "max_position_embeddings": target.max_position_embeddings,
         "rms_norm_eps": target.rms_norm_eps,
         "rope_theta": target.rope_theta,
-        "rope_scaling": None if target.rope_scaling is None else {"rope_type": "llama3", **target.rope_scaling},
+        # llama3 scaling carries over; YaRN (gpt-oss) does not: SpecForge's gpt-oss EAGLE-3 layer has plain RoPE.
+        "rope_scaling": None if not _llama3(target.rope_scaling) else {"rope_type": "llama3", **target.rope_scaling},
         "attention_bias": False,
         "mlp_bias": False,
         "hidden_act": "silu",
