@@ -1,8 +1,8 @@
 """The architecture facts of a HF decoder-only LM, normalized across families.
 
-Dense: Qwen3, Llama-3.x. Mixture of experts: Qwen3-MoE (softmax router, optional
-renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction bias,
-partial rotary, and q/k RMSNorm over the whole projection rather than per head).
+Dense: Qwen3, Llama-3.x, Qwen2 (Qwen2.5), Mistral, Gemma 3 (base/dense_families.py). Mixture of experts:
+Qwen3-MoE (softmax router, optional renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction
+bias, partial rotary, and q/k RMSNorm over the whole projection rather than per head).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_osprey.base.config_fields import check_config_fields
+from megatron_osprey.base.dense_families import dense_variant_fields, family_config
 
 # model_type in config.json -> (family, HF class name)
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -20,6 +21,10 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",  # its text_config: the language model
 }
 
 
@@ -109,6 +114,15 @@ class ModelArch:
     rotary_dim: int = 0
     # "head": one RMSNorm per head (Qwen3); "projection": over all heads at once (MiniMax-M2).
     qk_norm_scope: str = "head"
+    # Qwen2 / Mistral / Gemma 3 (base/dense_families.py); the defaults are the Llama block.
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    sliding_window: int = 0  # a sliding layer attends to the last `sliding_window` positions (itself included)
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" / "full_attention"; (): all full
+    local_rope_theta: float = 0.0  # RoPE base of the sliding layers (0: rope_theta)
+    zero_centered_norm: bool = False  # RMSNorms multiply by (1 + w)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too
+    embedding_multiplier: float = 1.0  # token embeddings scaled by this (Gemma: sqrt(hidden))
+    softmax_scale: float | None = None  # attention scores scale (None: head_dim ** -0.5)
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "config.json") -> "ModelArch":
@@ -127,6 +141,7 @@ class ModelArch:
                 f"(architectures={config.get('architectures')}); supported: "
                 f"{', '.join(sorted(SUPPORTED_FAMILIES))}."
             )
+        config = family_config(config, model_type, source)
         check_config_fields(config, model_type, source)  # every field below has its type and a supported value
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
@@ -136,9 +151,13 @@ class ModelArch:
             rope.update(legacy_scaling)
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default, llama3).")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (default, llama3, linear).")
         scaling = None
+        if rope_type == "linear":
+            if not isinstance(rope.get("factor"), (int, float)) or isinstance(rope.get("factor"), bool):
+                raise ValueError(f"{source}: linear RoPE scaling needs a number `factor`, got {rope.get('factor')!r}.")
+            scaling = {"rope_type": "linear", "factor": float(rope["factor"])}
         if rope_type == "llama3":
             scaling = {
                 k: rope[k]
@@ -155,6 +174,8 @@ class ModelArch:
         elif rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"{source}: rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}.")
         qk_layernorm, scope = _qk_norm(config, model_type, source)
+        variant = {"qkv_bias": bool(config.get("attention_bias", False))}
+        variant.update(dense_variant_fields(config, model_type, source))
         return cls(
             family=model_type,
             num_layers=int(config["num_hidden_layers"]),
@@ -169,13 +190,13 @@ class ModelArch:
             rope_theta=theta,
             rope_scaling=scaling,
             qk_layernorm=qk_layernorm,
-            qkv_bias=bool(config.get("attention_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=config,
             rotary_dim=rotary_dim,
             qk_norm_scope=scope,
             **moe,
+            **variant,
         )
 
     @property
@@ -198,6 +219,13 @@ class ModelArch:
     @property
     def qk_norm_per_head(self) -> bool:
         return self.qk_layernorm and self.qk_norm_scope == "head"
+
+    @property
+    def sliding_layer_flags(self) -> list[bool]:
+        """Per layer: does it attend through the sliding window."""
+        if not self.sliding_window:
+            return [False] * self.num_layers
+        return [kind == "sliding_attention" for kind in self.layer_types] or [True] * self.num_layers
 
     @property
     def hf_architecture(self) -> str:
@@ -230,6 +258,14 @@ class ModelArch:
             "max_position_embeddings": self.max_position_embeddings,
             "qk_norm": self.qk_norm_scope if self.qk_layernorm else None,
         }
+        if self.sliding_window:
+            sliding = self.sliding_layer_flags
+            shape["sliding_window"] = {
+                "window": self.sliding_window,
+                "sliding_layers": sum(sliding),
+                "full_layers": len(sliding) - sum(sliding),
+                "local_rope_theta": self.local_rope_theta or self.rope_theta,
+            }
         if self.is_moe:
             shape["moe"] = {
                 "num_experts": self.num_experts,
@@ -250,7 +286,8 @@ class ModelArch:
                 config[key] = config[key][:num_layers]
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], num_layers)
-        return dataclasses.replace(self, num_layers=num_layers, hf_config=config)
+        layer_types = self.layer_types[:num_layers]
+        return dataclasses.replace(self, num_layers=num_layers, hf_config=config, layer_types=layer_types)
 
     def padded_vocab_size(self, tensor_parallel_size: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: a multiple of divisible_by x TP."""
@@ -311,7 +348,7 @@ class ModelArch:
             mlp += self.num_experts if self.moe_expert_bias else 0
         else:
             mlp = 3 * h * f
-        layer = attn + mlp + 2 * h
+        layer = attn + mlp + (4 * h if self.sandwich_norms else 2 * h)
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * layer + embed + head + h
@@ -330,8 +367,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_target_config(path: str | Path) -> ModelArch:
     """A target's architecture from its local config.json (PATH or its directory); the one parse to pass down.
 
-    A Hub id is refused (download the model first), and so is a family other than qwen3, llama, qwen3_moe and
-    minimax_m2, by its model_type.
+    A Hub id is refused (download the model first), and so is a model_type not in SUPPORTED_FAMILIES.
     """
     return ModelArch.from_hf_config(hf_config_file(path, "target"))
 
@@ -381,7 +417,7 @@ def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[st
 
 def _qk_norm(config: dict[str, Any], model_type: str, source: str) -> tuple[bool, str]:
     """Whether q/k are RMS-normalized, and over what: one head, or the whole projection."""
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"):
         return True, "head"
     if model_type == "minimax_m2":
         if not config.get("use_qk_norm", True):

@@ -27,6 +27,7 @@ class ConfigField:
     supported: Callable[[Any], bool] | None = None  # None: every value of the type is implemented
     why: str = ""  # what another value would need that the Megatron model does not build
     families: tuple[str, ...] = ()  # () every family
+    except_families: tuple[str, ...] = ()  # families with a row of their own for this field
 
 
 def _false(value) -> bool:
@@ -37,8 +38,14 @@ def _full_attention(layer_types) -> bool:
     return all(t == "full_attention" for t in layer_types)
 
 
+def _known_layer_types(layer_types) -> bool:
+    return all(t in ("full_attention", "sliding_attention") for t in layer_types)
+
+
 _NO_SLIDING = "sliding-window attention is not implemented: every layer attends to the whole sequence"
-_QWEN3 = ("qwen3", "qwen3_moe")
+_QWEN3 = ("qwen3", "qwen3_moe", "qwen2")  # Qwen2's window fields too (use_sliding_window false in Qwen2.5)
+_GEMMA3 = ("gemma3_text", "gemma3")  # the multimodal config's text_config, flattened by base/dense_families.py
+_WINDOWED = ("mistral", *_GEMMA3)  # sliding windows implemented (models/backbone/dense_variants.py)
 
 FIELDS: tuple[ConfigField, ...] = (
     ConfigField("num_hidden_layers", INT, required=True, minimum=1),
@@ -72,6 +79,7 @@ FIELDS: tuple[ConfigField, ...] = (
         STR,
         supported=lambda v: v == "silu",
         why="the MLP is built as SwiGLU (a silu gate); another activation is not implemented",
+        except_families=_GEMMA3,  # Gemma reads hidden_activation
     ),
     ConfigField(
         "mlp_bias",
@@ -88,7 +96,46 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("use_sliding_window", BOOL, supported=_false, why=_NO_SLIDING, families=_QWEN3),
     ConfigField("sliding_window", INT, minimum=1, families=_QWEN3),  # read only under use_sliding_window
     ConfigField("max_window_layers", INT, minimum=0, families=_QWEN3),
-    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING),
+    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING, except_families=_WINDOWED),
+    # Mistral and Gemma 3: sliding windows, and Gemma's block.
+    ConfigField("sliding_window", INT, minimum=1, families=_WINDOWED),
+    ConfigField(
+        "layer_types",
+        LIST,
+        supported=_known_layer_types,
+        why="each entry must be full_attention or sliding_attention",
+        families=_WINDOWED,
+    ),
+    ConfigField(
+        "hidden_activation",
+        STR,
+        supported=lambda v: v == "gelu_pytorch_tanh",
+        why="the gated MLP is built with the tanh-approximated GELU (GeGLU); another activation is not implemented",
+        families=_GEMMA3,
+    ),
+    ConfigField("query_pre_attn_scalar", NUMBER, minimum=1e-30, families=_GEMMA3),
+    ConfigField("rope_local_base_freq", NUMBER, minimum=1e-30, families=_GEMMA3),
+    ConfigField(
+        "attn_logit_softcapping",
+        NUMBER,
+        supported=lambda v: False,
+        why="attention-logit softcapping is not implemented (Gemma 3 publishes null)",
+        families=_GEMMA3,
+    ),
+    ConfigField(
+        "final_logit_softcapping",
+        NUMBER,
+        supported=lambda v: False,
+        why="final-logit softcapping is not implemented (Gemma 3 publishes null)",
+        families=_GEMMA3,
+    ),
+    ConfigField(
+        "use_bidirectional_attention",
+        BOOL,
+        supported=_false,
+        why="bidirectional attention is not implemented: the target is causal",
+        families=_GEMMA3,
+    ),
     ConfigField("pretraining_tp", INT, minimum=1),  # the same product, computed in slices
     # Mixture of experts.
     ConfigField("num_experts", INT, minimum=1, families=("qwen3_moe",)),
@@ -136,7 +183,7 @@ def check_config_fields(config: dict[str, Any], model_type: str, source: str) ->
     """Refuse, naming the field, a config.json whose computation this project would not reproduce: a wrong
     type, a missing count, a value that is not implemented, heads that do not divide, incomplete llama3 RoPE."""
     for field in FIELDS:
-        if field.families and model_type not in field.families:
+        if (field.families and model_type not in field.families) or model_type in field.except_families:
             continue
         value = config.get(field.name)
         if value is None:

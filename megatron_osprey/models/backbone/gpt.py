@@ -1,4 +1,5 @@
-"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 config."""
+"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / Qwen2 / Mistral / Gemma 3
+config (the last three's swaps: models/backbone/dense_variants.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,20 @@ def layer_spec(arch: ModelArch, transformer_impl: str):
         )
     if arch.qk_norm_over_projection:
         spec = _with_projection_qk_norm(spec)
+    from megatron_osprey.models.backbone.dense_variants import needs_variant_spec, variant_layer_spec
+
+    if needs_variant_spec(arch):
+        spec = variant_layer_spec(spec, arch, transformer_impl, local_inv_freq=_local_inv_freq(arch))
     return spec
+
+
+def _local_inv_freq(arch: ModelArch) -> torch.Tensor | None:
+    """The sliding layers' own RoPE frequencies (Gemma 3's rope_local_base_freq, unscaled), when they differ."""
+    if not arch.local_rope_theta:
+        return None
+    import dataclasses
+
+    return rotary_inv_freq(dataclasses.replace(arch, rope_theta=arch.local_rope_theta, rope_scaling=None))
 
 
 def _with_projection_qk_norm(spec):
@@ -161,6 +175,9 @@ def transformer_config(
         batch_p2p_comm=on_gpu,
     )
     kwargs.update(moe_config_kwargs(arch))
+    from megatron_osprey.models.backbone.dense_variants import variant_config_kwargs
+
+    kwargs.update(variant_config_kwargs(arch))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -180,6 +197,8 @@ def build_gpt_model(
     """Build this rank's GPTModel stage for `arch` (needs initialized model-parallel state)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
+
+    from megatron_osprey.models.backbone.dense_variants import scale_embedding, variant_block_spec
 
     impl = resolve_transformer_impl(transformer_impl)
     refuse_without_transformer_engine(
@@ -203,7 +222,7 @@ def build_gpt_model(
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, impl),
+        transformer_layer_spec=variant_block_spec(layer_spec(arch, impl), arch, config, vp_stage),
         vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -217,6 +236,7 @@ def build_gpt_model(
     # HF's exact inverse frequencies (llama3 scaling with its own factors, float theta).
     rotary = model.rotary_pos_emb
     rotary.inv_freq = rotary_inv_freq(arch).to(rotary.inv_freq.device)
+    scale_embedding(model, arch)
     model.osprey_arch = arch
     model.transformer_impl = impl
     return model
@@ -228,6 +248,8 @@ def rotary_inv_freq(arch: ModelArch) -> torch.Tensor:
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if arch.rope_scaling is None:
         return inv_freq
+    if arch.rope_scaling.get("rope_type") == "linear":
+        return inv_freq / float(arch.rope_scaling["factor"])
     factor = float(arch.rope_scaling["factor"])
     low = float(arch.rope_scaling["low_freq_factor"])
     high = float(arch.rope_scaling["high_freq_factor"])
