@@ -205,6 +205,22 @@ def gemma3_config(layers: int = 4, vocab: int = VOCAB):
     )
 
 
+def gemma3_multimodal_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration): gemma3_config's language model beside a one-layer
+    vision tower; its checkpoint keeps the language model under language_model.model.*, as the published one."""
+    from transformers import Gemma3Config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    return Gemma3Config(
+        text_config=gemma3_config(layers, vocab).to_dict(),
+        vision_config=dict(vision, patch_size=14),
+        mm_tokens_per_image=4,
+        image_token_index=vocab - 1,
+        boi_token_index=vocab - 2,
+        eoi_token_index=vocab - 3,
+    )
+
+
 TINY_TARGET_CONFIGS = {
     "llama": lambda vocab: llama_config(layers=6, vocab=vocab),
     "qwen3": lambda vocab: qwen3_config(tie=False, layers=6, vocab=vocab),
@@ -213,6 +229,7 @@ TINY_TARGET_CONFIGS = {
     "qwen2": lambda vocab: qwen2_config(layers=6, vocab=vocab),
     "mistral": lambda vocab: mistral_config(layers=6, vocab=vocab),
     "gemma3_text": lambda vocab: gemma3_config(layers=6, vocab=vocab),
+    "gemma3": lambda vocab: gemma3_multimodal_config(layers=6, vocab=vocab),
 }
 
 
