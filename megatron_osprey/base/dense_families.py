@@ -101,6 +101,8 @@ def dense_variant_fields(config: dict[str, Any], model_type: str, source: str) -
             raise ValueError(
                 f"{source}: layer_types has {len(layer_types)} entries for {config['num_hidden_layers']} layers."
             )
+        if SLIDING in layer_types and config.get("sliding_window") is None:
+            raise ValueError(f"{source}: sliding_window is null, yet layer_types has {SLIDING} layers.")
         hidden = int(config["hidden_size"])
         fields.update(
             hidden_act=config["hidden_activation"],

@@ -120,17 +120,22 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def needs_variant_spec(arch: ModelArch) -> bool:
-    return bool(arch.sliding_window or arch.zero_centered_norm or arch.sandwich_norms or arch.local_rope_theta)
+    return bool(arch.sliding_window or local_spec_only(arch))
+
+
+def local_spec_only(arch: ModelArch) -> bool:
+    """Gemma 3's block (sandwich norms, (1 + w) RMSNorm, per-layer RoPE) is written for the local spec only."""
+    return bool(arch.zero_centered_norm or arch.sandwich_norms or arch.local_rope_theta)
 
 
 def variant_layer_spec(spec, arch: ModelArch, transformer_impl: str, local_inv_freq=None):
     """`spec` (Megatron-Core's GPT layer spec) with this module's swaps for `arch`."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if transformer_impl != "local" and (arch.zero_centered_norm or arch.sandwich_norms or arch.local_rope_theta):
+    if transformer_impl != "local" and local_spec_only(arch):
         raise ValueError(
             f"{arch.family}'s block (sandwich norms, (1 + w) RMSNorm, per-layer RoPE) is built on the local spec "
-            f"only: pass --transformer-impl local."
+            f"only: pass --transformer-impl local (or auto)."
         )
     spec = copy.deepcopy(spec)
     layer = spec.submodules

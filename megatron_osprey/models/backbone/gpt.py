@@ -198,9 +198,11 @@ def build_gpt_model(
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_osprey.models.backbone.dense_variants import scale_embedding, variant_block_spec
+    from megatron_osprey.models.backbone.dense_variants import local_spec_only, scale_embedding, variant_block_spec
 
     impl = resolve_transformer_impl(transformer_impl)
+    if transformer_impl == "auto" and local_spec_only(arch):
+        impl = "local"  # Gemma 3's block exists on the local spec only (models/backbone/dense_variants.py)
     refuse_without_transformer_engine(
         is_moe=arch.is_moe,
         sequence_parallel=parallel.sequence_parallel,
