@@ -1,5 +1,5 @@
 """Qwen2 (Qwen2.5), Mistral and Gemma 3 targets at TP=2 + sequence parallel against transformers' own classes, and
-EAGLE-3 distilled online on the Gemma 3 target, under torchrun + gloo (one launch: check_targets_dense.py)."""
+EAGLE-3 distilled online on the multimodal Gemma 3 checkpoint, under torchrun + gloo (one launch: check_targets_dense.py)."""
 
 import pytest
 

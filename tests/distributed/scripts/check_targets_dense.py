@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node=2`: Qwen2, Mistral and Gemma 3 (text, and the multimodal checkpoint's
 language model) at TP=2 + sequence parallel against their transformers classes, and EAGLE-3 distilled online on the
-Gemma 3 target at TP=2 and at DP=2.
+multimodal Gemma 3 checkpoint (its embedding, layers and head under language_model.) at TP=2 and at DP=2.
 
 Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts them.
 """
@@ -129,7 +129,7 @@ def main(work: Path, result_path: Path) -> None:
     torch.distributed.barrier()
     for family in FAMILIES:
         compare_family(family, work / family, ids, results)
-    distill(work / "gemma3_text", work / "train.jsonl", results)
+    distill(work / "gemma3", work / "train.jsonl", results)
     merged = merged_on_rank0(results)
     if merged is not None:
         result_path.write_text(json.dumps(merged, indent=2))
