@@ -52,9 +52,9 @@ def test_eagle3_distills_online_on_gemma3_at_tp2_as_at_dp2(figures):
     tp2, dp2 = figures["distill_tp2_loss/train"], figures["distill_dp2_loss/train"]
     print(f"gemma3 eagle3 online: tp2 {tp2}, dp2 {dp2}")
     assert len(tp2) == len(dp2) == 3
-    # The loss falls step by step (measured 13.5583, 13.5567, 13.5565) ...
+    # The loss falls step by step (measured 13.5608, 13.5596, 13.5585) ...
     assert tp2[0] > tp2[1] > tp2[2]
-    # ... and the TP=2 target and drafter give the updates of the unsharded run: measured 5e-7 apart at most.
+    # ... and the TP=2 target and drafter give the updates of the unsharded run: measured 7e-7 apart at most.
     for key in ("loss/train", "optim/grad_norm"):
         for a, b in zip(figures[f"distill_tp2_{key}"], figures[f"distill_dp2_{key}"]):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (key, a, b)

@@ -285,3 +285,29 @@ def test_an_unknown_model_type_is_refused_naming_the_supported_list(tmp_path, ca
     assert code == 2 and len(err) == 1, err
     assert "model_type='phi3'" in err[0] and err[0].endswith(f"supported: {', '.join(sorted(SUPPORTED_FAMILIES))}.")
     assert {"qwen2", "mistral", "gemma3_text", "gemma3"} <= set(SUPPORTED_FAMILIES)
+
+
+def test_the_reference_engine_decodes_a_gemma3_target_as_hf_does(tmp_path):
+    """Evaluate's reference engine on the Megatron-Core and on the transformers Gemma 3 target (8-token windows, a
+    sequence four windows long): the same tokens and verify counts; chains only on both (a window counts rows)."""
+    import torch
+
+    from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
+    from megatron_osprey.speculative import HFTargetModel, ReferenceDraftSession, SpecConfig, speculative_generate
+    from megatron_osprey.testing.tiny_models import VOCAB, gemma3_config, make_hf_model
+    from tests.unit.test_megatron_target import AUX, _drafter
+
+    hf = make_hf_model(gemma3_config(layers=6), tmp_path, seed=4)
+    prompt = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(14))
+    spec = SpecConfig(steps=3, max_new_tokens=18)
+    tree = (torch.tensor([7, 9]), torch.tensor([0, 0]), torch.eye(2, dtype=torch.bool))
+    reference = HFTargetModel(hf, AUX)
+    want = speculative_generate(reference, ReferenceDraftSession(_drafter()), prompt, spec)
+    with MegatronTargetModel.open(tmp_path, AUX) as megatron:
+        got = speculative_generate(megatron, ReferenceDraftSession(_drafter()), prompt, spec)
+        for engine in (megatron, reference):
+            engine.prefill(prompt)
+            with pytest.raises(ValueError, match="verifies chains only"):
+                engine.verify(*tree)
+    assert got.tokens == want.tokens and got.verify_count == want.verify_count
+    assert len(want.tokens) == 18
