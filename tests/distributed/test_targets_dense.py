@@ -1,5 +1,6 @@
-"""Qwen2 (Qwen2.5), Mistral and Gemma 3 targets at TP=2 + sequence parallel against transformers' own classes, and
-EAGLE-3 distilled online on the multimodal Gemma 3 checkpoint, under torchrun + gloo (one launch: check_targets_dense.py)."""
+"""Qwen2 (Qwen2.5), Mistral and Gemma 3 targets at TP=2 + sequence parallel (Gemma 3 at PP=2 too) against
+transformers' own classes, and EAGLE-3 distilled online on the multimodal Gemma 3 checkpoint, under torchrun + gloo
+(one launch: check_targets_dense.py)."""
 
 import pytest
 
@@ -32,6 +33,13 @@ def test_every_layer_and_the_logits_equal_hf_at_tp2(figures, family):
     # Measured 2.1e-7 / 2.8e-7 / 1.0e-6 / 7.5e-7 on logits of max 0.6-0.7.
     assert logits < 5e-6
     assert figures[f"{family}_layers_seen"] == list(range(6))
+
+
+def test_gemma3_pipelined_over_two_stages_equals_hf(figures):
+    got = figures["gemma3_text_pp2_layers_max_abs"] / figures["gemma3_text_hidden_scale"]
+    print(f"gemma3_text pp2: layers {figures['gemma3_text_pp2_layers_max_abs']:.2e}")
+    assert got < 5e-6  # as at TP 2
+    assert figures["gemma3_text_pp2_layers_seen"] == list(range(6))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -311,3 +311,24 @@ def test_the_reference_engine_decodes_a_gemma3_target_as_hf_does(tmp_path):
                 engine.verify(*tree)
     assert got.tokens == want.tokens and got.verify_count == want.verify_count
     assert len(want.tokens) == 18
+
+
+def test_gemma3_rope_frequencies_are_transformers_own():
+    """Both RoPE tables of the Megatron target (global: linear-scaled rope_theta; local: rope_local_base_freq) and
+    the EAGLE-3 reference drafter's (which takes the global one) equal Gemma3RotaryEmbedding's, bit for bit."""
+    import torch
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from megatron_osprey.models.backbone.gpt import _local_inv_freq, rotary_inv_freq
+    from megatron_osprey.models.drafter.arch import DrafterArch, eagle3_body
+    from megatron_osprey.models.drafter.reference import rope_inv_freq
+    from megatron_osprey.testing.tiny_models import gemma3_config
+
+    config = gemma3_config()
+    hf = Gemma3RotaryEmbedding(config)
+    arch = ModelArch.from_hf_config(config.to_dict())
+    assert torch.equal(rotary_inv_freq(arch), hf.full_attention_inv_freq)
+    assert torch.equal(_local_inv_freq(arch), hf.sliding_attention_inv_freq)
+    eagle3 = DrafterArch(eagle3_body(arch, 1), arch.hidden_size, arch.vocab_size, 64, (1, 2, 3), variant="eagle3")
+    assert torch.equal(rope_inv_freq(eagle3.reference_config()), hf.full_attention_inv_freq)
+    assert torch.equal(rotary_inv_freq(eagle3.body), hf.full_attention_inv_freq)  # its Megatron layers

@@ -1,6 +1,7 @@
 """Run under `torchrun --nproc_per_node=2`: Qwen2, Mistral and Gemma 3 (text, and the multimodal checkpoint's
-language model) at TP=2 + sequence parallel against their transformers classes, and EAGLE-3 distilled online on the
-multimodal Gemma 3 checkpoint (its embedding, layers and head under language_model.) at TP=2 and at DP=2.
+language model) at TP=2 + sequence parallel (Gemma 3 text at PP=2 too) against their transformers classes, and
+EAGLE-3 distilled online on the multimodal Gemma 3 checkpoint (its embedding, layers and head under language_model.)
+at TP=2 and at DP=2.
 
 Rank 0 writes a JSON of measured figures to argv[2]; the pytest side asserts them.
 """
@@ -20,6 +21,7 @@ from tests.distributed.scripts.ranks import merged_on_rank0, run_script
 FAMILIES = ("qwen2", "mistral", "gemma3_text", "gemma3")
 WINDOWED = ("mistral", "gemma3_text")
 TP2_SP = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+PP2 = ParallelConfig(pipeline_model_parallel_size=2)
 LAYERS, SEQ = 6, 32
 DISTILL_LAYOUTS = {"tp2": ParallelConfig(tensor_model_parallel_size=2), "dp2": ParallelConfig()}
 DISTILL_ITERS = 3
@@ -94,6 +96,17 @@ def compare_family(family: str, directory: Path, ids: torch.Tensor, results: dic
         )
         head_logits, _ = head(layers[LAYERS - 1])
         results[f"{family}_head_logits_max_abs"] = max_over_ranks(vocab_shard_error(head_logits, logits, tp_rank))
+    if family == "gemma3_text":
+        # Pipelined: each stage builds its own layers of the block spec (the final norm on the last stage only).
+        with parallel_context(PP2) as state:
+            capture = PrefillCapture(load_target(directory, PP2, state.device), range(LAYERS))
+            got = capture(ids)
+            capture.close()
+            if got is not None:
+                results[f"{family}_pp2_layers_max_abs"] = max(
+                    (got[i] - layers[i]).abs().max().item() for i in range(LAYERS)
+                )
+                results[f"{family}_pp2_layers_seen"] = sorted(got)
 
 
 def distill(target: Path, data: Path, results: dict) -> None:
