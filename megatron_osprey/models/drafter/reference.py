@@ -112,9 +112,7 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.head_dim must be even for rotary embeddings, got {self.head_dim}.")
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(
-                f"DrafterConfig.rope_scaling type {rope_type!r} is not supported (use default, llama3 or linear)."
-            )
+            raise ValueError(f"DrafterConfig.rope_scaling type {rope_type!r} is not supported (default/llama3/linear).")
 
 
 class RMSNorm(nn.Module):
