@@ -47,14 +47,17 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two pytest workers (pytest-xdist); a test file runs whole on one worker, the Slurm tests together on one
+# (tests/conftest.py). PYTEST_WORKERS=0 runs in this process alone.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests
 
 test-unit: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests/unit
 
 test-distributed: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup tests/distributed
 
 clean:
 	rm -rf demo_out demo_out_full bench_out .pytest_cache

@@ -25,6 +25,7 @@ import json
 import math
 
 from launcher.node import node_check
+from launcher.plan_moe import moe_nodes_needed
 from megatron_osprey.base.arch import ModelArch, hf_config_file, resolve_aux_layer_ids
 from megatron_osprey.base.hardware import FP8_RECIPE_CUDA, GPU_CAPABILITY, CpuCapability, fp8_recipe_refusal
 from megatron_osprey.base.memory import (
@@ -32,6 +33,7 @@ from megatron_osprey.base.memory import (
     RUNTIME_RESERVE_BYTES,
     estimate_target_memory,
     parallel_sizes,
+    target_head_bytes,
     ttt_attention_bytes,
     ttt_logits_bytes,
 )
@@ -74,6 +76,7 @@ class Plan:
     budget: str = ""
     target: dict | None = None  # the target's shape as planned
     cpu: str | None = None  # a CPU recipe: this machine's capability (CpuCapability.line())
+    needs: str | None = None  # a MoE target that does not fit: the nodes it needs (launcher/plan_moe.py)
 
     @property
     def memory_bytes(self) -> int:
@@ -110,6 +113,7 @@ class Plan:
             "tokens": self.tokens,
             "budget": self.budget,
             "checks": list(self.checks),
+            "needs": self.needs,
             "disk_bytes": {name: b for name, b in self.disk},
         }
 
@@ -262,14 +266,6 @@ def _target_memory(target: ModelArch, parallel, training, bf16: bool) -> list[tu
     return [("target weights", estimate.weight_bytes), ("target activations", estimate.activation_bytes)]
 
 
-def _target_head_bytes(target: ModelArch, tp: int, draft_vocab: int | None) -> int:
-    """Distillation's TargetHead: float32 rows of the LM head per TP rank, plus the draft rows."""
-    rows = math.ceil(target.vocab_size / tp)
-    if draft_vocab and draft_vocab != target.vocab_size:
-        rows += math.ceil(draft_vocab / tp)
-    return rows * target.hidden_size * 4
-
-
 def _target_source(recipe: Recipe) -> str:
     """Where the target's shape came from: its config.json, else the preset."""
     path = recipe.path("target")
@@ -345,8 +341,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         )
     if parallel is not None and stage in TRAINED_STAGES + TARGET_STAGES:
         _refuse_without_te(recipe, stage, config, parallel, target)
-    fp8_check = _fp8_check(recipe, stage, config)
-    if fp8_check:
+    if fp8_check := _fp8_check(recipe, stage, config):
         checks.append(fp8_check)
     if stage in TARGET_STAGES:
         memory += _target_stage_memory(recipe, stage, config, target, parallel)
@@ -371,6 +366,7 @@ def make_plan(recipe: Recipe, stage: str, run_dir: str | None = None, cpu: CpuCa
         budget=budget,
         target=_target_summary(recipe, target, config) if target is not None else None,
         cpu=cpu.line() if cpu is not None and recipe.hardware == "cpu" else None,
+        needs=moe_nodes_needed(recipe, stage, target, parallel, memory, res.gpus_per_node),
     )
 
 
@@ -412,12 +408,13 @@ def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, 
         return _target_memory(target, parallel, _RolloutSequence(recipe, config), config.dtype == "bfloat16")
     memory = []
     bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
-    online = stage == "extract" or config.data.mode == "online"
-    if online:
-        memory += _target_memory(target, parallel, getattr(config, "training", None) or _ExtractBatch(config), bf16)
+    whole = stage == "distill" and config.data.rolls_out_online()  # Draft-OPD's loop: the HF target whole per rank
+    if stage == "extract" or config.data.mode == "online" or whole:
+        layout = dataclasses.replace(parallel, tensor_model_parallel_size=1) if whole else parallel
+        memory += _target_memory(target, layout, getattr(config, "training", None) or _ExtractBatch(config), bf16)
     if stage == "distill":
         draft = config.drafter.draft_vocab_size if config.drafter.baseline else None
-        memory.append(("target LM head", _target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))
+        memory.append(("target LM head", target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))
     return memory
 
 
@@ -474,8 +471,8 @@ def check_plan(plan: Plan) -> None:
         parts = ", ".join(f"{name} {b / GIB:.2f} GiB" for name, b in plan.memory)
         raise LayoutError(
             f"recipe {plan.recipe} ({plan.stage}) needs about {plan.memory_bytes / GIB:.1f} GiB per GPU ({parts}), "
-            f"more than the {plan.gpu_memory_gib:g} GiB of a {plan.hardware.upper()}; raise the tensor/pipeline/"
-            f"expert parallel sizes or lower the micro batch size."
+            f"more than the {plan.gpu_memory_gib:g} GiB of a {plan.hardware.upper()}; "
+            f"{plan.needs or 'raise the tensor/pipeline/expert parallel sizes or lower the micro batch size'}."
         )
 
 

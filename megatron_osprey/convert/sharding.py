@@ -24,6 +24,10 @@ def read_shard(
 ) -> torch.Tensor:
     """Read from disk only the slice of `hf_names` that TP rank `tp_rank` holds."""
     split = rule.split
+    if split in (Split.MLA_Q, Split.MLA_KV_DOWN, Split.MLA_KV_DOWN_FULL):
+        from megatron_osprey.convert.deepseek_v3 import read_mla_shard
+
+        return read_mla_shard(ckpt, split, hf_names[0], arch, tp_rank, tp_size)
     if split is Split.REPLICATED:
         return ckpt.read(hf_names[0])
     if split is Split.COLUMN:

@@ -25,6 +25,10 @@ class Split(enum.Enum):
     VOCAB = "vocab"  # dim 0, padded to Megatron's padded vocab size
     QKV = "qkv"  # q, k, v interleaved per query group, split by groups
     GATE_UP = "gate_up"  # gate and up each split, then concatenated per rank
+    # Multi-latent attention (convert/deepseek_v3.py): the rope rows de-interleaved, then split.
+    MLA_Q = "mla_q"  # per head [nope | rope] rows, split by heads
+    MLA_KV_DOWN = "mla_kv_down"  # [kv latent | rope] rows, split along dim 0
+    MLA_KV_DOWN_FULL = "mla_kv_down_full"  # the same, whole on every rank (TE's duplicated down projection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +192,8 @@ _QK_NORMS = (f"{_LAYER}.self_attention.q_layernorm.weight", f"{_LAYER}.self_atte
 
 def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRule]:
     """The rules that apply to `arch`, with the spec's parameter names."""
+    if arch.mla is not None:
+        raise ValueError(f"{arch.family}: multi-latent attention has its own rules (convert/deepseek_v3.py).")
     rules = []
     te = transformer_impl == "transformer_engine"
     family_rules = [rule for rule in GEMMA3_RULES if rule.applies(arch)]

@@ -9,6 +9,13 @@ import dataclasses
 from megatron_osprey.config.flags import Flag
 
 DISTILL_MODES = ("online", "offline", "on-policy")
+# Draft-OPD's forms (--mode on-policy): "online", the authors' loop (rollout from the current drafter, then an
+# update, repeated: training/opd_online.py); "offline", this project's earlier form: one rollout stage, then
+# updates on its fixed store (training/on_policy.py).
+OPD_FORMS = ("online", "offline")
+# The authors' EAGLE-3 script (bingyang-lei/Draft-OPD, verl/examples/on_policy_distillation_trainer/
+# run_qwen_eagle3.sh): MAX_NUM_TOKENS 4096 - MAX_PROMPT 512 - 1 new tokens per rollout.
+OPD_MAX_NEW_TOKENS = 3583
 
 
 @dataclasses.dataclass
@@ -32,6 +39,16 @@ class DistillDataConfig:
     domain: str | None = None  # the training domain's name, recorded for the train x eval matrix
     enable_thinking: bool | None = None
     shuffle: bool = True
+    opd_form: str = "online"  # --mode on-policy only: OPD_FORMS
+    # The online form: each round rolls out global batch x opd_round_updates prompts (of --data-path) with the
+    # drafter as the last round left it, then takes that many updates on them (the authors: 1 update per round).
+    opd_round_updates: int = 1
+    opd_max_new_tokens: int = OPD_MAX_NEW_TOKENS
+    opd_limit: int | None = None  # the online form's prompts: the first N of --data-path (None: all)
+
+    def rolls_out_online(self) -> bool:
+        """Draft-OPD's online loop (--mode on-policy --opd-form online): the job rolls out its own data."""
+        return self.mode == "on-policy" and self.opd_form == "online"
 
 
 INDEXED_DATA_FLAGS = [
@@ -51,4 +68,24 @@ DISTILL_DATA_FLAGS = [
     Flag("--domain", "domain", {"help": "name of the training domain (eval's train x eval matrix)"}),
     Flag("--enable-thinking", "enable_thinking", {"action": "store_true", "default": argparse.SUPPRESS}),
     Flag("--no-shuffle", "shuffle", {"action": "store_false"}),
+    Flag(
+        "--opd-form",
+        "opd_form",
+        {
+            "choices": list(OPD_FORMS),
+            "help": "--mode on-policy: online (the Draft-OPD authors' loop over --data-path prompts, default) or "
+            "offline (one rollout store, --hidden-states)",
+        },
+    ),
+    Flag(
+        "--opd-round-updates",
+        "opd_round_updates",
+        {"type": int, "help": "online Draft-OPD: updates per rollout round (1, the authors')"},
+    ),
+    Flag("--opd-limit", "opd_limit", {"type": int, "help": "online Draft-OPD: the first N prompts only"}),
+    Flag(
+        "--opd-max-new-tokens",
+        "opd_max_new_tokens",
+        {"type": int, "help": f"online Draft-OPD: new tokens per rollout ({OPD_MAX_NEW_TOKENS}, the authors')"},
+    ),
 ]

@@ -155,54 +155,63 @@ def regenerate_and_extract(
     served = regeneration_server(vllm_python, serve)
     regenerated, stores = {}, {}
     for domain in cfg.train_domains:
-        path = output / "data" / f"{domain}_regenerated.jsonl"
-        steps.run(
-            f"regenerate_{domain}",
-            [
-                "tools/regenerate.py",
-                "--input",
-                data["splits"][domain]["train"],
-                "--output",
-                path,
-                *served,
-                "--model",
-                target,
-                "--temperature",
-                str(cfg.regenerate_temperature),
-                "--seed",
-                str(cfg.seed),
-                "--max-tokens",
-                str(cfg.regenerate_tokens),
-                "--concurrency",
-                "16",
-                "--no-progress",
-                "--dtype",
-                "bfloat16" if cfg.bf16 else "float32",
-                "--overwrite",
-            ],
-        )
-        regenerated[domain] = path
-        stores[domain] = output / "stores" / domain
-        steps.run(
-            f"extract_{domain}",
-            [
-                "tools/extract_hidden_states.py",
-                "--target",
-                target,
-                "--data",
-                path,
-                "--output",
-                stores[domain],
-                "--max-length",
-                str(cfg.seq_length),
-                "--micro-batch-size",
-                "8",
-                "--params-dtype",
-                "float32",
-                "--overwrite",
-            ],
-        )
+        prompts = data["splits"][domain]["train"]
+        regenerated[domain], stores[domain] = regenerate_one(steps, cfg, output, domain, prompts, target, served)
     return regenerated, stores
+
+
+def regenerate_one(
+    steps: StepRunner, cfg: DemoConfig, output: Path, name: str, prompts: Path, target: Path, served: list
+) -> tuple[Path, Path]:
+    """The target's answers to `prompts` (steps regenerate_NAME, then extract_NAME into stores/NAME) with the
+    regeneration settings every arm shares; (the conversations, the store)."""
+    path = output / "data" / f"{name}_regenerated.jsonl"
+    steps.run(
+        f"regenerate_{name}",
+        [
+            "tools/regenerate.py",
+            "--input",
+            prompts,
+            "--output",
+            path,
+            *served,
+            "--model",
+            target,
+            "--temperature",
+            str(cfg.regenerate_temperature),
+            "--seed",
+            str(cfg.seed),
+            "--max-tokens",
+            str(cfg.regenerate_tokens),
+            "--concurrency",
+            "16",
+            "--no-progress",
+            "--dtype",
+            "bfloat16" if cfg.bf16 else "float32",
+            "--overwrite",
+        ],
+    )
+    store = output / "stores" / name
+    steps.run(
+        f"extract_{name}",
+        [
+            "tools/extract_hidden_states.py",
+            "--target",
+            target,
+            "--data",
+            path,
+            "--output",
+            store,
+            "--max-length",
+            str(cfg.seq_length),
+            "--micro-batch-size",
+            "8",
+            "--params-dtype",
+            "float32",
+            "--overwrite",
+        ],
+    )
+    return path, store
 
 
 # The regenerate stage's vLLM server: the demo's prompts and replies are short (the context is the server's KV-cache

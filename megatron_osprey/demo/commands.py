@@ -98,11 +98,13 @@ def distill_argv(
     seed: int,
     draft_vocab: int,
     extra: tuple = (),
+    extra_iters: int = 0,
 ) -> list:
     """Stage 4 offline from `store`: the Osprey init `init`, or EAGLE-3 from scratch (`init` None); `extra`
-    flags name what an extra arm changes."""
+    flags name what an extra arm changes; `extra_iters` more updates than the epochs give (an equal-compute
+    control), on the same schedule stretched over them."""
     samples = _count_rows(data)
-    iters = max(1, math.ceil(cfg.distill_epochs * samples / cfg.distill_batch))
+    iters = max(1, math.ceil(cfg.distill_epochs * samples / cfg.distill_batch)) + extra_iters
     flags = (
         ["--drafter-init", init]
         if init is not None
@@ -145,17 +147,30 @@ def distill_argv(
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 
-def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, store: Path, save: Path, seed: int) -> list:
-    """Draft-OPD's training: `distill --mode on-policy` from the SFT checkpoint `sft` on the rollout `store`, two
-    epochs of cfg.opd_prompts at a tenth of the SFT lr (its final one; chosen before any eval)."""
-    iters = max(1, math.ceil(cfg.distill_epochs * cfg.opd_prompts / cfg.distill_batch))
-    lr = cfg.distill_lr / 10
+# Draft-OPD as its authors run it (bingyang-lei/Draft-OPD, verl/examples/on_policy_distillation_trainer/
+# run_qwen_eagle3.sh): TTT length 7 (also each rollout chain's length), lr_warmup_steps_ratio 0.015 and a cosine, at
+# the SFT's learning rate (their LR=1e-4 is Osprey's adaptation lr too).
+OPD_TTT_STEPS, OPD_WARMUP_FRACTION = 7, 0.015
+
+
+def opd_updates(cfg: DemoConfig) -> int:
+    """Draft-OPD's updates: opd_epochs passes over opd_prompts, one update per round of distill_batch rollouts;
+    also the number of extra updates its equal-compute SFT control (osprey_sft_more) takes."""
+    return max(1, math.ceil(cfg.opd_epochs * cfg.opd_prompts / cfg.distill_batch))
+
+
+def on_policy_argv(cfg: DemoConfig, sft: Path, target: Path, domain: str, prompts: Path, save: Path, seed: int) -> list:
+    """Draft-OPD's online loop: `distill --mode on-policy` from the SFT checkpoint `sft`, each round rolling out
+    distill_batch of the first cfg.opd_prompts of `prompts` (greedy, with the drafter as the last update left it)
+    and taking one update on them, for opd_updates(cfg) updates."""
+    iters, lr = opd_updates(cfg), cfg.distill_lr
     argv = ["-m", "megatron_osprey", "distill", "--drafter-init", sft, "--target", target, "--mode", "on-policy"]
-    argv += ["--hidden-states", store, "--domain", domain, "--train-iters", str(iters)]
+    argv += ["--data-path", prompts, "--opd-limit", str(cfg.opd_prompts), "--opd-max-new-tokens"]
+    argv += [str(cfg.regenerate_tokens), "--domain", domain, "--train-iters", str(iters)]
     argv += ["--micro-batch-size", str(cfg.distill_batch), "--global-batch-size", str(cfg.distill_batch)]
     argv += ["--seq-length", str(cfg.seq_length), "--lr", str(lr), "--min-lr", str(lr / 10)]
+    argv += ["--lr-warmup-fraction", str(OPD_WARMUP_FRACTION), "--ttt-steps", str(OPD_TTT_STEPS)]
     argv += [*_local_and_saved(save, iters, log_every=max(1, iters // 12)), "--no-progress-bar", "--seed", str(seed)]
-    argv += ["--ttt-steps", str(cfg.ttt_steps)] if cfg.ttt_steps is not None else []
     return argv + (["--bf16"] if cfg.bf16 else [])
 
 

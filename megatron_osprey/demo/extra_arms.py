@@ -2,12 +2,17 @@
 regenerated data, hidden-state store, optimizer, tokens and seeds, changing one named thing:
 
 - the paper's ablation: a parameter-matched 2-layer EAGLE-3 from scratch, and Osprey with 0 Stage-2 steps;
-- the loss: Osprey trained with SpecForge's per-sample normalisation (`--ttt-normalization reference`);
+- the loss: Osprey trained with SpecForge's per-sample normalisation (`--ttt-normalization reference`) and with
+  its loss-mask alignment (`--ttt-mask-alignment reference`);
 - attention drift: post-norm hidden states and per-hidden-state RMSNorm, for Osprey and for EAGLE-3, and
   EAGLE-3 with and without them trained with 3 TTT steps where it drafts chains of 5;
-- Draft-OPD: one rollout round of the SFT Osprey drafter on the training prompts, then on-policy distillation;
+- Draft-OPD as its authors run it: from the SFT Osprey drafter, rounds of greedy rollouts on the training prompts
+  with the drafter as the last update left it, one update each; and its equal-compute control, Osprey SFT trained
+  as many more updates;
 - n-gram drafters: on the training domain's regenerated conversations, and on the monolingual corpora;
-- Osprey after a monolingual Stage-2 pass over the monolingual corpora' languages.
+- Osprey after a monolingual Stage-2 pass over the monolingual corpora' languages;
+- the multilingual paper's task-specific fine-tuning: Osprey distilled on the target's translations of the
+  training prompts into the task languages (harder_sets.TASK_LANGUAGES), as many conversations as the base arm.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from pathlib import Path
 
 from megatron_osprey.demo.arms import backbone_steps, drafter_name, preprocess_general
-from megatron_osprey.demo.commands import distill_argv, on_policy_argv
+from megatron_osprey.demo.commands import distill_argv, on_policy_argv, opd_updates
 from megatron_osprey.demo.sizes import DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
 
@@ -27,6 +32,7 @@ OFFLINE_ARMS = {
     "eagle3_2layer": (None, ("--eagle3-num-layers", "2")),
     "osprey_no_stage2": ("osprey_no_stage2", ()),
     "osprey_ttt_reference": ("osprey", ("--ttt-normalization", "reference")),
+    "osprey_ttt_mask_reference": ("osprey", ("--ttt-mask-alignment", "reference")),
     "osprey_drift": ("osprey", ("--hidden-post-norm", "--aux-hidden-norm")),
     "eagle3_drift": (None, ("--hidden-post-norm", "--aux-hidden-norm")),
     "eagle3_ttt3": (None, ("--ttt-steps", "3")),
@@ -34,6 +40,8 @@ OFFLINE_ARMS = {
     "osprey_monolingual": ("osprey_monolingual", ()),
     "osprey_stage2_more": ("osprey_stage2_more", ()),
 }
+# The neural arms trained outside OFFLINE_ARMS: Draft-OPD, its equal-compute SFT control, the translation arm.
+OTHER_NEURAL_ARMS = ("osprey_opd", "osprey_sft_more", "osprey_translation")
 # The neural arms are evaluated in groups, one set of steps each (eval_dir/<group>), so that a group added to
 # a finished run leaves the evaluations of the others as they were; the harder sets and the benchmark suites
 # take the first group's arms (the TTT-depth arms test chains longer than training, on the eval domains).
@@ -95,20 +103,33 @@ def extra_backbones(
 def _on_policy(
     steps: StepRunner, cfg: DemoConfig, output: Path, target: Path, data: dict, domain: str, seed: int, sft: Path
 ) -> dict:
-    """Draft-OPD: the SFT Osprey drafter and the target roll out on the domain's first training prompts (one
-    round), then on-policy distillation from the SFT checkpoint on the recorded rounds."""
+    """Draft-OPD's online loop from the SFT Osprey drafter on the domain's first training prompts (one job: each
+    round rolls out with the drafter the last update left, then updates on the round)."""
     name = drafter_name("osprey_opd", domain, seed, cfg)
-    store = output / "rollouts" / name
-    steps.run(
-        f"rollout_{name}",
-        ["-m", "megatron_osprey", "rollout", "--target", target, "--drafter", sft]
-        + ["--data", data["splits"][domain]["train"], "--output", store, "--steps", "5"]
-        + ["--max-new-tokens", str(cfg.regenerate_tokens), "--limit", str(cfg.opd_prompts)]
-        + ["--dtype", "bfloat16" if cfg.bf16 else "float32", "--overwrite"],
-    )
     save = output / "drafters" / name
-    steps.run(f"distill_{name}", on_policy_argv(cfg, sft, target, domain, store, save, seed))
+    prompts = data["splits"][domain]["train"]
+    steps.run(f"distill_{name}", on_policy_argv(cfg, sft, target, domain, prompts, save, seed))
     return {"name": name, "method": "osprey_opd", "domain": domain, "seed": seed, "path": save}
+
+
+def translation_data(
+    steps: StepRunner, cfg: DemoConfig, output: Path, data: dict, target: Path, vllm_python=None, serve=True
+) -> dict[str, tuple[Path, Path]]:
+    """The translation fine-tuning arm's data per training domain: its training prompts as translation requests
+    into the task languages, answered by the target as the base arm's prompts are (same engine and settings), and
+    the hidden-state store on them; {domain: (conversations, store)}."""
+    from megatron_osprey.demo.arms import regenerate_one, regeneration_server
+    from megatron_osprey.demo.harder_sets import write_translation_prompts
+
+    served = regeneration_server(vllm_python, serve)
+    out = {}
+    for domain in cfg.train_domains:
+        name = f"translation_{domain}"
+        prompts = output / "data" / f"{name}_prompts.jsonl"
+        if not prompts.is_file():  # written atomically: a file here is whole
+            write_translation_prompts(cfg, data["splits"][domain]["train"], prompts)
+        out[domain] = regenerate_one(steps, cfg, output, name, prompts, target, served)
+    return out
 
 
 def _ngram(steps: StepRunner, output: Path, target: Path, method: str, corpus: Path, domain: str) -> dict:
@@ -153,6 +174,20 @@ def extra_drafters(
             if "osprey_opd" in cfg.arms:
                 sft = output / "drafters" / drafter_name("osprey", domain, seed, cfg)
                 drafters.append(_on_policy(steps, cfg, output, target, data, domain, seed, sft))
+            inputs = {"osprey_sft_more": (regenerated[domain], stores[domain], opd_updates(cfg))}
+            if "osprey_translation" in cfg.arms:
+                inputs["osprey_translation"] = (*data["translation"][domain], 0)
+            for arm, (conversations, store, more) in inputs.items():
+                if arm not in cfg.arms:
+                    continue
+                name = drafter_name(arm, domain, seed, cfg)
+                save = output / "drafters" / name
+                argv = distill_argv(
+                    cfg, arm, inits["osprey"], target, domain, conversations, store, save, seed, draft_vocab,
+                    extra_iters=more,
+                )  # fmt: skip
+                steps.run(f"distill_{name}", argv)
+                drafters.append({"name": name, "method": arm, "domain": domain, "seed": seed, "path": save})
     if "ngram" in cfg.arms:
         drafters += [_ngram(steps, output, target, "ngram", regenerated[d], d) for d in cfg.train_domains]
     if "ngram_monolingual" in cfg.arms:

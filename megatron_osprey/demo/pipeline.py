@@ -31,7 +31,7 @@ from pathlib import Path
 
 from megatron_osprey.demo.arms import build_backbones, distill_drafters, evaluate_drafters, regenerate_and_extract
 from megatron_osprey.demo.commands import user_data_argv
-from megatron_osprey.demo.extra_arms import evaluate_extra, extra_backbones, extra_drafters
+from megatron_osprey.demo.extra_arms import evaluate_extra, extra_backbones, extra_drafters, translation_data
 from megatron_osprey.demo.harder_sets import build_harder_sets, build_suite_sets
 from megatron_osprey.demo.sizes import ARM_FIELDS, TARGET_MODEL, DemoConfig
 from megatron_osprey.demo.step_runner import StepRunner
@@ -165,6 +165,8 @@ def run_demo(
 
     steps.header("regenerate the training conversations with the target and extract its hidden states once")
     regenerated, stores = regenerate_and_extract(steps, cfg, output, data, target, vllm_python, serve)
+    if "osprey_translation" in cfg.arms:  # the task fine-tuning arm's translations, by the same engine
+        data["translation"] = translation_data(steps, cfg, output, data, target, vllm_python, serve)
 
     steps.header("Stage 4: distill Osprey and the EAGLE-3 baseline per training domain (matched budgets)")
     drafters = distill_drafters(steps, cfg, output, target, inits, regenerated, stores)

@@ -16,13 +16,17 @@ COMPARISONS = (
     ("eagle3_2layer", "eagle3", "the extra layer alone: 2-layer vs 1-layer EAGLE-3"),
     ("osprey", "osprey_no_stage2", "Stage 2's pretraining: Osprey vs Osprey with 0 Stage-2 steps"),
     ("osprey_ttt_reference", "osprey", "loss normalisation: SpecForge's per-sample vs the default (tokens)"),
+    ("osprey_ttt_mask_reference", "osprey", "loss-mask rows: SpecForge's alignment (x_t+k) vs the default (x_t+2+k)"),
     ("osprey_drift", "osprey", "post-norm + aux norm on Osprey"),
     ("eagle3_drift", "eagle3", "post-norm + aux norm on EAGLE-3"),
     ("eagle3_ttt3", "eagle3", "3 TTT steps vs 5, chains of 5: EAGLE-3"),
     ("eagle3_drift_ttt3", "eagle3_drift", "3 TTT steps vs 5, chains of 5: EAGLE-3 + post-norm + aux norm"),
-    ("osprey_opd", "osprey", "Draft-OPD after SFT (extra on-policy updates) vs SFT alone"),
+    ("osprey_opd", "osprey", "Draft-OPD (the authors' online loop) after SFT vs SFT alone"),
+    ("osprey_opd", "osprey_sft_more", "Draft-OPD vs as many more SFT updates (equal compute)"),
+    ("osprey_sft_more", "osprey", "more SFT updates (Draft-OPD's equal-compute control) vs SFT"),
     ("osprey_monolingual", "osprey_stage2_more", "more Stage-2 steps on the languages' text vs on the general mix"),
     ("osprey_stage2_more", "osprey", "more Stage-2 steps on the general mix"),
+    ("osprey_translation", "osprey", "task fine-tuning: distilled on translations into the languages vs Osprey"),
 )
 
 
@@ -196,8 +200,9 @@ def render_arms(arms: dict | None) -> list[str]:
     lines += _table(
         "Harder eval sets (seed 0's drafters, system prompts sent)",
         arms["harder"],
-        "Template perturbation, long context, and translation / story prompts into the monolingual corpora's "
-        "languages, made from the first training domain's held-out prompts; AL per drafter.",
+        "Template perturbation, long context, and translation / story prompts into the task languages "
+        "(demo/harder_sets.py TASK_LANGUAGES), made from the first training domain's held-out prompts; AL per "
+        "drafter.",
     )
     lines += _table(
         "Public benchmarks (seed 0's drafters)",

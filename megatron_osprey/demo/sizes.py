@@ -12,15 +12,20 @@ EXTRA_ARMS = {
     "eagle3_2layer": "EAGLE-3 with 2 layers from scratch (parameter-matched to Osprey's 2 layers)",
     "osprey_no_stage2": "Osprey with 0 Stage-2 steps (prune and adapt only)",
     "osprey_ttt_reference": "Osprey trained with --ttt-normalization reference (SpecForge's per-sample loss)",
+    "osprey_ttt_mask_reference": "Osprey trained with --ttt-mask-alignment reference (SpecForge's loss-mask rows)",
     "osprey_drift": "Osprey + post-norm hidden states + per-hidden-state RMSNorm",
     "eagle3_drift": "EAGLE-3 + post-norm hidden states + per-hidden-state RMSNorm",
     "eagle3_ttt3": "EAGLE-3 trained with 3 TTT steps, drafting chains of 5",
     "eagle3_drift_ttt3": "EAGLE-3 + post-norm + per-hidden-state RMSNorm, trained with 3 TTT steps, chains of 5",
-    "osprey_opd": "Osprey SFT + Draft-OPD (one rollout round, then extra on-policy updates at a tenth of the lr)",
+    "osprey_opd": "Osprey SFT + Draft-OPD as its authors run it (greedy rollouts of the current drafter, one update "
+    "each round, 8 epochs of the rollout prompts, TTT 7, 1.5% warmup)",
+    "osprey_sft_more": "Osprey SFT trained as many more updates as Draft-OPD adds (its equal-compute control)",
     "ngram": "n-gram drafter (order 4) on the training domain's regenerated conversations",
     "ngram_monolingual": "n-gram drafter (order 4) on the monolingual corpora",
     "osprey_monolingual": "Osprey after more Stage-2 steps on the 5 languages' text only, then adapted, distilled",
     "osprey_stage2_more": "Osprey after as many more Stage-2 steps on the general mix (the monolingual control)",
+    "osprey_translation": "Osprey distilled on the target's translations of the training prompts into the task "
+    "languages (the multilingual paper's task-specific fine-tuning)",
 }
 
 
@@ -44,6 +49,7 @@ ARM_FIELDS = (
     "task_prompts_per_language",
     "task_languages",
     "opd_prompts",
+    "opd_epochs",
     "monolingual_iters",
     "arm_seeds",
 )
@@ -87,8 +93,9 @@ class DemoConfig:
     # a CPU), and translation / story prompts per language of the monolingual corpora.
     long_context_tokens: int = 768
     task_prompts_per_language: int = 2
-    task_languages: int = 5  # the first N languages of the monolingual corpora get translation / story prompts
+    task_languages: int = 5  # the first N of harder_sets.TASK_LANGUAGES get translation / story prompts
     opd_prompts: int = 32  # Draft-OPD rollout prompts per training domain (the first of its training prompts)
+    opd_epochs: int = 8  # Draft-OPD's passes over them, one update per round of distill_batch rollouts (the authors')
     monolingual_iters: int = 60  # the monolingual Stage-2 pass, from the Stage-2 backbone
     arm_seeds: int | None = None  # the extra arms train on the first N seeds (None: all)
     seed: int = 0  # data order and splits
@@ -140,6 +147,7 @@ class DemoConfig:
             arms=tuple(EXTRA_ARMS),
             long_context_tokens=2048,
             task_prompts_per_language=4,
+            task_languages=11,  # every language of harder_sets.TASK_LANGUAGES (the multilingual paper evaluates 11)
             opd_prompts=96,
             monolingual_iters=120,
             arm_seeds=1,  # 16 more distillations instead of 48 (each paired with seed 0 of its base arm)

@@ -15,7 +15,9 @@ trainer share `ttt_objective()`, so they normalise the same way:
 * mask alignment, `mask_alignment`: "predicted" (default) counts row t of step
   k when the token it predicts, x_{t+2+k}, is an assistant token; "reference"
   counts it when x_{t+k} is (SpecForge shifts the target and the inputs by one
-  but not the loss mask, so its mask trails the predicted token by two).
+  but not the loss mask, so its mask trails the predicted token by two:
+  specforge/core/eagle3.py, `_prepare_data` pads target and input_ids left by
+  one, then every TTT step pads all three by one more).
 * normalisation, `normalization`: "tokens" (default) divides the weighted sum
   of every step's losses by the number of counted rows of step 0 (summed over
   micro-batches and data-parallel ranks, Megatron's per-token contract);

@@ -199,7 +199,7 @@ def smollm2_opd_smoke() -> Recipe:
     recipe.rollout = RolloutConfig(
         steps=steps, top_k=16, max_new_tokens=16, limit=4, samples_per_shard=2, target_backend="megatron"
     )
-    recipe.distill.data = DistillDataConfig(mode="on-policy")
+    recipe.distill.data = DistillDataConfig(mode="on-policy", opd_form="offline")  # the rollout stage's store
     recipe.distill.ttt.ttt_steps = steps
     recipe.distill.training.train_iters = 2
     recipe.distill.optimizer.lr /= 10

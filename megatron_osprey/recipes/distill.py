@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 
-from megatron_osprey.data.config import DistillDataConfig
+from megatron_osprey.data.config import OPD_FORMS, DistillDataConfig
 from megatron_osprey.data.regenerate.backends import SamplingParams
 from megatron_osprey.losses.config import TTTLossConfig
 from megatron_osprey.models.drafter.config import DistillDrafterConfig
@@ -45,14 +45,17 @@ REGENERATE_MAX_TOKENS = 4096
 PAPER_DOMAINS = ("chat", "code", "commonsense", "finance", "math")
 EXTRA_EVAL_DOMAINS = ("science", "multilingual")
 # EAGLE-3's layer for a mixture-of-experts target is dense; MiniMax-M2 configs name this width mlp_intermediate_size.
-EAGLE3_DENSE_FFN = {"minimax_m25": 8192}
+EAGLE3_DENSE_FFN = {"minimax_m25": 8192, "deepseek_v3": 18432, "kimi_k2": 18432}
 
 
 class TargetLayout:
-    """How one target runs on one node of one GPU type: GPUs, target TP/EP, the server pool, the budget."""
+    """How one target runs on one GPU type: GPUs per node (and nodes), target TP/EP, the server pool, the budget."""
 
-    def __init__(self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat"):
-        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp
+    def __init__(
+        self, gpus, tp, ep, server_tp, examples, global_batch, budget, reasoning_parser, domain="chat", nodes=1
+    ):
+        self.gpus, self.tp, self.ep, self.server_tp = gpus, tp, ep, server_tp  # gpus: per node
+        self.nodes = nodes  # > 1: the distillation job spans nodes (expert parallelism across them)
         self.examples, self.global_batch, self.budget = examples, global_batch, budget
         self.reasoning_parser, self.domain = reasoning_parser, domain
 
@@ -77,6 +80,14 @@ _MINIMAX = dict(
     reasoning_parser="minimax-append-think",
     domain="code",
 )
+# DeepSeek-V3 / Kimi-K2: neither the paper nor the release trains a drafter for them; the 70B release's budget.
+_DEEPSEEK = dict(
+    examples=100_000,
+    global_batch=8,
+    budget="this project's choice (the paper and the release train none for this target): the Llama-3.3-70B "
+    "release's 3 epochs x 100,000 samples / global batch 8 = 37,500 updates",
+    reasoning_parser=None,
+)
 LAYOUTS = {
     ("qwen3_8b", "h100"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
     ("qwen3_8b", "b200"): TargetLayout(2, 1, 1, 1, **_QWEN3_8B),
@@ -85,6 +96,10 @@ LAYOUTS = {
     # BF16 weights at TP 8 / EP 8 fit an H100 (`osprey plan` shows the margin); on B200 4 GPUs suffice.
     ("minimax_m25", "h100"): TargetLayout(8, 8, 8, 8, **_MINIMAX),
     ("minimax_m25", "b200"): TargetLayout(4, 4, 4, 4, **_MINIMAX),
+    # DeepSeek-V3 in BF16 (dequantized from its FP8 checkpoint at load): one node of B200 at TP 8 / EP 8; on H100 the
+    # experts need 4 nodes (EP 32). Kimi-K2 is the same architecture: its config at paths.target plans its own size.
+    ("deepseek_v3", "h100"): TargetLayout(8, 8, 32, 8, **_DEEPSEEK, nodes=4),
+    ("deepseek_v3", "b200"): TargetLayout(8, 8, 8, 8, **_DEEPSEEK),
 }
 
 
@@ -147,7 +162,7 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
             # The server pool fills whole nodes; each server's srun step asks for its share of this memory, else on a
             # cluster that schedules memory the first step takes all of it and the others wait (launcher/render.py).
             "regenerate": Resources(gpus_per_node=8, time="24:00:00", mem=whole_node_mem(hardware)),
-            "distill": Resources(gpus_per_node=lay.gpus, time="48:00:00"),
+            "distill": Resources(nodes=lay.nodes, gpus_per_node=lay.gpus, time="48:00:00"),
             "export": Resources(cpus_per_task=8, time="00:30:00"),
             "evaluate": Resources(gpus_per_node=max(lay.server_tp, 1), time="08:00:00"),
         },
@@ -163,26 +178,79 @@ def target_recipe(target: str, method: str, hardware: str, domain: str | None, e
 
 
 PIPELINE_OSPREY = ("adapt", "regenerate", "distill", "export", "evaluate")
-PIPELINE_OPD = ("rollout", "distill", "export", "evaluate")
+PIPELINE_OPD = ("rollout", "distill", "export", "evaluate")  # the offline form: one rollout stage, then updates
+PIPELINE_OPD_ONLINE = ("distill", "export", "evaluate")  # the online form rolls out inside the distill job
 
-# Draft-OPD, one round after the Osprey recipe's SFT distillation. Neither the paper nor the release fixes its
-# budget; these are this project's choices, the demo's osprey_opd arm's rule at scale: rollouts on a tenth of the
-# SFT examples (the first ones of the regenerated data), chains of 5 drafts (the TTT depth), sampled at the
+# Draft-OPD as its authors run it on EAGLE-3 (bingyang-lei/Draft-OPD,
+# verl/examples/on_policy_distillation_trainer/run_qwen_eagle3.sh; the loop is verl/verl/trainer/ppo/ray_trainer.py's
+# fit(), training/opd_online.py): ROLLOUT_TEMPERATURE=0.0, LR=1e-4 with lr_warmup_steps_ratio=0.015 and a cosine,
+# EAGLE3_TTT_LENGTH=7 (also the rollout's speculative_num_steps), train_epochs=8, one update per
+# UPDATE_ACCUMULATION_STEPS x TRAIN_PROMPT_BSZ = 10 x 24 rollouts, the target's full distribution
+# (eagle3_native_target_distribution), rejected_draft_stream_weight=0.0, MAX_NUM_TOKENS 4096 - MAX_PROMPT 512 - 1
+# new tokens. Their prompt pool is their own data set; here the prompts are the first tenth of the SFT recipe's
+# regenerated conversations (OPD_PROMPT_SHARE, this project's choice).
+OPD_ONLINE_LR, OPD_ONLINE_WARMUP, OPD_ONLINE_TTT, OPD_ONLINE_EPOCHS = 1e-4, 0.015, 7, 8
+OPD_ONLINE_BATCH = 10 * 24
+
+# The offline form, this project's earlier one (`--opd-form offline`, the *_opd_offline_* recipes): neither the
+# paper nor the release fixes it; the demo's earlier osprey_opd rule at scale: rollouts on a tenth of the SFT
+# examples (the first ones of the regenerated data), chains of 5 drafts (the TTT depth), sampled at the
 # regeneration's temperature 1.0 up to its 4,096 new tokens; then 2 epochs over them at a tenth of the SFT lr.
 OPD_PROMPT_SHARE, OPD_EPOCHS, OPD_LR_SHARE, OPD_STEPS = 10, 2, 10, 5
 
 
-def opd_recipe(target: str, hardware: str, domain: str | None) -> Recipe:
-    """Osprey + Draft-OPD for `target`: rollout of the SFT drafter (paths.sft, by default the Osprey recipe's run
-    under the same root) on its regenerated prompts, on-policy distillation from it, export, evaluate."""
-    from megatron_osprey.stages.rollout import RolloutConfig
+def opd_default_form(target: str, hardware: str) -> str:
+    """The online form where the HF target fits one GPU whole (every rank rolls out with its own copy); targets
+    that need tensor parallelism keep the offline form, whose rollout stage runs the Megatron-Core target."""
+    return "online" if LAYOUTS[(target, hardware)].tp == 1 else "offline"
 
+
+def opd_recipe(target: str, hardware: str, domain: str | None, form: str | None = None) -> Recipe:
+    """Osprey + Draft-OPD for `target` from the SFT drafter (paths.sft, by default the Osprey recipe's run under
+    the same root) on its regenerated prompts: the authors' online loop (form "online"), or the offline form's
+    rollout stage then updates on its store; export, evaluate."""
     lay = LAYOUTS[(target, hardware)]
+    form = form or opd_default_form(target, hardware)
+    if form not in OPD_FORMS:
+        raise ValueError(f"Draft-OPD form {form!r}: expected one of {OPD_FORMS}.")
     recipe = target_recipe(target, "osprey", hardware, domain)
-    sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus}gpu_{hardware}_bf16_{{domain}}"
+    sft_run = f"{{root}}/{target}_osprey_distill_{lay.gpus * lay.nodes}gpu_{hardware}_bf16_{{domain}}"
     recipe.paths.sft = f"{sft_run}/distill"
     recipe.paths.conversations = f"{sft_run}/regenerate/conversations.jsonl"
     prompts = lay.examples // OPD_PROMPT_SHARE
+    if form == "online":
+        return _opd_online(recipe, lay, prompts)
+    return _opd_offline(recipe, lay, prompts)
+
+
+def _opd_online(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
+    """The authors' loop inside one distill job: rollout of 240 prompts, one update, repeated for 8 epochs."""
+    from megatron_osprey.data.config import OPD_MAX_NEW_TOKENS
+
+    sft = recipe.distill
+    sft.data = DistillDataConfig(
+        mode="on-policy", opd_form="online", opd_max_new_tokens=OPD_MAX_NEW_TOKENS, opd_limit=prompts
+    )
+    sft.ttt.ttt_steps = OPD_ONLINE_TTT
+    sft.training.global_batch_size = OPD_ONLINE_BATCH
+    sft.training.train_iters = adaptation_steps(prompts, OPD_ONLINE_BATCH, OPD_ONLINE_EPOCHS)
+    sft.optimizer.lr, sft.optimizer.min_lr = OPD_ONLINE_LR, 0.0
+    sft.optimizer.lr_warmup_fraction, sft.optimizer.lr_decay_style = OPD_ONLINE_WARMUP, "cosine"
+    sft.checkpoint.save_interval = 50
+    recipe.chain, recipe.adapt, recipe.regenerate = PIPELINE_OPD_ONLINE, None, None
+    recipe.budget = (
+        f"the Draft-OPD authors' loop (run_qwen_eagle3.sh): greedy rollouts of the current drafter (chains of "
+        f"{OPD_ONLINE_TTT}), one update per {OPD_ONLINE_BATCH} rollouts, {OPD_ONLINE_EPOCHS} epochs over the first "
+        f"{prompts:,} prompts (a tenth of {lay.examples:,}: this project's choice) = {sft.training.train_iters:,} "
+        f"updates at lr {OPD_ONLINE_LR:g}, {OPD_ONLINE_WARMUP:.1%} warmup, cosine, TTT {OPD_ONLINE_TTT}"
+    )
+    return recipe
+
+
+def _opd_offline(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
+    """This project's earlier form: one rollout stage, then 2 epochs on its store at a tenth of the SFT lr."""
+    from megatron_osprey.stages.rollout import RolloutConfig
+
     sft = recipe.distill
     # A dense target that fits one GPU rolls out with the HF model and its KV cache, one replica per GPU; the others
     # on the Megatron-Core target at the distillation's layout, which recomputes each sequence at every verify.
@@ -197,16 +265,16 @@ def opd_recipe(target: str, hardware: str, domain: str | None) -> Recipe:
         target_backend="hf" if hf else "megatron",
         parallel=copy.deepcopy(sft.parallel) if not hf else ParallelConfig(),
     )
-    sft.data = DistillDataConfig(mode="on-policy")
+    sft.data = DistillDataConfig(mode="on-policy", opd_form="offline")
     sft.ttt.ttt_steps = OPD_STEPS
     sft.training.train_iters = adaptation_steps(prompts, lay.global_batch, OPD_EPOCHS)
     sft.optimizer.lr /= OPD_LR_SHARE
     sft.checkpoint.save_interval = 500
     recipe.chain, recipe.adapt, recipe.regenerate = PIPELINE_OPD, None, None
     recipe.budget = (
-        f"this project's choice (neither the paper nor the release fixes Draft-OPD's): rollouts on {prompts:,} prompts "
+        f"this project's offline form (--opd-form offline; not the authors'): rollouts on {prompts:,} prompts "
         f"(a tenth of {lay.examples:,}), {OPD_EPOCHS} epochs at global batch {lay.global_batch} = "
         f"{sft.training.train_iters:,} updates at a tenth of the SFT lr"
     )
-    recipe.resources["rollout"] = Resources(gpus_per_node=lay.gpus, time="48:00:00")
+    recipe.resources["rollout"] = Resources(nodes=lay.nodes, gpus_per_node=lay.gpus, time="48:00:00")
     return recipe

@@ -92,14 +92,16 @@ def wire_paths(recipe, stage: str, config, run_dir: str) -> None:
         config.data_path, config.output = conversations(recipe, run_dir), out
     elif stage == "distill":
         config.target.path = recipe.path("target")
-        if config.data.mode == "on-policy":  # Draft-OPD: from the SFT-distilled drafter, on the chain's rollouts
+        if (
+            config.data.mode == "on-policy"
+        ):  # Draft-OPD: from the SFT-distilled drafter (rollouts: its own or the chain's)
             config.drafter.drafter_init = recipe.path("sft")
         elif not config.drafter.baseline:
             config.drafter.drafter_init = stage_dir(run_dir, "adapt")
         config.data.data_path = [conversations(recipe, run_dir)]
         if config.data.mode == "offline":
             config.data.hidden_states = stage_dir(run_dir, "extract")
-        elif config.data.mode == "on-policy":
+        elif config.data.mode == "on-policy" and config.data.opd_form == "offline":
             config.data.hidden_states = stage_dir(run_dir, "rollout")
         config.data.domain = recipe.domain
         _training_outputs(recipe, config, out)

@@ -62,24 +62,38 @@ def _distill_recipes() -> dict[str, Callable[..., Recipe]]:
     methods = (("osprey", 1, "Osprey drafter"), ("eagle3", 1, "EAGLE-3 baseline (1 layer)"))
     methods += (("eagle3_2layer", 2, "EAGLE-3 baseline (2 layers, parameter-matched)"),)
     for (target, hardware), layout in distill.LAYOUTS.items():
+        gpus = layout.gpus * layout.nodes
         for method, layers, what in methods:
-            name = f"{target}_{method}_distill_{layout.gpus}gpu_{hardware}_bf16"
+            name = f"{target}_{method}_distill_{gpus}gpu_{hardware}_bf16"
             base = "eagle3" if method.startswith("eagle3") else "osprey"
 
             def build(domain: str | None = None, _t=target, _m=base, _h=hardware, _l=layers) -> Recipe:
                 return distill.target_recipe(_t, _m, _h, domain, eagle3_layers=_l)
 
-            doc = f"{what} for {target}, {layout.gpus} x {hardware.upper()} (target TP {layout.tp}, EP {layout.ep})."
+            doc = f"{what} for {target}, {gpus} x {hardware.upper()} (target TP {layout.tp}, EP {layout.ep})."
             out[name] = _registered(name, build, doc)
 
     for (target, hardware), layout in distill.LAYOUTS.items():
-        name = f"{target}_osprey_opd_distill_{layout.gpus}gpu_{hardware}_bf16"
+        gpus = layout.gpus * layout.nodes
+        name = f"{target}_osprey_opd_distill_{gpus}gpu_{hardware}_bf16"
 
         def build_opd(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
             return distill.opd_recipe(_t, _h, domain)
 
-        doc = f"Osprey + Draft-OPD for {target} (one rollout + on-policy round from paths.sft), {layout.gpus} x "
+        how = (
+            "the authors' online loop"
+            if distill.opd_default_form(target, hardware) == "online"
+            else "one rollout + on-policy round: the online loop needs the HF target whole on each GPU"
+        )
+        doc = f"Osprey + Draft-OPD for {target} ({how}, from paths.sft), {gpus} x "
         out[name] = _registered(name, build_opd, doc + f"{hardware.upper()}.")
+        offline = f"{target}_osprey_opd_offline_distill_{gpus}gpu_{hardware}_bf16"
+
+        def build_offline(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
+            return distill.opd_recipe(_t, _h, domain, form="offline")
+
+        doc = f"Osprey + Draft-OPD's offline form for {target} (one rollout + on-policy round), {gpus} x "
+        out[offline] = _registered(offline, build_offline, doc + f"{hardware.upper()}.")
 
     def eagle3_ttt7(domain: str | None = None) -> Recipe:
         recipe = distill.target_recipe("qwen3_8b", "eagle3", "h100", domain)

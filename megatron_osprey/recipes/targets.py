@@ -8,7 +8,8 @@ paths.target=DIR`), and a preset is only the shape to plan with until it exists.
 
 Sources: Qwen/Qwen3-4B, Qwen/Qwen3-8B, meta-llama/Llama-3.3-70B-Instruct, MiniMaxAI/MiniMax-M2.5 (the M2
 family config as published for MiniMax-M2.1, e.g. QuixiAI/MiniMax-M2.1-bf16, with M2.5's vocabulary),
-HuggingFaceTB/SmolLM2-135M-Instruct; the tiny presets are the toy models megatron_osprey.testing builds.
+HuggingFaceTB/SmolLM2-135M-Instruct, deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct; the tiny presets are the
+toy models megatron_osprey.testing builds.
 """
 
 from __future__ import annotations
@@ -43,6 +44,51 @@ def _qwen3(hidden: int, ffn: int, heads: int, layers: int, tied: bool) -> dict[s
         "tie_word_embeddings": tied,
         "vocab_size": 151936,
         "torch_dtype": "bfloat16",
+    }
+
+
+def _deepseek_v3() -> dict[str, Any]:
+    return {
+        "model_type": "deepseek_v3",
+        "first_k_dense_replace": 3,
+        "hidden_act": "silu",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1,
+        "n_group": 8,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "v_head_dim": 128,
+        "vocab_size": 129280,
     }
 
 
@@ -88,6 +134,33 @@ PRESETS: types.MappingProxyType[str, dict[str, Any]] = types.MappingProxyType(
             "tie_word_embeddings": False,
             "vocab_size": 200064,
             "torch_dtype": "bfloat16",
+        },
+        # DeepSeek-V3 and Kimi-K2: multi-latent attention, shared + 256 / 384 routed experts (base/deepseek_v3.py).
+        # The published checkpoints are block-scaled FP8, dequantized to BF16 as they are read.
+        "deepseek_v3": _deepseek_v3(),
+        "kimi_k2": {
+            **_deepseek_v3(),
+            "model_type": "kimi_k2",
+            "first_k_dense_replace": 1,
+            "max_position_embeddings": 131072,
+            "n_group": 1,
+            "n_routed_experts": 384,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "num_nextn_predict_layers": 0,
+            "rope_scaling": {
+                "beta_fast": 1.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+                "type": "yarn",
+            },
+            "rope_theta": 50000.0,
+            "routed_scaling_factor": 2.827,
+            "topk_group": 1,
+            "vocab_size": 163840,
         },
         "smollm2_135m_instruct": {
             "model_type": "llama",

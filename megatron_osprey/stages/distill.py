@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=N -m megatron_osprey distill --drafter-init ADAPTED_DIR --target TARGET_DIR \\
         --mode online --data-path CONVERSATIONS.jsonl | --mode offline --hidden-states STORE \\
-        | --mode on-policy --hidden-states ROLLOUT_STORE (--drafter-init: the distill stage's --save) \\
+        | --mode on-policy --data-path PROMPTS.jsonl (--drafter-init: the distill stage's --save; Draft-OPD's
+          online loop) | --mode on-policy --opd-form offline --hidden-states ROLLOUT_STORE \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
 Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
@@ -15,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from megatron_osprey.config.flags import under
-from megatron_osprey.data.config import DISTILL_DATA_FLAGS, DISTILL_MODES, DistillDataConfig
+from megatron_osprey.data.config import DISTILL_DATA_FLAGS, DISTILL_MODES, OPD_FORMS, DistillDataConfig
 from megatron_osprey.losses.config import TTT_FLAGS, TTTLossConfig
 from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DistillDrafterConfig
 from megatron_osprey.models.target.config import TARGET_FLAGS, TARGET_LAYOUT_FLAGS, TargetConfig
@@ -69,8 +70,31 @@ class DistillConfig:
                 f"--drafter-init {init}: no latest_checkpointed_iteration.txt there; --mode on-policy starts from "
                 f"the distill stage's --save directory."
             )
-        if not self.data.hidden_states:
-            raise ValueError("--mode on-policy needs --hidden-states ROLLOUT_STORE (the rollout stage's output).")
+        data = self.data
+        if data.opd_form not in OPD_FORMS:
+            raise ValueError(f"--opd-form must be one of {OPD_FORMS}, got {data.opd_form!r}.")
+        if data.opd_form == "offline" and not data.hidden_states:
+            raise ValueError("--opd-form offline needs --hidden-states ROLLOUT_STORE (the rollout stage's output).")
+        if data.opd_form == "online":
+            if data.hidden_states:
+                raise ValueError(
+                    "--hidden-states: the online Draft-OPD form rolls out its own data each round from --data-path "
+                    "PROMPTS.jsonl; a rollout store trains with --opd-form offline."
+                )
+            if self.parallel.expert_model_parallel_size != 1:
+                raise ValueError(
+                    "--expert-model-parallel-size: the online Draft-OPD form rolls out with the HF target whole on "
+                    "each rank; use 1, or --opd-form offline (its rollout stage runs the Megatron-Core target)."
+                )
+            if len(data.data_path) != 1:
+                raise ValueError("--opd-form online needs one --data-path PROMPTS.jsonl (conversations to prompt).")
+            for flag, value in (
+                ("--opd-limit", 1 if data.opd_limit is None else data.opd_limit),
+                ("--opd-round-updates", data.opd_round_updates),
+                ("--opd-max-new-tokens", data.opd_max_new_tokens),
+            ):
+                if value < 1:
+                    raise ValueError(f"{flag} must be >= 1, got {value}.")
 
     def validate(self, world_size: int) -> None:
         """Checks that need no model or data."""
@@ -118,8 +142,11 @@ FLAGS = {
 def _inputs(config: DistillConfig) -> dict:
     """What distillation reads: the adapted drafter, the conversations and (offline) the hidden-state store."""
     inputs = {f"data{i}": path for i, path in enumerate(config.data.data_path)}
-    if config.data.mode == "on-policy":  # the SFT-distilled checkpoint and the rollout store
-        return inputs | {"drafter_init": config.drafter.drafter_init, "hidden_states": config.data.hidden_states}
+    if config.data.mode == "on-policy":  # the SFT-distilled checkpoint and the rollout store (offline form)
+        inputs["drafter_init"] = config.drafter.drafter_init
+        if config.data.opd_form == "offline":
+            inputs["hidden_states"] = config.data.hidden_states
+        return inputs
     if config.drafter.drafter_init:
         init = Path(config.drafter.drafter_init)
         inputs |= {"drafter_init": init / "megatron", "drafter_config": init / "run_config.yaml"}
@@ -133,9 +160,36 @@ def run(config: DistillConfig, invocation: Invocation = Invocation("distill")):
     model-parallel groups; offline, the ranks read the hidden-state store instead.
 
     With --save, SAVE/provenance.json records the checkpoint that export and evaluate read."""
-    from megatron_osprey.training.distillation import run_distill
+    from megatron_osprey.training.distillation import online_opd, run_distill
 
-    return train_on_every_rank(config, invocation, _inputs(config), run_distill, _outputs)
+    def train(cfg: DistillConfig, state):
+        return run_distill(cfg, state, online_rollout(cfg, state) if online_opd(cfg) else None)
+
+    return train_on_every_rank(config, invocation, _inputs(config), train, _outputs)
+
+
+def online_rollout(config: DistillConfig, state):
+    """Draft-OPD's online rollout on this rank: the HF target (each rank holds it whole, on its device, in the
+    drafter's dtype) and the --data-path prompts (their first user message), greedy chains of --ttt-steps drafts
+    (the authors' speculative_num_steps = TTT length) up to --opd-max-new-tokens new tokens."""
+    import torch
+    from megatron.core import parallel_state as mpu
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_osprey.eval.prompts import load_prompts
+    from megatron_osprey.speculative import SpecConfig
+    from megatron_osprey.speculative.online_rollout import OnlineRollout
+    from megatron_osprey.stages.rollout import target_eos_ids
+
+    data, target = config.data, config.target.path
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = load_prompts(data.data_path[0], tokenizer, data.opd_limit, data.enable_thinking)
+    dtype = torch.bfloat16 if config.drafter.bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(state.device).eval()
+    spec = SpecConfig(
+        steps=config.ttt.ttt_steps, max_new_tokens=data.opd_max_new_tokens, eos_token_ids=target_eos_ids(target)
+    )
+    return OnlineRollout(model, prompts, spec, mpu.get_tensor_model_parallel_group())
 
 
 def _outputs(save: Path) -> dict | None:

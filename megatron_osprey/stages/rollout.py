@@ -189,19 +189,26 @@ def _load_drafter(config: RolloutConfig, vocab_size: int, device, dtype):
     return loaded.drafter.to(device=device, dtype=dtype)
 
 
-def _spec(config: RolloutConfig):
-    """Chains of --steps drafts at --temperature, up to --max-new-tokens, stopping at the target's EOS tokens."""
+def target_eos_ids(target: str) -> tuple[int, ...]:
+    """The HF target's EOS token ids (its generation_config.json, else its config.json)."""
     from transformers import AutoConfig, GenerationConfig
 
+    try:
+        eos = GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:  # no generation_config.json: HF's model takes it from config.json
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(target)).eos_token_id
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _spec(config: RolloutConfig):
+    """Chains of --steps drafts at --temperature, up to --max-new-tokens, stopping at the target's EOS tokens."""
     from megatron_osprey.speculative import SpecConfig
 
-    try:
-        eos = GenerationConfig.from_pretrained(config.target).eos_token_id
-    except OSError:  # no generation_config.json: HF's model takes it from config.json
-        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(config.target)).eos_token_id
-    eos = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return SpecConfig(
-        steps=config.steps, max_new_tokens=config.max_new_tokens, eos_token_ids=eos, temperature=config.temperature
+        steps=config.steps,
+        max_new_tokens=config.max_new_tokens,
+        eos_token_ids=target_eos_ids(config.target),
+        temperature=config.temperature,
     )
 
 

@@ -124,6 +124,48 @@ def minimax_m2_config(layers: int = 4, vocab: int = VOCAB):
     )
 
 
+def deepseek_v3_config(layers: int = 4, vocab: int = VOCAB, q_lora_rank: int | None = 32):
+    """Tiny DeepSeek-V3: MLA (q/kv latents 32, nope 16 + rope 8, v 16), layer 0 dense, then 8 routed experts in 4
+    groups (2 kept, top-4: 2 x topk_group, as the release's 8 = 2 x 4) plus a shared expert, YaRN x4 with mscale."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
 def make_moe_hf_model(config, directory: str | Path, seed: int = 0):
     """make_hf_model plus a non-zero MiniMax routing bias, so that a bias ignored by the loader shows."""
     model = make_hf_model(config, directory, seed)
@@ -226,6 +268,7 @@ TINY_TARGET_CONFIGS = {
     "qwen3": lambda vocab: qwen3_config(tie=False, layers=6, vocab=vocab),
     "qwen3_moe": lambda vocab: qwen3_moe_config(layers=6, vocab=vocab),
     "minimax_m2": lambda vocab: minimax_m2_config(layers=6, vocab=vocab),
+    "deepseek_v3": lambda vocab: deepseek_v3_config(layers=4, vocab=vocab),
     "qwen2": lambda vocab: qwen2_config(layers=6, vocab=vocab),
     "mistral": lambda vocab: mistral_config(layers=6, vocab=vocab),
     "gemma3_text": lambda vocab: gemma3_config(layers=6, vocab=vocab),

@@ -174,10 +174,17 @@ def ttt_loss_func(terms, denominator, loss):
     return loss, count.to(torch.int), report
 
 
+def online_opd(cfg) -> bool:
+    """Draft-OPD's online loop (--mode on-policy --opd-form online): the job rolls out its own data each round."""
+    return cfg.data.rolls_out_online()
+
+
 def build_sources(cfg, arch: DrafterArch, target: ModelArch, tokenizer):
     from megatron_osprey.data.distill_data import ConversationSamples, StoreSamples
     from megatron_osprey.models.target.pipeline_stage import target_identity
 
+    if online_opd(cfg):  # no data before the first round: the rollouts are made as training goes
+        return None
     if cfg.data.mode in ("offline", "on-policy"):
         # The store must come from this very target: same taps and width, and the same config and weights.
         _, fingerprint = target_identity(target, cfg.target.path)
@@ -221,6 +228,15 @@ def check_drafter_matches_target(cfg, arch: DrafterArch, target: ModelArch) -> N
         )
 
 
+def data_note(cfg, source, parallel: ParallelState, online_rollout) -> str:
+    """check_loss_tokens(), or for the online Draft-OPD loop (which has no data before its first round) its size."""
+    if not online_opd(cfg):
+        return check_loss_tokens(cfg, source, parallel)
+    if online_rollout is None:
+        raise ValueError("--opd-form online: run_distill needs the stage's OnlineRollout (stages/distill.py).")
+    return f"online Draft-OPD: {len(online_rollout.prompts)} prompts, rounds of {cfg.data.opd_round_updates} update(s)"
+
+
 def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     """Count the samples and assistant tokens left after the --seq-length cut; refuse a run with none.
 
@@ -250,8 +266,11 @@ def check_loss_tokens(cfg, source, parallel: ParallelState) -> str:
     )
 
 
-def run_distill(cfg, parallel: ParallelState) -> DistillResult:
-    """Validate, then train through the shared assembly; collective over every rank of `parallel`."""
+def run_distill(cfg, parallel: ParallelState, online_rollout=None) -> DistillResult:
+    """Validate, then train through the shared assembly; collective over every rank of `parallel`.
+
+    Draft-OPD's online form needs `online_rollout` (speculative/online_rollout.py's OnlineRollout over the
+    --data-path prompts, which the stage builds): training does not import the decoding engines."""
     from transformers import AutoTokenizer
 
     cfg.validate(parallel.world_size)
@@ -262,7 +281,7 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     arch = drafter_arch(cfg, target)
     check_drafter_matches_target(cfg, arch, target)
     source = build_sources(cfg, arch, target, tokenizer)
-    loss_tokens_note = check_loss_tokens(cfg, source, parallel)  # refuses data with nothing to train on
+    loss_tokens_note = data_note(cfg, source, parallel, online_rollout)  # refuses data with nothing to train on
     draft_ids = draft_vocabulary(source, arch, parallel) if cfg.drafter.baseline else None
     run_config = {
         "stage": "distill",
@@ -281,13 +300,15 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     # Pad each micro-batch to its own longest sample (a multiple that sequence parallelism can split).
     multiple = math.lcm(PAD_MULTIPLE, cfg.parallel.tensor_model_parallel_size)
     collate = functools.partial(pad_samples, seq_length=cfg.training.seq_length, pad_id=pad_id, multiple=multiple)
-    if cfg.data.mode == "on-policy":
+    if cfg.data.mode == "on-policy" and not online_opd(cfg):
         from megatron_osprey.training.on_policy import pad_rollout_samples
 
         collate = functools.partial(pad_rollout_samples, **collate.keywords, steps=cfg.ttt.ttt_steps)
 
     def data_iterators(model: list, state: TrainState, notes: list[str]):
         notes.append(loss_tokens_note)
+        if online_opd(cfg):
+            return _online_batches(cfg, parallel, model, online_rollout, state, collate), None
         return micro_batches(
             source,
             state.consumed_train_samples,
@@ -313,6 +334,26 @@ def run_distill(cfg, parallel: ParallelState) -> DistillResult:
     settings = functools.partial(distill_settings, cfg, arch)
     result = train_stage(cfg, spec, parallel, settings, warmup_fraction=True)
     return DistillResult(result.state, result.history, result.notes, arch)
+
+
+def _online_batches(cfg, parallel: ParallelState, model: list, online_rollout, state: TrainState, collate):
+    """Draft-OPD's online loop as this rank's micro-batches: a round of rollouts, then its updates."""
+    from megatron_osprey.training.opd_online import online_micro_batches, round_prompts
+
+    return online_micro_batches(
+        model,
+        online_rollout,
+        len(online_rollout.prompts),
+        state.consumed_train_samples,
+        cfg.training.micro_batch_size,
+        parallel.dp_rank,
+        parallel.dp_size,
+        round_prompts(cfg.training.global_batch_size, cfg.data.opd_round_updates),
+        collate,
+        seed=cfg.parallel.seed,
+        shuffle=cfg.data.shuffle,
+        device=parallel.device,
+    )
 
 
 def draft_vocabulary(source, arch: DrafterArch, parallel: ParallelState) -> torch.Tensor:
@@ -347,14 +388,23 @@ def initial_drafter_weights(
 
 def distill_settings(cfg, arch: DrafterArch) -> dict[str, dict]:
     """Distillation's own part of the run identity a resume compares (training/resume_check.py)."""
+    from_files = cfg.data.mode == "online" or online_opd(cfg)
     data = (
-        resume_check.store_setting(cfg.data.hidden_states)
-        if cfg.data.mode != "online"
-        else resume_check.files_setting(list(cfg.data.data_path))
+        resume_check.files_setting(list(cfg.data.data_path))
+        if from_files
+        else resume_check.store_setting(cfg.data.hidden_states)
     )
+    online = {}
+    if online_opd(cfg):
+        online = {
+            "--opd-round-updates": resume_check.setting(cfg.data.opd_round_updates),
+            "--opd-limit": resume_check.setting(cfg.data.opd_limit),
+            "--opd-max-new-tokens": resume_check.setting(cfg.data.opd_max_new_tokens),
+        }
     return {
         "--mode": resume_check.setting(cfg.data.mode),
-        "--hidden-states" if cfg.data.mode != "online" else "--data-path": data,
+        "--data-path" if from_files else "--hidden-states": data,
+        **online,
         "--target": resume_check.setting(model_fingerprint(cfg.target.path)["files_sha256"], str(cfg.target.path)),
         "drafter": resume_check.setting(arch.to_dict(), cfg.drafter.drafter_init or f"{cfg.drafter.baseline}"),
         "--ttt-steps": resume_check.setting(cfg.ttt.ttt_steps),
@@ -377,7 +427,7 @@ class _FrozenTarget:
         cfg, parallel = self.cfg, self.parallel
         drafter = unwrap_model(model[0])
         tp_group = mpu.get_tensor_model_parallel_group()
-        if cfg.data.mode == "on-policy":  # the rollout store holds the target's distributions
+        if cfg.data.mode == "on-policy" and not online_opd(cfg):  # the rollout store holds the distributions
             return on_policy_forward_step(cfg, self.target_arch.vocab_size, self.arch.draft_vocab_size, tp_group)
         head = TargetHead.from_hf(
             cfg.target.path,

@@ -154,8 +154,8 @@ def test_refuses_a_directory_it_did_not_write(tmp_path):
 def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
     """Every extra arm added to the finished run: only the new steps run, each arm is evaluated (lossless),
     compared with its base arm, and the harder sets and n-gram drafters are reported."""
-    from megatron_osprey.data.hidden_state_store import HiddenStateStore
-    from megatron_osprey.demo.extra_arms import FIRST_GROUP, OFFLINE_ARMS, eval_group
+    from megatron_osprey.demo.commands import opd_updates
+    from megatron_osprey.demo.extra_arms import FIRST_GROUP, OFFLINE_ARMS, OTHER_NEURAL_ARMS, eval_group
     from megatron_osprey.demo.report_arms import COMPARISONS
     from megatron_osprey.demo.sizes import EXTRA_ARMS
 
@@ -165,7 +165,7 @@ def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
     printed = capsys.readouterr().out
     for step in ("pretrain_backbone_target", "regenerate_chat", "extract_chat", "distill_osprey_chat"):
         assert f"{step}: finished in an earlier run, skipped" in printed
-    neural = set(OFFLINE_ARMS) | {"osprey_opd"}
+    neural = set(OFFLINE_ARMS) | set(OTHER_NEURAL_ARMS)
     assert set(report["methods"]) == {"osprey", "eagle3"} | neural
     assert {(r["arm"], r["base"]) for r in report["arms"]["comparisons"]} == {(a, b) for a, b, _ in COMPARISONS}
     harder = report["arms"]["harder"]  # the first evaluation group's arms (the TTT-depth arms: eval domains only)
@@ -179,8 +179,11 @@ def test_extra_arms_resume_the_run_and_are_reported(demo, capsys):
     for name in ("eval", "eval/harder", "eval/suites", "eval/ngram", "eval/ngram_harder"):
         lossless = json.loads((output / name / "results.json").read_text())["lossless"]
         assert lossless == {"checked": True, "mismatches": []}, name
-    # Draft-OPD trained on recorded rounds of the SFT drafter; the n-gram drafters report their drafting cost.
-    assert len(HiddenStateStore(output / "rollouts" / "osprey_opd_chat")) == arms.opd_prompts
+    # Draft-OPD's online loop took opd_updates updates (its SFT control as many more); the n-gram drafters report
+    # their drafting cost.
+    assert (output / "drafters" / "osprey_opd_chat" / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+        opd_updates(arms)
+    )
     assert all(v is not None for e in report["arms"]["ngram"].values() for v in e["draft_us"].values())
     text = (output / "report.md").read_text()
     assert "Extra arms against the arm each one changes" in text and "N-gram drafters" in text

@@ -78,11 +78,18 @@ def test_from_and_until_submit_a_part_of_the_chain_waiting_only_on_what_it_submi
 
 
 def test_the_draft_opd_chain_trains_on_policy_after_its_rollout_job(sbatch, tmp_path):
-    name = "qwen3_8b_osprey_opd_distill_2gpu_h100_bf16"  # rollout, distill (on-policy), export, evaluate
+    name = "qwen3_8b_osprey_opd_offline_distill_2gpu_h100_bf16"  # rollout, distill (on-policy), export, evaluate
     jobs = _pipeline(name, tmp_path)
     assert [job.stage for job in jobs] == ["rollout", "distill", "export", "evaluate"]
     assert _waits(jobs, sbatch) == {"rollout": [], "distill": ["rollout"], "export": ["distill"],
                                     "evaluate": ["distill", "export"]}  # fmt: skip
+
+
+def test_the_online_draft_opd_chain_rolls_out_inside_its_distill_job(sbatch, tmp_path):
+    name = "qwen3_8b_osprey_opd_distill_2gpu_h100_bf16"  # the authors' loop: distill (on-policy), export, evaluate
+    jobs = _pipeline(name, tmp_path)
+    assert [job.stage for job in jobs] == ["distill", "export", "evaluate"]
+    assert _waits(jobs, sbatch) == {"distill": [], "export": ["distill"], "evaluate": ["distill", "export"]}
 
 
 def test_chain_stages_checks_from_and_until_against_the_chain():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_osprey.demo.commands import distill_argv
-from megatron_osprey.demo.extra_arms import OFFLINE_ARMS
+from megatron_osprey.demo.extra_arms import OFFLINE_ARMS, OTHER_NEURAL_ARMS
 from megatron_osprey.demo.harder_sets import TASKS, task_rows
 from megatron_osprey.demo.pipeline import prepare_demo_output
 from megatron_osprey.demo.report_arms import COMPARISONS, comparisons, paired_gain, split_table
@@ -147,9 +147,14 @@ class RecordingSteps:
         pass
 
 
+def _without_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    return [w for i, w in enumerate(argv) if not (i and argv[i - 1] in flags)]
+
+
 def test_the_arms_steps_read_the_base_arms_data_store_and_seed(tmp_path):
     """extra_drafters' real commands: every offline arm reads the Osprey arm's regenerated data and store with
-    its seed and tokens; Draft-OPD rolls out the Osprey SFT drafter and trains from it."""
+    its seed and tokens; Draft-OPD runs its online loop from the Osprey SFT drafter, and its equal-compute control
+    trains Osprey SFT's updates plus exactly as many as Draft-OPD adds."""
     from transformers import LlamaConfig
 
     from megatron_osprey.demo.arms import distill_drafters
@@ -164,6 +169,8 @@ def test_the_arms_steps_read_the_base_arms_data_store_and_seed(tmp_path):
     inits = {name: tmp_path / f"init_{name}" for name in ("osprey", "osprey_no_stage2", "osprey_monolingual")}
     inits["osprey_stage2_more"] = tmp_path / "init_more"
     data = {"splits": {"chat": {"train": tmp_path / "prompts.jsonl"}}, "monolingual": tmp_path / "mono.jsonl"}
+    (tmp_path / "translated.jsonl").write_text('{"id": "t"}\n' * 20)
+    data["translation"] = {"chat": (tmp_path / "translated.jsonl", tmp_path / "translation_store")}
     steps = RecordingSteps()
     distill_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores)
     drafters = extra_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores, data)
@@ -173,13 +180,30 @@ def test_the_arms_steps_read_the_base_arms_data_store_and_seed(tmp_path):
         argv = steps.commands[f"distill_{arm}_chat"]
         for flag in flags:
             assert argv[argv.index(flag) + 1] == base[base.index(flag) + 1], (arm, flag)
-    rollout = steps.commands["rollout_osprey_opd_chat"]
-    assert rollout[rollout.index("--drafter") + 1] == str(tmp_path / "drafters" / "osprey_chat")
-    assert rollout[rollout.index("--limit") + 1] == str(cfg.opd_prompts)
+    assert not any(n.startswith("rollout_") for n in steps.commands)  # the online loop rolls out in its job
     opd = steps.commands["distill_osprey_opd_chat"]
     assert opd[opd.index("--drafter-init") + 1] == str(tmp_path / "drafters" / "osprey_chat")
-    assert opd[opd.index("--mode") + 1] == "on-policy"
-    assert opd[opd.index("--seed") + 1] == base[base.index("--seed") + 1]
+    assert opd[opd.index("--mode") + 1] == "on-policy" and "--opd-form" not in opd  # the online form, the default
+    assert opd[opd.index("--data-path") + 1] == str(data["splits"]["chat"]["train"])
+    assert opd[opd.index("--opd-limit") + 1] == str(cfg.opd_prompts)
+    assert opd[opd.index("--ttt-steps") + 1] == "7" and opd[opd.index("--lr-warmup-fraction") + 1] == "0.015"
+    for flag in ("--seed", "--lr", "--global-batch-size"):
+        assert opd[opd.index(flag) + 1] == base[base.index(flag) + 1], flag
+    # equal compute: Draft-OPD's updates = opd_epochs x opd_prompts / batch, and the SFT control adds exactly those
+    opd_iters, base_iters = int(opd[opd.index("--train-iters") + 1]), int(base[base.index("--train-iters") + 1])
+    assert opd_iters == cfg.opd_epochs * cfg.opd_prompts // cfg.distill_batch == 64
+    more = [str(w) for w in steps.commands["distill_osprey_sft_more_chat"]]
+    assert int(more[more.index("--train-iters") + 1]) == base_iters + opd_iters
+    # otherwise the base arm's command: its init, data, store, lr, seed (its length, save and log cadence aside)
+    base_str = [str(w) for w in base]
+    assert _without_values(more, ("--train-iters", "--save", "--save-interval", "--log-interval")) == _without_values(
+        base_str, ("--train-iters", "--save", "--save-interval", "--log-interval")
+    )
+    translation = [str(w) for w in steps.commands["distill_osprey_translation_chat"]]
+    assert translation[translation.index("--hidden-states") + 1] == str(tmp_path / "translation_store")
+    assert translation[translation.index("--data-path") + 1] == str(tmp_path / "translated.jsonl")
+    for flag in ("--drafter-init", "--train-iters", "--lr", "--seed"):  # 20 conversations each: the same updates
+        assert translation[translation.index(flag) + 1] == base_str[base_str.index(flag) + 1], flag
     assert {d["name"] for d in drafters if d.get("ngram")} == {"ngram_chat", "ngram_monolingual_multilingual"}
     ngram = steps.commands["ngram_monolingual_multilingual"]
     assert ngram[ngram.index("--input") + 1] == str(data["monolingual"])
@@ -200,11 +224,12 @@ def test_at_full_size_the_extra_arms_train_and_evaluate_seed_0_only(tmp_path):
     inits = {n: tmp_path / n for n in ("osprey", "osprey_no_stage2", "osprey_monolingual", "osprey_stage2_more")}
     splits = {d: {"train": tmp_path / f"p_{d}.jsonl", "eval": tmp_path / f"e_{d}.jsonl"} for d in cfg.domains()}
     data = {"splits": splits, "monolingual": tmp_path / "mono.jsonl"}
+    data["translation"] = {d: (regenerated[d], tmp_path) for d in cfg.train_domains}
     steps = RecordingSteps()
     stores = {d: tmp_path for d in regenerated}
     drafters = extra_drafters(steps, cfg, tmp_path, target, inits, regenerated, stores, data)
     neural = [d for d in drafters if not d.get("ngram")]
-    assert {d["seed"] for d in neural} == {0} and len(neural) == 2 * (len(OFFLINE_ARMS) + 1)
+    assert {d["seed"] for d in neural} == {0} and len(neural) == 2 * (len(OFFLINE_ARMS) + len(OTHER_NEURAL_ARMS))
     with pytest.raises(FileNotFoundError, match="seed0"):  # no step ran: the merge finds no results to read
         evaluate_drafters(steps, cfg, target, tmp_path / "arms", neural, data, name="eval_arms")
     assert {n for n in steps.commands if n.startswith("eval_arms")} == {"eval_arms_s0"}  # seeds 1, 2: nothing
@@ -260,3 +285,22 @@ def test_the_ttt_depth_arms_are_evaluated_in_a_group_of_their_own(tmp_path, monk
     assert not any(w.startswith(("eagle3_ttt3", "eagle3_drift_ttt3")) for w in harder)
     for arm in ttt:  # trained with 3 TTT steps; every eval drafts chains of 5
         assert OFFLINE_ARMS[arm][1][-2:] == ("--ttt-steps", "3") and arm in EXTRA_ARMS
+
+
+def test_translation_rows_rotate_the_task_languages_over_the_training_prompts(tmp_path):
+    """The translation fine-tuning arm asks for one translation per training prompt, the languages in turn, with the
+    harder sets' translation template; the full demo evaluates all 11 task languages, the monolingual five first."""
+    from megatron_osprey.demo.harder_sets import TASK_LANGUAGES, translation_rows, write_task_sets
+    from megatron_osprey.recipes.cpu import MONOLINGUAL_LANGUAGES
+
+    rows = translation_rows([("a", "Hello there."), ("b", "Good bye."), ("c", "Thanks.")], ("spanish", "korean"))
+    assert [r["id"] for r in rows] == ["translation-spanish-a", "translation-korean-b", "translation-spanish-c"]
+    expected = TASKS["translation"].format(language="Korean", text="Good bye.")
+    assert rows[1]["conversations"] == [{"role": "user", "content": expected}]
+    assert len(set(TASK_LANGUAGES)) == 11 and TASK_LANGUAGES[:5] == MONOLINGUAL_LANGUAGES
+    assert DemoConfig.full().task_languages == len(TASK_LANGUAGES) and DemoConfig.quick().task_languages == 5
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text('{"id": "e1", "conversations": [{"role": "user", "content": "Hi."}]}\n')
+    translation, story = write_task_sets(DemoConfig.full(), eval_path, tmp_path / "harder")
+    languages = {line.split('"id": "')[1].split("-")[1] for line in translation.read_text().splitlines()}
+    assert languages == set(TASK_LANGUAGES) and story.is_file()

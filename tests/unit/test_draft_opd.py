@@ -222,6 +222,7 @@ def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
     cfg = tiny_distill_config(
         opd,
         data__mode="on-policy",
+        data__opd_form="offline",
         data__hidden_states=str(opd["store"]),
         drafter__drafter_init=str(opd["sft"]),
         ttt__ttt_steps=STEPS,
@@ -238,19 +239,103 @@ def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"data__hidden_states": None}, "--mode on-policy needs --hidden-states"),
+        ({"data__hidden_states": None}, "--opd-form offline needs --hidden-states"),
+        ({"data__opd_form": "online"}, "--hidden-states: the online Draft-OPD form"),
+        ({"data__opd_form": "online", "data__hidden_states": None, "data__data_path": []}, "one --data-path"),
+        ({"data__opd_form": "online", "data__hidden_states": None, "data__opd_round_updates": 0}, "--opd-round"),
         ({"drafter__drafter_init": None, "drafter__baseline": "eagle3"}, "--drafter-init DISTILL_SAVE_DIR"),
         ({"drafter__drafter_init": "ADAPTED"}, "--drafter-init .*no latest_checkpointed_iteration.txt"),
     ],
 )
 def test_on_policy_bad_input_names_the_flag(opd, change, message):
-    cfg = tiny_distill_config(opd, data__mode="on-policy", data__hidden_states=str(opd["store"]))
+    cfg = tiny_distill_config(
+        opd, data__mode="on-policy", data__opd_form="offline", data__hidden_states=str(opd["store"])
+    )
     cfg.drafter.drafter_init = str(opd["sft"])
     for key, value in change.items():
         section, field = key.split("__")
         setattr(getattr(cfg, section), field, str(opd["drafter"]) if value == "ADAPTED" else value)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         cfg.validate(world_size=1)
+
+
+class _RecordingRollout:
+    """The stage's OnlineRollout, recording the reference drafter each round rolls out with."""
+
+    def __init__(self, inner):
+        self.inner, self.prompts, self.states, self.indices = inner, inner.prompts, [], []
+
+    def __call__(self, model, indices):
+        from megatron.core.utils import unwrap_model
+
+        from megatron_osprey.speculative.online_rollout import live_reference_drafter
+
+        self.states.append(
+            {k: v.clone() for k, v in live_reference_drafter(unwrap_model(model[0])).state_dict().items()}
+        )
+        self.indices.append(list(indices))
+        self.samples = self.inner(model, indices)
+        return self.samples
+
+
+def _checkpoint_reference_state(root, iteration: int) -> dict:
+    from megatron_osprey.models.drafter.convert import reference_state
+    from megatron_osprey.models.drafter.model import build_drafter_model
+    from megatron_osprey.parallel import ParallelConfig
+    from megatron_osprey.training.checkpointing import load_model_weights
+    from megatron_osprey.training.distillation import distilled_arch
+
+    with parallel_context(ParallelConfig()) as state:
+        model = build_drafter_model(distilled_arch(str(root)), state.config, transformer_impl="local")
+        load_model_weights(str(root), model, iteration)
+        return reference_state(model)
+
+
+def test_online_opd_rounds_roll_out_the_drafter_the_previous_round_left(opd, tmp_path):
+    """The authors' loop on the tiny target, 2 rounds of 1 update: round 0 rolls out with the SFT drafter,
+    round 1 with the weights the first update saved (iteration 1), and both rounds' samples are the target's
+    greedy continuations of their prompts, trained on with the offline TTT loss."""
+    from megatron_osprey.stages.distill import online_rollout
+
+    cfg = tiny_distill_config(
+        opd,
+        data__mode="on-policy",
+        data__opd_max_new_tokens=12,
+        drafter__drafter_init=str(opd["sft"]),
+        ttt__ttt_steps=STEPS,
+        training__train_iters=2,
+        checkpoint__save=str(tmp_path / "opd"),
+        checkpoint__save_interval=1,
+    )
+    cfg.validate(world_size=1)
+    with parallel_context(cfg.parallel) as state:
+        recorder = _RecordingRollout(online_rollout(cfg, state))
+        result = run_distill(cfg, state, recorder)
+    losses = [entry["loss/train"] for entry in result.history]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert len(recorder.states) == 2 and len(recorder.inner.summaries) == 2
+    per_round = cfg.training.global_batch_size
+    assert [len(i) for i in recorder.indices] == [per_round, per_round]
+    assert set(recorder.indices[0]).isdisjoint(recorder.indices[1])  # the epoch order goes on
+    sft = _checkpoint_reference_state(opd["sft"], None)
+    after_first = _checkpoint_reference_state(tmp_path / "opd", 1)
+    for name, value in recorder.states[0].items():
+        assert torch.equal(value, sft[name]), name
+    for name, value in recorder.states[1].items():
+        assert torch.equal(value, after_first[name]), name
+    assert any(not torch.equal(recorder.states[1][n], sft[n]) for n in sft)  # the update moved the drafter
+    # temperature 0: a round's sample is the target's greedy continuation of its prompt, with its states
+    sample, model = recorder.samples[0], recorder.inner.target_model
+    prompt = int((~sample["loss_mask"]).sum())
+    greedy = model.generate(sample["input_ids"][None, :prompt], max_new_tokens=12, do_sample=False)[0]
+    assert torch.equal(greedy[: sample["input_ids"].numel()], sample["input_ids"]) and sample["loss_mask"].sum() > 0
+    assert sample["aux_hidden"].shape == (sample["input_ids"].numel(), 3 * 64)
+
+
+def test_online_opd_needs_the_stages_rollout(opd):
+    cfg = tiny_distill_config(opd, data__mode="on-policy", drafter__drafter_init=str(opd["sft"]), ttt__ttt_steps=2)
+    with parallel_context(cfg.parallel) as state, pytest.raises(ValueError, match="needs the stage's OnlineRollout"):
+        run_distill(cfg, state)
 
 
 def test_on_policy_refuses_a_store_without_rollouts(opd, tmp_path):
@@ -266,7 +351,11 @@ def test_on_policy_refuses_a_store_without_rollouts(opd, tmp_path):
         writer.add("s0", sample["input_ids"], sample["loss_mask"], sample["aux_hidden"], sample["final_hidden"])
     finalize_store(plain)
     cfg = tiny_distill_config(
-        opd, data__mode="on-policy", data__hidden_states=str(plain), drafter__drafter_init=str(opd["sft"])
+        opd,
+        data__mode="on-policy",
+        data__opd_form="offline",
+        data__hidden_states=str(plain),
+        drafter__drafter_init=str(opd["sft"]),
     )
     with parallel_context(cfg.parallel) as state, pytest.raises(ValueError, match="--hidden-states .* no rollout"):
         run_distill(cfg, state)
@@ -312,6 +401,7 @@ def test_eagle3_goes_through_the_same_rollout_and_on_policy_training(opd, tmp_pa
     cfg = tiny_distill_config(
         opd,
         data__mode="on-policy",
+        data__opd_form="offline",
         data__hidden_states=str(tmp_path / "rollout"),
         drafter__drafter_init=str(tmp_path / "sft"),
         ttt__ttt_steps=STEPS,

@@ -152,7 +152,7 @@ def test_packaging_allows_python_312_pins_te_and_leaves_a_containers_torch():
     assert "megatron-core==0.16.1" in project["dependencies"]
     assert project["optional-dependencies"]["gpu"] == ["transformer-engine[pytorch]>=2.9,<2.12"]
     # `make venv` still installs the exact CPU torch first.
-    assert "pip install -q torch==2.13.0" in (ROOT / "Makefile").read_text()
+    assert "pip install -q -c $(LOCK) torch==2.13.0" in (ROOT / "Makefile").read_text()
     assert sys.version_info[:2] >= (3, 11)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_osprey.base.arch import ModelArch, load_target_config
 from megatron_osprey.recipes.targets import PRESETS
+from tests.unit.test_deepseek_v3 import DEEPSEEK_V3, KIMI_K2_INSTRUCT
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -278,6 +279,8 @@ PUBLISHED_FOR_PRESET = {
     "llama33_70b": LLAMA33_70B_INSTRUCT,
     "minimax_m25": MINIMAX_M25,
     "smollm2_135m_instruct": SMOLLM2_135M_INSTRUCT,
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k2": KIMI_K2_INSTRUCT,
 }
 
 
@@ -388,7 +391,9 @@ def test_the_layer_count_is_read_not_assumed(tmp_path, name, layers, aux):
 
 def test_an_unsupported_family_is_refused_by_its_model_type(tmp_path):
     config = dict(QWEN3_32B, model_type="phi3", architectures=["Phi3ForCausalLM"])
-    with pytest.raises(ValueError, match=r"model_type='phi3'.*supported: .*llama, minimax_m2, .*qwen3, qwen3_moe"):
+    with pytest.raises(
+        ValueError, match=r"model_type='phi3'.*supported: deepseek_v3, gemma3, gemma3_text, kimi_k2, llama, minimax_m2"
+    ):
         load_target_config(_write(tmp_path, config))
 
 

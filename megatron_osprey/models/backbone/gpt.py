@@ -12,6 +12,7 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.base.hardware import transformer_engine_usable
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS  # noqa: E402,F401
 from megatron_osprey.models.backbone.gpu_support import fusions_usable, refuse_without_transformer_engine
+from megatron_osprey.models.backbone.mla import local_mla_build, mla_block_spec, mla_config_kwargs
 from megatron_osprey.parallel import ParallelConfig
 
 
@@ -109,6 +110,13 @@ def moe_config_kwargs(arch: ModelArch) -> dict:
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
     )
+    if arch.moe_shared_expert_ffn_hidden_size:
+        kwargs["moe_shared_expert_intermediate_size"] = arch.moe_shared_expert_ffn_hidden_size
+    if arch.moe_router_num_groups:
+        kwargs["moe_router_num_groups"] = arch.moe_router_num_groups
+        kwargs["moe_router_group_topk"] = arch.moe_router_group_topk
+    if arch.moe_layer_pattern is not None:
+        kwargs["moe_layer_freq"] = list(arch.moe_layer_pattern)
     if arch.moe_score_function == "softmax":
         # Softmax over the top-k logits equals renormalized top-k probabilities
         # (norm_topk_prob); softmax over all experts first keeps them unnormalized.
@@ -126,6 +134,7 @@ def transformer_config(
 ):
     """TransformerConfig for `arch` under `parallel`; fusions stay off on CPU."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     arch.validate_parallel(
         parallel.tensor_model_parallel_size,
@@ -175,11 +184,14 @@ def transformer_config(
         batch_p2p_comm=on_gpu,
     )
     kwargs.update(moe_config_kwargs(arch))
+    if arch.mla is not None:
+        kwargs.update(mla_config_kwargs(arch))
+
     from megatron_osprey.models.backbone.dense_variants import variant_config_kwargs
 
     kwargs.update(variant_config_kwargs(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.mla is not None else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(
@@ -222,22 +234,28 @@ def build_gpt_model(
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=variant_block_spec(layer_spec(arch, impl), arch, config, vp_stage),
-        vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=arch.rotary_percent,
-        rotary_base=int(arch.rope_theta),
-        vp_stage=vp_stage,
-    )
-    # HF's exact inverse frequencies (llama3 scaling with its own factors, float theta).
-    rotary = model.rotary_pos_emb
-    rotary.inv_freq = rotary_inv_freq(arch).to(rotary.inv_freq.device)
+    with local_mla_build(impl if arch.mla is not None else "transformer_engine"):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=(
+                variant_block_spec(layer_spec(arch, impl), arch, config, vp_stage)
+                if arch.mla is None
+                else mla_block_spec(config, impl)
+            ),
+            vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=arch.rotary_percent,
+            rotary_base=int(arch.rope_theta),
+            vp_stage=vp_stage,
+        )
+    # HF's exact inverse frequencies (llama3 scaling with its own factors, float theta); MLA builds its own YaRN.
+    if arch.mla is None:
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rotary_inv_freq(arch).to(rotary.inv_freq.device)
     scale_embedding(model, arch)
     model.osprey_arch = arch
     model.transformer_impl = impl

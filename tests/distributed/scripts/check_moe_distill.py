@@ -33,7 +33,7 @@ def moe_distill_config(mode: str, target: str, drafter: str, data: str, save: Pa
         checkpoint__save_interval=ITERS,
     )
     if mode == "on-policy":
-        changes |= dict(data__mode="on-policy", data__hidden_states=store)
+        changes |= dict(data__mode="on-policy", data__opd_form="offline", data__hidden_states=store)
     cfg = tiny_distill_config(setup, **changes)
     cfg.parallel = parallel
     return cfg
