@@ -1,9 +1,9 @@
 """The architecture facts of a HF decoder-only LM, normalized across families.
 
-Dense: Qwen3, Llama-3.x. Mixture of experts: Qwen3-MoE (softmax router, optional
-renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction bias,
-partial rotary, and q/k RMSNorm over the whole projection rather than per head),
-GLM-4.5 and gpt-oss (base/arch_glm_gptoss.py).
+Dense: Qwen3, Llama-3.x, Qwen2 (Qwen2.5), Mistral, Gemma 3 (base/dense_families.py). Mixture of experts:
+Qwen3-MoE (softmax router, optional renormalized top-k), MiniMax-M2/M2.5 (sigmoid router with a score-correction
+bias, partial rotary, and q/k RMSNorm over the whole projection rather than per head), GLM-4.5 and gpt-oss
+(base/arch_glm_gptoss.py), DeepSeek-V3 / Kimi-K2 (base/deepseek_v3.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_osprey.base.arch_glm_gptoss import FAMILY_FIELDS, YARN_FAMILIES, yarn_scaling
+from megatron_osprey.base.arch_glm_gptoss import FAMILY_FIELDS
 from megatron_osprey.base.config_fields import check_config_fields
+from megatron_osprey.base.dense_families import dense_variant_fields, family_config
+from megatron_osprey.base.rope_config import rope_fields
 
 # model_type in config.json -> (family, HF class name)
 SUPPORTED_FAMILIES: dict[str, str] = {
@@ -27,6 +29,10 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     # Multi-latent attention with shared experts (base/deepseek_v3.py); Kimi-K2 is the same architecture.
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",  # its text_config: the language model
 }
 
 
@@ -126,11 +132,20 @@ class ModelArch:
     # gpt-oss / GLM-4.5 (base/arch_glm_gptoss.py); the defaults are every other family's.
     linear_bias: bool = False  # biases on o_proj, the router and the experts (gpt-oss)
     attention_sinks: bool = False  # a learned logit per head beside the keys (gpt-oss)
-    sliding_window: int = 0  # keys within the last N positions (itself included) on sliding_layers
-    sliding_layers: tuple[int, ...] = ()  # 0-based ids of the sliding-window layers
-    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss: clamped gate/up, sigmoid slope 1.702, up + 1)
+    activation: str = "swiglu"  # the GLU's form, or "clamped_swiglu" (gpt-oss: clamped gate/up, slope 1.702, up + 1)
     swiglu_limit: float = 0.0
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint: never read
+    # Qwen2 / Mistral / Gemma 3 (base/dense_families.py); the defaults are the Llama block.
+    hidden_act: str = "silu"  # the gated MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # Sliding windows (Mistral, Gemma 3, gpt-oss): a sliding layer attends to the last `sliding_window` positions
+    # (itself included); which layers slide is `layer_types` alone (sliding_layers / sliding_layer_flags derive).
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" / "full_attention"; (): all full
+    local_rope_theta: float = 0.0  # RoPE base of the sliding layers (0: rope_theta)
+    zero_centered_norm: bool = False  # RMSNorms multiply by (1 + w)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too
+    embedding_multiplier: float = 1.0  # token embeddings scaled by this (Gemma: sqrt(hidden))
+    softmax_scale: float | None = None  # attention scores scale (None: head_dim ** -0.5)
 
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "config.json") -> "ModelArch":
@@ -149,6 +164,7 @@ class ModelArch:
                 f"(architectures={config.get('architectures')}); supported: "
                 f"{', '.join(sorted(SUPPORTED_FAMILIES))}."
             )
+        config = family_config(config, model_type, source)
         check_config_fields(config, model_type, source)  # every field below has its type and a supported value
         from megatron_osprey.base import deepseek_v3
 
@@ -156,37 +172,13 @@ class ModelArch:
             return cls(**deepseek_v3.deepseek_v3_fields(config, source))
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        rope = dict(config.get("rope_parameters") or {})
-        legacy_scaling = config.get("rope_scaling")
-        if legacy_scaling:
-            rope.update(legacy_scaling)
-        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        yarn = model_type in YARN_FAMILIES
-        if rope_type not in ("default", "llama3") and not (yarn and rope_type == "yarn"):
-            allowed = "default, llama3, yarn" if yarn else "default, llama3"
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported ({allowed}).")
-        scaling = None
-        if rope_type == "yarn":
-            scaling = yarn_scaling(rope, int(config.get("max_position_embeddings", 4096)), source)
-        if rope_type == "llama3":
-            scaling = {
-                k: rope[k]
-                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            }
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         head_dim = int(config.get("head_dim") or hidden // heads)
         moe = _moe_fields(config, model_type, source)
-        rotary_dim = int(config.get("rotary_dim") or 0)
-        if model_type == "glm4_moe":  # HF's default for GLM-4.5 is half the head, and it may sit at the top level
-            rope.setdefault("partial_rotary_factor", config.get("partial_rotary_factor") or 0.5)
-        if not rotary_dim and rope.get("partial_rotary_factor"):
-            rotary_dim = int(head_dim * float(rope["partial_rotary_factor"]))
-        if rotary_dim in (0, head_dim):
-            rotary_dim = 0
-        elif rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(f"{source}: rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}.")
+        rope = rope_fields(config, model_type, head_dim, source)
         qk_layernorm, scope = _qk_norm(config, model_type, source)
+        variant = {"qkv_bias": bool(config.get("attention_bias", False))}
+        variant.update(dense_variant_fields(config, model_type, source))
         return cls(
             family=model_type,
             num_layers=int(config["num_hidden_layers"]),
@@ -198,16 +190,14 @@ class ModelArch:
             vocab_size=int(config["vocab_size"]),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
             qk_layernorm=qk_layernorm,
-            qkv_bias=bool(config.get("attention_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             torch_dtype=str(dtype).replace("torch.", ""),
             hf_config=config,
-            rotary_dim=rotary_dim,
             qk_norm_scope=scope,
+            **rope,
             **moe,
+            **variant,
         )
 
     @property
@@ -235,6 +225,18 @@ class ModelArch:
     @property
     def qk_norm_per_head(self) -> bool:
         return self.qk_layernorm and self.qk_norm_scope == "head"
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """0-based ids of the sliding-window layers (from layer_types; () without a window)."""
+        return tuple(i for i, sliding in enumerate(self.sliding_layer_flags) if sliding)
+
+    @property
+    def sliding_layer_flags(self) -> list[bool]:
+        """Per layer: does it attend through the sliding window."""
+        if not self.sliding_window:
+            return [False] * self.num_layers
+        return [kind == "sliding_attention" for kind in self.layer_types] or [True] * self.num_layers
 
     @property
     def hf_architecture(self) -> str:
@@ -267,6 +269,14 @@ class ModelArch:
             "max_position_embeddings": self.max_position_embeddings,
             "qk_norm": self.qk_norm_scope if self.qk_layernorm else None,
         }
+        if self.sliding_window:
+            sliding = self.sliding_layer_flags
+            shape["sliding_window"] = {
+                "window": self.sliding_window,
+                "sliding_layers": sum(sliding),
+                "full_layers": len(sliding) - sum(sliding),
+                "local_rope_theta": self.local_rope_theta or self.rope_theta,
+            }
         if self.is_moe:
             shape["moe"] = {
                 "num_experts": self.num_experts,
@@ -287,8 +297,6 @@ class ModelArch:
             shape["mla"] = self.mla.shape()
         if self.attention_sinks:
             shape["attention_sinks"] = True
-        if self.sliding_layers:
-            shape["sliding_window"] = {"window": self.sliding_window, "layers": len(self.sliding_layers)}
         if self.linear_bias:
             shape["linear_bias"] = True
         if self.activation != "swiglu":
@@ -305,13 +313,10 @@ class ModelArch:
                 config[key] = config[key][:num_layers]
         if isinstance(config.get("max_window_layers"), int):
             config["max_window_layers"] = min(config["max_window_layers"], num_layers)
+        layer_types = self.layer_types[:num_layers]
         pattern = None if self.moe_layer_pattern is None else self.moe_layer_pattern[:num_layers]
         return dataclasses.replace(
-            self,
-            num_layers=num_layers,
-            hf_config=config,
-            moe_layer_pattern=pattern,
-            sliding_layers=tuple(i for i in self.sliding_layers if i < num_layers),
+            self, num_layers=num_layers, hf_config=config, moe_layer_pattern=pattern, layer_types=layer_types
         )
 
     def padded_vocab_size(self, tensor_parallel_size: int, divisible_by: int = 128) -> int:
@@ -395,8 +400,9 @@ class ModelArch:
                 mlp += self.num_experts * (1 + 2 * self.moe_ffn_hidden_size + h)
         else:
             mlp = dense_mlp
+        norms = 4 * h if self.sandwich_norms else 2 * h
         dense = self.dense_layer_count if self.is_moe else 0
-        layers = (self.num_layers - dense) * (attn + mlp + 2 * h) + dense * (attn + dense_mlp + 2 * h)
+        layers = (self.num_layers - dense) * (attn + mlp + norms) + dense * (attn + dense_mlp + norms)
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else embed
         return layers + embed + head + h
@@ -467,7 +473,7 @@ def _moe_fields(config: dict[str, Any], model_type: str, source: str) -> dict[st
 
 def _qk_norm(config: dict[str, Any], model_type: str, source: str) -> tuple[bool, str]:
     """Whether q/k are RMS-normalized, and over what: one head, or the whole projection."""
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"):
         return True, "head"
     if model_type == "glm4_moe":
         return (True, "head") if config.get("use_qk_norm") else (False, "none")

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron_osprey.base.dense_families import FULL, SLIDING
+
 # The sigmoid slope Megatron-Core's quick_gelu hard-codes; gpt-oss's swiglu_alpha must equal it.
 QUICK_GELU_ALPHA = 1.702
 YARN_FAMILIES = ("gpt_oss",)
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def glm4_moe_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def gpt_oss_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         linear_bias=True,
         attention_sinks=True,
         sliding_window=window if sliding else 0,
-        sliding_layers=sliding,
+        layer_types=tuple(types[:layers]),
         activation="clamped_swiglu",
         swiglu_limit=float(config.get("swiglu_limit", 7.0)),
     )

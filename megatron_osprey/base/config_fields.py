@@ -38,14 +38,17 @@ def _full_attention(layer_types) -> bool:
     return all(t == "full_attention" for t in layer_types)
 
 
-_NO_SLIDING = "sliding-window attention is not implemented: every layer attends to the whole sequence"
-_QWEN3 = ("qwen3", "qwen3_moe")
-_GLM_GPTOSS = ("glm4_moe", "gpt_oss")
-_GLM, _GPTOSS = ("glm4_moe",), ("gpt_oss",)
-
-
 def _window_layer_types(layer_types) -> bool:
     return all(t in ("sliding_attention", "full_attention") for t in layer_types)
+
+
+_NO_SLIDING = "sliding-window attention is not implemented: every layer attends to the whole sequence"
+_QWEN3 = ("qwen3", "qwen3_moe", "qwen2")  # Qwen2's window fields too (use_sliding_window false in Qwen2.5)
+_GLM_GPTOSS = ("glm4_moe", "gpt_oss")
+_GLM, _GPTOSS = ("glm4_moe",), ("gpt_oss",)
+_GEMMA3 = ("gemma3_text", "gemma3")  # the multimodal config's text_config, flattened by base/dense_families.py
+# Sliding windows implemented: Mistral and Gemma 3 (models/backbone/dense_variants.py), gpt-oss (glm_gptoss.py).
+_WINDOWED = ("mistral", *_GEMMA3, "gpt_oss")
 
 
 def _mxfp4(quantization) -> bool:
@@ -148,6 +151,7 @@ FIELDS: tuple[ConfigField, ...] = (
         STR,
         supported=lambda v: v == "silu",
         why="the MLP is built as SwiGLU (a silu gate); another activation is not implemented",
+        skip_families=_GEMMA3,  # Gemma reads hidden_activation
     ),
     ConfigField(
         "mlp_bias",
@@ -165,7 +169,46 @@ FIELDS: tuple[ConfigField, ...] = (
     ConfigField("use_sliding_window", BOOL, supported=_false, why=_NO_SLIDING, families=_QWEN3),
     ConfigField("sliding_window", INT, minimum=1, families=_QWEN3),  # read only under use_sliding_window
     ConfigField("max_window_layers", INT, minimum=0, families=_QWEN3),
-    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING, skip_families=("gpt_oss",)),
+    ConfigField("layer_types", LIST, supported=_full_attention, why=_NO_SLIDING, skip_families=_WINDOWED),
+    # Mistral, Gemma 3 and gpt-oss: sliding windows; then Gemma's block.
+    ConfigField("sliding_window", INT, minimum=1, families=_WINDOWED),
+    ConfigField(
+        "layer_types",
+        LIST,
+        supported=_window_layer_types,
+        why="each layer is sliding_attention or full_attention",
+        families=_WINDOWED,
+    ),
+    ConfigField(
+        "hidden_activation",
+        STR,
+        supported=lambda v: v == "gelu_pytorch_tanh",
+        why="the gated MLP is built with the tanh-approximated GELU (GeGLU); another activation is not implemented",
+        families=_GEMMA3,
+    ),
+    ConfigField("query_pre_attn_scalar", NUMBER, minimum=1e-30, families=_GEMMA3),
+    ConfigField("rope_local_base_freq", NUMBER, minimum=1e-30, families=_GEMMA3),
+    ConfigField(
+        "attn_logit_softcapping",
+        NUMBER,
+        supported=lambda v: False,
+        why="attention-logit softcapping is not implemented (Gemma 3 publishes null)",
+        families=_GEMMA3,
+    ),
+    ConfigField(
+        "final_logit_softcapping",
+        NUMBER,
+        supported=lambda v: False,
+        why="final-logit softcapping is not implemented (Gemma 3 publishes null)",
+        families=_GEMMA3,
+    ),
+    ConfigField(
+        "use_bidirectional_attention",
+        BOOL,
+        supported=_false,
+        why="bidirectional attention is not implemented: the target is causal",
+        families=_GEMMA3,
+    ),
     ConfigField("pretraining_tp", INT, minimum=1),  # the same product, computed in slices
     # Mixture of experts.
     ConfigField("num_experts", INT, minimum=1, families=("qwen3_moe",)),
@@ -198,14 +241,6 @@ FIELDS: tuple[ConfigField, ...] = (
     # The multi-token-prediction layers stored after the last decoder layer: the target's forward never runs them.
     ConfigField("num_nextn_predict_layers", INT, minimum=0, families=_GLM),
     ConfigField("num_local_experts", INT, required=True, minimum=1, families=_GPTOSS),
-    ConfigField("sliding_window", INT, minimum=1, families=_GPTOSS),
-    ConfigField(
-        "layer_types",
-        LIST,
-        supported=_window_layer_types,
-        why="each layer is sliding_attention or full_attention",
-        families=_GPTOSS,
-    ),
     ConfigField("swiglu_limit", NUMBER, minimum=1e-30, families=_GPTOSS),
     ConfigField(
         "swiglu_alpha",

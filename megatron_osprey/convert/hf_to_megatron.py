@@ -1,5 +1,4 @@
-"""Load a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / DeepSeek-V3 / GLM-4.5 / gpt-oss checkpoint into this rank's
-model stage.
+"""Load a HF checkpoint (every family of base/arch.SUPPORTED_FAMILIES) into this rank's model stage.
 
 Each rank reads only its own TP slice of its own PP stage's tensors, and of the
 experts only its EP rank's, straight from the safetensors files: a 70B or 229B
@@ -18,7 +17,7 @@ from megatron_osprey.base.arch import ModelArch
 from megatron_osprey.convert.deepseek_v3 import deepseek_v3_rules
 from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
 from megatron_osprey.convert.sharding import read_shard
-from megatron_osprey.convert.weight_map import match_rule_indices, rules_for
+from megatron_osprey.convert.weight_map import hf_checkpoint_name, match_rule_indices, rules_for
 
 
 def global_layer_index(model, local_index: int) -> int:
@@ -31,10 +30,10 @@ def hf_names_for(
 ) -> list[str]:
     """The HF tensor names that make up one Megatron parameter of this stage (`expert`: global id)."""
     layer = None if local_layer is None else global_layer_index(model, local_layer)
-    names = [template.format(layer=layer, expert=expert) for template in rule.hf]
-    if names == ["lm_head.weight"] and arch.tie_word_embeddings and not ckpt.has("lm_head.weight"):
+    names = [hf_checkpoint_name(arch, template.format(layer=layer, expert=expert)) for template in rule.hf]
+    if rule.hf == ("lm_head.weight",) and arch.tie_word_embeddings and not ckpt.has(names[0]):
         # Tied checkpoints store the shared matrix once, as the embedding.
-        names = ["model.embed_tokens.weight"]
+        names = [hf_checkpoint_name(arch, "model.embed_tokens.weight")]
     return names
 
 

@@ -1,4 +1,4 @@
-"""Declarative HF <-> Megatron-Core name maps: Qwen3 / Llama dense, Qwen3-MoE, MiniMax-M2.
+"""Declarative HF <-> Megatron-Core name maps: Qwen3 / Llama / Qwen2 / Mistral dense, Gemma 3, Qwen3-MoE, MiniMax-M2.
 
 Each rule names one Megatron parameter, the HF tensor(s) it is made of, and how
 it is split across tensor-parallel ranks. The two special cases are the fused
@@ -227,6 +227,42 @@ GLM_GPTOSS_RULES: tuple[WeightRule, ...] = (
     ),
 )
 
+_GEMMA3 = ("gemma3_text", "gemma3")
+
+# Gemma 3's sandwich norms: its norm before the MLP is pre_feedforward_layernorm, and its post_attention_layernorm
+# normalizes the attention output (on linear_proj, models/backbone/dense_variants.py), as post_feedforward_layernorm
+# does the MLP's. A family rule replaces the DENSE_RULES rule of the same Megatron name.
+GEMMA3_RULES: tuple[WeightRule, ...] = (
+    WeightRule(
+        f"{_LAYER}.pre_mlp_layernorm.weight",
+        ("model.layers.{layer}.pre_feedforward_layernorm.weight",),
+        Split.REPLICATED,
+        families=_GEMMA3,
+    ),
+    WeightRule(
+        f"{_LAYER}.self_attention.linear_proj.post_norm.weight",
+        ("model.layers.{layer}.post_attention_layernorm.weight",),
+        Split.REPLICATED,
+        families=_GEMMA3,
+    ),
+    WeightRule(
+        f"{_LAYER}.mlp.linear_fc2.post_norm.weight",
+        ("model.layers.{layer}.post_feedforward_layernorm.weight",),
+        Split.REPLICATED,
+        families=_GEMMA3,
+    ),
+)
+
+# Where a family's checkpoint keeps the language model under a prefix: the multimodal Gemma 3
+# (Gemma3ForConditionalGeneration) stores language_model.model.layers..., as published and as transformers saves it.
+HF_NAME_PREFIX: dict[str, str] = {"gemma3": "language_model."}
+
+
+def hf_checkpoint_name(arch: ModelArch, name: str) -> str:
+    """The name under which `arch`'s checkpoint stores the HF tensor `name` (model.* / lm_head.*)."""
+    return HF_NAME_PREFIX.get(arch.family, "") + name
+
+
 # The Transformer Engine spec fuses the pre-attention and pre-MLP norms into the
 # following linear layers: same tensors, other names.
 TE_RENAMES: dict[str, str] = {
@@ -251,7 +287,9 @@ def rules_for(arch: ModelArch, transformer_impl: str = "local") -> list[WeightRu
         raise ValueError(f"{arch.family}: multi-latent attention has its own rules (convert/deepseek_v3.py).")
     rules = []
     te = transformer_impl == "transformer_engine"
-    for rule in DENSE_RULES + MOE_RULES + GLM_GPTOSS_RULES:
+    family_rules = [rule for rule in GEMMA3_RULES if rule.applies(arch)]
+    replaced = {rule.megatron for rule in family_rules}
+    for rule in family_rules + [r for r in DENSE_RULES + MOE_RULES + GLM_GPTOSS_RULES if r.megatron not in replaced]:
         if not rule.applies(arch):
             continue
         if rule.megatron in _QK_NORMS and arch.qk_norm_over_projection:

@@ -1,5 +1,6 @@
-"""Tiny random HF models for tests and benchmarks: Qwen3 (decoupled head_dim, qk-norm), Llama (llama3 RoPE), and
-the mixture-of-experts families (Qwen3-MoE, MiniMax-M2, GLM-4.5, gpt-oss)."""
+"""Tiny random HF models for tests and benchmarks: Qwen3 (decoupled head_dim, qk-norm), Llama (llama3 RoPE), the
+mixture-of-experts families (Qwen3-MoE, MiniMax-M2, GLM-4.5, gpt-oss, DeepSeek-V3), and Qwen2 (q/k/v biases),
+Mistral and Gemma 3 (sliding windows shorter than the test sequences)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def make_hf_model(config, directory: str | Path, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
-    # Norm weights start at 1: perturb them so a wrong norm mapping shows in the logits.
+    # Norm weights start at 1 (Gemma's at 0) and biases at 0: perturb them so a wrong mapping shows in the logits.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
     model.save_pretrained(str(directory))
     return model
@@ -180,6 +181,89 @@ def make_moe_hf_model(config, directory: str | Path, seed: int = 0):
     return model
 
 
+def qwen2_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny Qwen2 (Qwen2.5): biases on q/k/v, none on o_proj; no sliding window (use_sliding_window false)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+# Shorter than the 32-token test sequences, so the window changes the output.
+TINY_SLIDING_WINDOW = 8
+
+
+def mistral_config(layers: int = 4, vocab: int = VOCAB, sliding_window: int | None = TINY_SLIDING_WINDOW):
+    """Tiny Mistral: head_dim != hidden / heads, every layer attends through a sliding window."""
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        sliding_window=sliding_window,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+def gemma3_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny Gemma 3 text model: two sliding layers then a global one, two RoPE bases (the global one linearly
+    scaled), query_pre_attn_scalar != head_dim, q/k norms, sandwich norms, tied and sqrt(hidden)-scaled embeddings."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=24,
+        sliding_window=TINY_SLIDING_WINDOW,
+        layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(layers)],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def gemma3_multimodal_config(layers: int = 4, vocab: int = VOCAB):
+    """Tiny multimodal Gemma 3 (Gemma3ForConditionalGeneration): gemma3_config's language model beside a one-layer
+    vision tower; its checkpoint keeps the language model under language_model.model.*, as the published one."""
+    from transformers import Gemma3Config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    return Gemma3Config(
+        text_config=gemma3_config(layers, vocab).to_dict(),
+        vision_config=dict(vision, patch_size=14),
+        mm_tokens_per_image=4,
+        image_token_index=vocab - 1,
+        boi_token_index=vocab - 2,
+        eoi_token_index=vocab - 3,
+    )
+
+
 TINY_TARGET_CONFIGS = {
     "llama": lambda vocab: llama_config(layers=6, vocab=vocab),
     "qwen3": lambda vocab: qwen3_config(tie=False, layers=6, vocab=vocab),
@@ -188,6 +272,10 @@ TINY_TARGET_CONFIGS = {
     "glm4_moe": lambda vocab: glm4_moe_config(layers=6, vocab=vocab),
     "gpt_oss": lambda vocab: gpt_oss_config(layers=6, vocab=vocab),
     "deepseek_v3": lambda vocab: deepseek_v3_config(layers=4, vocab=vocab),
+    "qwen2": lambda vocab: qwen2_config(layers=6, vocab=vocab),
+    "mistral": lambda vocab: mistral_config(layers=6, vocab=vocab),
+    "gemma3_text": lambda vocab: gemma3_config(layers=6, vocab=vocab),
+    "gemma3": lambda vocab: gemma3_multimodal_config(layers=6, vocab=vocab),
 }
 
 

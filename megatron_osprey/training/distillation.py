@@ -92,18 +92,21 @@ def top_k_ids(counts: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_eagle3(model, cfg, arch: DrafterArch, draft_ids: torch.Tensor, parallel: ParallelState) -> None:
-    """EAGLE-3 from scratch: the target's frozen embedding, the draft vocabulary's d2t / t2d."""
+def init_eagle3(
+    model, cfg, arch: DrafterArch, draft_ids: torch.Tensor, parallel: ParallelState, target: ModelArch | None = None
+) -> None:
+    """EAGLE-3 from scratch: the target's frozen embedding, the draft vocabulary's d2t / t2d; `target` is the
+    target's parsed config.json (it says where its checkpoint keeps the embedding)."""
     from megatron_osprey.convert.safetensors_io import SafetensorsCheckpoint
     from megatron_osprey.convert.sharding import read_shard
-    from megatron_osprey.convert.weight_map import DENSE_RULES
+    from megatron_osprey.convert.weight_map import DENSE_RULES, hf_checkpoint_name
 
     embedding_rule = DENSE_RULES[0]
     with SafetensorsCheckpoint(cfg.target.path) as ckpt:
         shard = read_shard(
             ckpt,
             embedding_rule,
-            ["model.embed_tokens.weight"],
+            [hf_checkpoint_name(target, "model.embed_tokens.weight") if target else "model.embed_tokens.weight"],
             arch.body,
             parallel.tp_rank,
             parallel.config.tensor_model_parallel_size,
@@ -321,7 +324,7 @@ def run_distill(cfg, parallel: ParallelState, online_rollout=None) -> DistillRes
     spec = TrainSpec(
         run_config=run_config,
         model_provider=lambda pre_process=True, post_process=True, vp_stage=None: provider(),
-        initialize=initial_drafter_weights(cfg, arch, draft_ids, parallel),
+        initialize=initial_drafter_weights(cfg, arch, draft_ids, parallel, target),
         forward_step=frozen.forward_step,
         data_iterators=data_iterators,
         flops_per_iteration=frozen.flops_per_iteration,
@@ -386,7 +389,7 @@ def draft_vocabulary(source, arch: DrafterArch, parallel: ParallelState) -> torc
 
 
 def initial_drafter_weights(
-    cfg, arch: DrafterArch, draft_ids: torch.Tensor | None, parallel: ParallelState
+    cfg, arch: DrafterArch, draft_ids: torch.Tensor | None, parallel: ParallelState, target: ModelArch | None = None
 ) -> Callable[[list], None]:
     """Loads Stage 3's drafter (--drafter-init) or initializes EAGLE-3 from the target into fresh chunks."""
 
@@ -402,7 +405,7 @@ def initial_drafter_weights(
                 Path(cfg.drafter.drafter_init) / "megatron", chunks, fresh=fresh, verify=verify
             )
         else:
-            init_eagle3(chunks[0], cfg, arch, draft_ids, parallel)
+            init_eagle3(chunks[0], cfg, arch, draft_ids, parallel, target)
 
     return initialize
 

@@ -79,7 +79,8 @@ SHAPES = {
         "rotary_dim": 64, "max_position_embeddings": 131072, "qk_norm": None,
         "moe": {"num_experts": 128, "router_topk": 4, "expert_ffn_hidden_size": 2880, "score_function": "softmax",
                 "norm_topk_prob": True, "expert_bias": False, "moe_layers": "all"},
-        "attention_sinks": True, "sliding_window": {"window": 128, "layers": 18}, "linear_bias": True,
+        "attention_sinks": True, "linear_bias": True,
+        "sliding_window": {"window": 128, "sliding_layers": 18, "full_layers": 18, "local_rope_theta": 150000.0},
         "activation": {"kind": "clamped_swiglu", "limit": 7.0},
     }, [1, 17, 32]),
 }  # fmt: skip
@@ -223,7 +224,11 @@ def test_yarn_inverse_frequencies_and_scale_are_hf_own(tmp_path):
     arch = dataclasses.replace(arch, activation="swiglu")
     kwargs = family_config_kwargs(arch, expert_tensor_parallel_size=1)
     assert kwargs["softmax_scale"] == pytest.approx(attention_factor**2 / 64**0.5, rel=1e-12)
-    assert kwargs["window_size"] == (127, 0) and kwargs["window_attn_skip_freq"][:4] == [1, 0, 1, 0]
+    # The window's fields are the sliding-window families' own (Mistral, Gemma 3, gpt-oss).
+    from megatron_osprey.models.backbone.dense_variants import variant_config_kwargs
+
+    window = variant_config_kwargs(arch)
+    assert window["window_size"] == (127, 0) and window["window_attn_skip_freq"][:4] == [1, 0, 1, 0]
     with pytest.raises(ValueError, match=r"set --expert-tensor-parallel-size 1 \(got 2\)"):
         family_config_kwargs(arch, expert_tensor_parallel_size=2)
 

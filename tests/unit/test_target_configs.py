@@ -429,11 +429,11 @@ def test_the_layer_count_is_read_not_assumed(tmp_path, name, layers, aux):
 
 
 def test_an_unsupported_family_is_refused_by_its_model_type(tmp_path):
-    config = dict(QWEN3_32B, model_type="gemma3", architectures=["Gemma3ForCausalLM"])
+    config = dict(QWEN3_32B, model_type="phi3", architectures=["Phi3ForCausalLM"])
     with pytest.raises(
         ValueError,
-        match=r"model_type='gemma3'.*supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, minimax_m2, qwen3, "
-        r"qwen3_moe",
+        match=r"model_type='phi3'.*supported: deepseek_v3, gemma3, gemma3_text, glm4_moe, gpt_oss, kimi_k2, llama, "
+        r"minimax_m2, mistral, qwen2, qwen3, qwen3_moe\b",
     ):
         load_target_config(_write(tmp_path, config))
 

@@ -11,11 +11,11 @@ What it lacks, written here:
   RotaryEmbedding as for llama3), and YaRN's cos/sin multiplier m is folded into the softmax scale as m^2.
 - The local spec's sliding window builds its mask with device="cuda" (transformer/utils.py
   get_sliding_window_causal_mask): models/backbone/sliding_window.py builds the same mask on the scores' device.
+  The window's config fields and spec swap are shared with Mistral and Gemma 3 (models/backbone/dense_variants.py).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -36,10 +36,6 @@ def family_config_kwargs(arch: ModelArch, expert_tensor_parallel_size: int) -> d
         kwargs["add_bias_linear"] = True
     if arch.attention_sinks:
         kwargs["softmax_type"] = "learnable"
-    if arch.sliding_layers:
-        # HF keeps keys with q - k < sliding_window: the query and the window - 1 before it.
-        kwargs["window_size"] = (arch.sliding_window - 1, 0)
-        kwargs["window_attn_skip_freq"] = [int(i in arch.sliding_layers) for i in range(arch.num_layers)]
     if arch.activation == "clamped_swiglu":
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
@@ -75,8 +71,8 @@ def yarn_inv_freq(arch: ModelArch) -> torch.Tensor:
 
 
 def decoder_spec(arch: ModelArch, transformer_impl: str, config, spec, vp_stage: int | None = None):
-    """`spec` (one layer's) or, for a dense-then-MoE stack, the block spec of this stage's layers; on the local
-    spec, sliding-window layers get SlidingWindowDotProductAttention."""
+    """`spec` (one layer's) or, for a dense-then-MoE stack, the block spec of this stage's layers. (Sliding windows,
+    gpt-oss's too, are models/backbone/dense_variants.py's: variant_config_kwargs and variant_layer_spec.)"""
     if arch.dense_layer_count:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -84,10 +80,4 @@ def decoder_spec(arch: ModelArch, transformer_impl: str, config, spec, vp_stage:
             config, use_transformer_engine=transformer_impl == "transformer_engine", normalization="RMSNorm",
             vp_stage=vp_stage,
         )  # fmt: skip
-    if arch.sliding_layers and transformer_impl != "transformer_engine":
-        from megatron_osprey.models.backbone.sliding_window import SlidingWindowDotProductAttention
-
-        spec = copy.deepcopy(spec)
-        for layer in getattr(spec, "layer_specs", None) or [spec]:
-            layer.submodules.self_attention.submodules.core_attention = SlidingWindowDotProductAttention
     return spec

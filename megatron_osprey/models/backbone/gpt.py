@@ -1,4 +1,6 @@
-"""A Megatron-Core GPTModel built from a HF Qwen3 / Llama / Qwen3-MoE / MiniMax-M2 / GLM-4.5 / gpt-oss config."""
+"""A Megatron-Core GPTModel built from a HF config of any family in base/arch.SUPPORTED_FAMILIES (GLM-4.5's and
+gpt-oss's additions: models/backbone/glm_gptoss.py; Qwen2's, Mistral's and Gemma 3's swaps:
+models/backbone/dense_variants.py; DeepSeek-V3's attention: models/backbone/mla.py)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,20 @@ def layer_spec(arch: ModelArch, transformer_impl: str):
         )
     if arch.qk_norm_over_projection:
         spec = _with_projection_qk_norm(spec)
+    from megatron_osprey.models.backbone.dense_variants import needs_variant_spec, variant_layer_spec
+
+    if needs_variant_spec(arch):
+        spec = variant_layer_spec(spec, arch, transformer_impl, local_inv_freq=_local_inv_freq(arch))
     return spec
+
+
+def _local_inv_freq(arch: ModelArch) -> torch.Tensor | None:
+    """The sliding layers' own RoPE frequencies (Gemma 3's rope_local_base_freq, unscaled), when they differ."""
+    if not arch.local_rope_theta:
+        return None
+    import dataclasses
+
+    return rotary_inv_freq(dataclasses.replace(arch, rope_theta=arch.local_rope_theta, rope_scaling=None))
 
 
 def _with_projection_qk_norm(spec):
@@ -174,6 +189,10 @@ def transformer_config(
     kwargs.update(family_config_kwargs(arch, kwargs["expert_tensor_parallel_size"]))
     if arch.mla is not None:
         kwargs.update(mla_config_kwargs(arch))
+
+    from megatron_osprey.models.backbone.dense_variants import variant_config_kwargs
+
+    kwargs.update(variant_config_kwargs(arch))
     kwargs.update(overrides)
     return (MLATransformerConfig if arch.mla is not None else TransformerConfig)(**kwargs)
 
@@ -194,7 +213,11 @@ def build_gpt_model(
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_osprey.models.backbone.dense_variants import local_spec_only, scale_embedding, variant_block_spec
+
     impl = resolve_transformer_impl(transformer_impl)
+    if transformer_impl == "auto" and local_spec_only(arch):
+        impl = "local"  # Gemma 3's block exists on the local spec only (models/backbone/dense_variants.py)
     refuse_without_transformer_engine(
         is_moe=arch.is_moe,
         sequence_parallel=parallel.sequence_parallel,
@@ -218,7 +241,9 @@ def build_gpt_model(
         model = GPTModel(
             config=config,
             transformer_layer_spec=(
-                decoder_spec(arch, impl, config, layer_spec(arch, impl), vp_stage)
+                variant_block_spec(
+                    decoder_spec(arch, impl, config, layer_spec(arch, impl), vp_stage), arch, config, vp_stage
+                )
                 if arch.mla is None
                 else mla_block_spec(config, impl)
             ),
@@ -236,6 +261,7 @@ def build_gpt_model(
     if arch.mla is None:
         rotary = model.rotary_pos_emb
         rotary.inv_freq = rotary_inv_freq(arch).to(rotary.inv_freq.device)
+    scale_embedding(model, arch)
     model.osprey_arch = arch
     model.transformer_impl = impl
     return model
@@ -249,6 +275,8 @@ def rotary_inv_freq(arch: ModelArch) -> torch.Tensor:
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if arch.rope_scaling is None:
         return inv_freq
+    if arch.rope_scaling.get("rope_type") == "linear":
+        return inv_freq / float(arch.rope_scaling["factor"])
     factor = float(arch.rope_scaling["factor"])
     low = float(arch.rope_scaling["low_freq_factor"])
     high = float(arch.rope_scaling["high_freq_factor"])

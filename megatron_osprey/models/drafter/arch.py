@@ -12,8 +12,9 @@ from megatron_osprey.base.arch import ModelArch, padded_size
 from megatron_osprey.models.drafter.config import EAGLE3_EXTRA_LAYERS, VARIANTS
 
 
-def _llama3(scaling) -> bool:
-    return bool(scaling) and scaling.get("rope_type", "llama3") == "llama3"
+def _carried_rope_scaling(scaling) -> bool:
+    """llama3 and linear scaling (Gemma 3's global RoPE) carry over to EAGLE-3's layer; YaRN does not."""
+    return bool(scaling) and scaling.get("rope_type", "llama3") in ("llama3", "linear")
 
 
 def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
@@ -46,8 +47,11 @@ def eagle3_body(target: ModelArch, num_layers: int) -> ModelArch:
         "max_position_embeddings": target.max_position_embeddings,
         "rms_norm_eps": target.rms_norm_eps,
         "rope_theta": target.rope_theta,
-        # llama3 scaling carries over; YaRN (gpt-oss) does not: SpecForge's gpt-oss EAGLE-3 layer has plain RoPE.
-        "rope_scaling": None if not _llama3(target.rope_scaling) else {"rope_type": "llama3", **target.rope_scaling},
+        # llama3 and linear scaling carry over; YaRN (gpt-oss) does not: SpecForge's gpt-oss EAGLE-3 layer has plain
+        # RoPE.
+        "rope_scaling": (
+            {"rope_type": "llama3", **target.rope_scaling} if _carried_rope_scaling(target.rope_scaling) else None
+        ),
         "attention_bias": False,
         "mlp_bias": False,
         "hidden_act": "silu",

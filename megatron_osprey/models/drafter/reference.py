@@ -111,8 +111,8 @@ class DrafterConfig:
         if self.head_dim % 2:
             raise ValueError(f"DrafterConfig.head_dim must be even for rotary embeddings, got {self.head_dim}.")
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"DrafterConfig.rope_scaling type {rope_type!r} is not supported (use default or llama3).")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"DrafterConfig.rope_scaling type {rope_type!r} is not supported (default/llama3/linear).")
 
 
 class RMSNorm(nn.Module):
@@ -132,10 +132,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 frequency scaling when configured."""
+    """Rotary inverse frequencies, with Llama-3 or linear frequency scaling when configured."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":  # an EAGLE-3 drafter of a Gemma 3 target takes its global layers' RoPE
+        return inv_freq / float(scaling["factor"])
+    if kind != "llama3":
         return inv_freq
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

@@ -46,6 +46,7 @@ class HFTargetModel(TargetModel):
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
         self.vocab_size = model.config.vocab_size
+        self.windowed = has_sliding_window(model.config)
         self._cache = None
         self._pending = 0
 
@@ -64,7 +65,8 @@ class HFTargetModel(TargetModel):
         """Reset the cache and run the prompt."""
         from transformers import DynamicCache
 
-        self._cache = DynamicCache(config=self.model.config)
+        # A windowed model keeps every position (plain layers, cropped on commit); its masks apply the window.
+        self._cache = DynamicCache() if self.windowed else DynamicCache(config=self.model.config)
         self._pending = 0
         return self._run(input_ids.to(self.model.device))
 
@@ -75,6 +77,19 @@ class HFTargetModel(TargetModel):
             raise RuntimeError("HFTargetModel.verify called twice without commit in between.")
         device, dtype = self.model.device, self.model.dtype
         n, m = self.cache_length, tokens.numel()
+        if self.windowed:
+            # One explicit mask would lift every layer's window: a chain runs under the model's own masks.
+            if not (
+                torch.equal(depths.cpu(), torch.arange(m))
+                and torch.equal(allowed.cpu(), torch.ones(m, m).tril().bool())
+            ):
+                raise ValueError(
+                    "a target with sliding-window layers verifies chains only (--topk 1): one tree mask would "
+                    "lift the layers' windows."
+                )
+            logits, aux = self._run(tokens.to(device))
+            self._pending = m
+            return logits, aux
         mask = torch.zeros(1, 1, m, n + m, dtype=dtype, device=device)
         # Additive float mask: works for both eager and sdpa attention.
         blocked = torch.full((m, m), torch.finfo(dtype).min, dtype=dtype, device=device)
@@ -96,3 +111,12 @@ class HFTargetModel(TargetModel):
             layer.keys = layer.keys.index_select(2, index.to(layer.keys.device))
             layer.values = layer.values.index_select(2, index.to(layer.values.device))
         self._pending = 0
+
+
+def has_sliding_window(config) -> bool:
+    """Whether a transformers config has layers that attend through a sliding window (Mistral, Gemma 3, gpt-oss)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types

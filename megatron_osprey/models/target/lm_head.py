@@ -79,12 +79,17 @@ class TargetHead(torch.nn.Module):
         """Read this TP rank's rows of the target's `lm_head` (or tied embedding) and its final norm; `arch` is
         the target's parsed config.json (a ModelArch) when the caller has it already."""
         from megatron_osprey.base.arch import ModelArch
+        from megatron_osprey.convert.weight_map import hf_checkpoint_name
 
         arch = arch or ModelArch.from_hf_config(target_dir)
         vocab, hidden, eps = arch.vocab_size, arch.hidden_size, arch.rms_norm_eps
         with SafetensorsCheckpoint(target_dir) as ckpt:
-            head_name = "lm_head.weight" if ckpt.has("lm_head.weight") else "model.embed_tokens.weight"
-            norm = ckpt.read("model.norm.weight").to(dtype)
+            head_name = hf_checkpoint_name(arch, "lm_head.weight")
+            if not ckpt.has(head_name):
+                head_name = hf_checkpoint_name(arch, "model.embed_tokens.weight")
+            norm = ckpt.read(hf_checkpoint_name(arch, "model.norm.weight"))
+            # Gemma's final norm multiplies by (1 + w), formed in float32 as HF forms it.
+            norm = (norm.float() + 1.0) if arch.zero_centered_norm else norm.to(dtype)
             start, end = _shard_range(vocab, tp_rank, tp_size)
             head = torch.zeros(end - start, hidden, dtype=dtype)
             if min(end, vocab) > start:

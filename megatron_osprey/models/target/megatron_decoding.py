@@ -10,7 +10,8 @@ Megatron target's acceptance length, not for speed.
 
 A model built with Transformer Engine layers (what megatron-core needs on CUDA for a mixture-of-experts target
 or sequence parallelism) attends with its causal mask type, not an explicit mask: it verifies chains only (a
-chain's mask is the causal one, its positions the sequence's), and a tree verify is refused.
+chain's mask is the causal one, its positions the sequence's), and a tree verify is refused. So does a target with
+sliding-window layers (Mistral, Gemma 3, gpt-oss): its window counts sequence rows, which are positions in a chain only.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ class MegatronTargetModel(TargetModel):
         self.tp_size = 1
         self.sequence_parallel = bool(getattr(model.config, "sequence_parallel", False))
         self.sync_group = sync_group
-        # None: from the model (Transformer Engine layers attend with the causal mask type only).
-        self.causal_only = uses_transformer_engine(model) if causal_only is None else causal_only
+        # None: from the model (Transformer Engine layers attend with the causal mask type only; a sliding window
+        # counts rows, which are positions in a chain only).
+        if causal_only is None:
+            causal_only = uses_transformer_engine(model) or bool(getattr(model.config, "window_size", None))
+        self.causal_only = causal_only
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state as mpu
 
@@ -170,6 +174,7 @@ def _check_causal(visible: torch.Tensor, positions: torch.Tensor) -> None:
         positions.cpu(), torch.arange(n)
     ):
         raise ValueError(
-            "a Transformer Engine target verifies chains only (--topk 1): its attention takes the causal mask "
-            "type, not a tree's mask; use --transformer-impl local for draft trees."
+            "a Transformer Engine target, or one with sliding-window layers, verifies chains only (--topk 1): its "
+            "attention takes the causal mask type, not a tree's mask; use --transformer-impl local for draft trees "
+            "(a target without sliding windows)."
         )

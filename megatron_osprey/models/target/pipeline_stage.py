@@ -91,8 +91,11 @@ def load_target(
     with loading_window(parallel):
         # Without the LM head the last stage returns the pre-norm hidden state, which
         # is all extraction needs: no vocab-sized logits, no final norm or LM head to load.
+        # Without the LM head nothing is tied: a pipelined first stage would otherwise wait to sum its embedding
+        # with the output layer of a last stage that has none (a tied target, e.g. Gemma 3, hung at PP > 1).
+        built = arch if with_lm_head else dataclasses.replace(arch, tie_word_embeddings=False)
         model = build_gpt_model(
-            arch,
+            built,
             parallel,
             transformer_impl=transformer_impl,
             params_dtype=params_dtype,
@@ -103,7 +106,7 @@ def load_target(
         for param in model.parameters():
             param.requires_grad_(False)
         tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), parallel.tensor_model_parallel_size
-        load_hf_weights(model, target_dir, arch, tp_rank, tp_size)
+        load_hf_weights(model, target_dir, built, tp_rank, tp_size)
     return TargetStage(arch, model, parallel, device, params_dtype)
 
 
