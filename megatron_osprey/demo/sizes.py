@@ -129,6 +129,7 @@ class DemoConfig:
             task_prompts_per_language=1,
             task_languages=1,
             opd_prompts=4,
+            opd_epochs=2,  # two online rounds: the loop and its equal-compute SFT control, not the authors' 8
             monolingual_iters=3,
         )
 
