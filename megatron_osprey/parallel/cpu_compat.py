@@ -1,7 +1,7 @@
 """Megatron-Core on a machine without CUDA: the CUDA-only call sites, handled.
 
-Megatron-Core 0.16.1 assumes a GPU in these places (measured with torch 2.13 on
-CPU, gloo, tiny models at TP/PP/EP=2):
+Megatron-Core (0.16.1 to 0.19.x) assumes a GPU in these places (measured with torch 2.13
+and 2.14 on CPU, gloo, tiny models at TP/PP/EP=2):
 
 1. `torch.cuda.current_device()` picks the device of new tensors (utils, rotary
    embeddings, p2p communication, grad buffers, TP layers and mappings, the MoE
@@ -18,13 +18,17 @@ CPU, gloo, tiny models at TP/PP/EP=2):
    sequence-parallel tag so their grads are all-reduced across TP;
 6. MoE: `te_general_gemm` is undefined without Transformer Engine, split sizes stay
    tensors on the CPU (gloo's all_to_all_single rejects them), and the all-to-all
-   dispatcher copies them to the host on a `torch.cuda.Stream`.
+   dispatcher copies them to the host on a `torch.cuda.Stream`;
+7. from 0.17 on, the grad buffers wait on `torch.cuda.current_stream()` before each
+   grad reduction.
 
 Without CUDA these places either crash or, worse, run silently wrong (item 3).
 `activate()` patches them so that the real Megatron-Core modules run under gloo on
-the CPU; it refuses to do anything when CUDA is present, and it is pinned to the
-megatron-core version it was written against: `check_call_sites()` is the canary
-that fails loudly when an upgrade moves a call site.
+the CPU; it refuses to do anything when CUDA is present. It accepts the megatron-core
+releases pyproject.toml's range allows (each end tested: launcher/locks/cpu.txt and
+cpu-newest.txt) and refuses any other in one line; within the range it branches on what a
+module holds, never on the version number, and `check_call_sites()` is the canary that
+fails loudly when a release moves a call site.
 """
 
 from __future__ import annotations
@@ -39,15 +43,18 @@ from typing import Any, Callable
 
 import torch
 
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+# The range pyproject.toml declares: the lowest release tested and the first one that is not.
+SUPPORTED_MEGATRON_CORE = (">=0.16.1", "<0.20")
 
 # Marker set on the patched torch.cuda functions: the patch state lives on the
 # patched objects themselves, so this module keeps no state of its own.
 _MARK = "__osprey_cpu_compat__"
 
 # Modules that create tensors with a hard-coded device="cuda"; they get a torch
-# proxy that places such tensors on the CPU. Each entry names a source snippet
-# that must still be present (the canary).
+# proxy that places such tensors on the CPU (and makes their CUDA streams no-ops).
+# Each entry names a source snippet that must still be present (the canary); the
+# tables hold only call sites that every release of the supported range has, and a
+# call site one release adds is handled by what its module's stand-in already does.
 HARDCODED_CUDA_MODULES: dict[str, str] = {
     "megatron.core.pipeline_parallel.schedules": 'device="cuda"',
     "megatron.core.optimizer.clip_grads": "device='cuda'",
@@ -118,10 +125,12 @@ def _cpu_device(device: Any) -> Any:
 
 
 class _TorchOnCpu(types.ModuleType):
-    """A stand-in for `torch` inside one module: tensor factories asked for CUDA get the CPU."""
+    """A stand-in for `torch` inside one module: tensor factories asked for CUDA get the CPU, and its `torch.cuda`
+    streams and events are CPU no-ops (megatron-core 0.17+ has the grad buffers wait on the current stream)."""
 
     def __init__(self) -> None:
         super().__init__("torch")
+        self.cuda = _CudaStreamsOnCpu()
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(torch, name)
@@ -168,17 +177,24 @@ class _SameStreamWarningFilter(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+def supported(version: str) -> bool:
+    """True when `version` (a local label such as +gitsha is ignored) lies in SUPPORTED_MEGATRON_CORE."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version).public in SpecifierSet(",".join(SUPPORTED_MEGATRON_CORE), prereleases=True)
+
+
 def check_megatron_version() -> str:
-    """Return the installed megatron-core version; raise if it is not the supported one."""
+    """Return the installed megatron-core version; raise if it lies outside the supported range."""
     from megatron.core import package_info
 
     version = package_info.__version__
-    if version != SUPPORTED_MEGATRON_CORE:
+    if not supported(version):
+        wanted = ",".join(SUPPORTED_MEGATRON_CORE)
         raise RuntimeError(
-            f"megatron_osprey's CPU compatibility layer was written for megatron-core "
-            f"{SUPPORTED_MEGATRON_CORE} but {version} is installed; install "
-            f"megatron-core=={SUPPORTED_MEGATRON_CORE} (pyproject.toml pins it) or re-verify "
-            f"the call sites in megatron_osprey/parallel/cpu_compat.py."
+            f"megatron_osprey's CPU compatibility layer supports megatron-core{wanted} but {version} is "
+            f"installed; install a release in that range (pip install 'megatron-core{wanted}')."
         )
     return version
 
@@ -299,6 +315,9 @@ class _CpuStream:
     def wait_stream(self, stream: Any) -> None:
         return None
 
+    def wait_event(self, event: Any) -> None:
+        return None
+
     def record_event(self, event: Any = None) -> _CpuEvent:
         return _CpuEvent()
 
@@ -315,7 +334,7 @@ class _CudaStreamsOnCpu(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name in ("Stream", "Event"):
             return _CpuStream if name == "Stream" else _CpuEvent
-        if name == "current_stream":
+        if name in ("current_stream", "default_stream"):
             return lambda device=None: _CURRENT_STREAM
         if name == "stream":
             return lambda stream=None: contextlib.nullcontext()

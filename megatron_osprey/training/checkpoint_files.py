@@ -156,29 +156,17 @@ class PlainDataLoadPlanner(mcore_torch.MCoreLoadPlanner):
 class PlainDataLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
     """megatron-core's torch_dist load strategy with PlainDataLoadPlanner (every dist checkpoint load uses it)."""
 
-    # TorchDistLoadShardedStrategy.load of megatron-core 0.16.1, which builds its planner inline (a test pins
-    # that method's source), with PlainDataLoadPlanner in place of MCoreLoadPlanner.
-    def load(self, sharded_state_dict, checkpoint_dir):
-        tensors = [v for v in mcore_torch.nested_values(sharded_state_dict) if isinstance(v, mcore_torch.ShardedTensor)]
-        original = sharded_state_dict
-        sharded_state_dict, flat_mapping, rename_mapping = mcore_torch._replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict
-        )
-        pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded_state_dict, True)
-        reader = mcore_torch._get_filesystem_reader(checkpoint_dir, cache_metadata=True)
-        mcore_torch.checkpoint.load_state_dict(
-            pyt_state_dict,
-            reader,
-            planner=PlainDataLoadPlanner(
-                shapes_validation_sharded_tensors=[t for t in tensors if not t.allow_shape_mismatch],
-                allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
-            ),
-        )
-        self.cached_global_metadata = reader.read_metadata()
-        loaded = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
-        loaded = mcore_torch._replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
-        mcore_torch._restore_dict_types(loaded, original)
-        return loaded
+    # TorchDistLoadShardedStrategy.load builds its planner inline, under its module's name MCoreLoadPlanner, in every
+    # megatron-core of the supported range, with arguments that change between releases (0.17 added
+    # stream_ckpt_dequant and flatten flags). So the method is not copied: for the length of this one load that name
+    # stands for PlainDataLoadPlanner, a subclass taking the same arguments (a test checks the method still uses it).
+    def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        original = mcore_torch.MCoreLoadPlanner
+        mcore_torch.MCoreLoadPlanner = PlainDataLoadPlanner
+        try:
+            return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        finally:
+            mcore_torch.MCoreLoadPlanner = original
 
 
 SKIP_CHECKSUM_HINT = "pass --skip-checksum"

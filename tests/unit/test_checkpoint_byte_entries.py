@@ -2,7 +2,6 @@
 and its latest pointer required beside saved iterations."""
 
 import dataclasses
-import hashlib
 import inspect
 import io
 import os
@@ -112,6 +111,11 @@ def test_a_crafted_byte_entry_is_refused_and_never_runs(saved, tmp_path):
     ):
         load(root, verify=False)
     assert not marker.exists()
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    from megatron_osprey.training.checkpoint_files import PlainDataLoadPlanner
+
+    assert mcore_torch.MCoreLoadPlanner is not PlainDataLoadPlanner  # megatron-core's name is put back, even on error
 
 
 def test_an_rng_state_saved_with_a_numpy_array_still_loads(saved, tmp_path):
@@ -137,14 +141,11 @@ def test_a_missing_latest_pointer_beside_iterations_is_named_not_a_fresh_start(s
     assert resume_iteration(CheckpointConfig(load=str(tmp_path / "empty"))) is None  # nothing saved yet: fresh
 
 
-def test_the_copied_megatron_load_is_the_one_pinned():
-    """PlainDataLoadStrategy.load repeats megatron-core 0.16.1's TorchDistLoadShardedStrategy.load with another
-    planner: when an upgrade changes that method, the copy must be redone."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+def test_megatrons_load_still_builds_the_planner_by_the_name_we_substitute():
+    """PlainDataLoadStrategy.load substitutes PlainDataLoadPlanner for the name MCoreLoadPlanner that megatron-core's
+    TorchDistLoadShardedStrategy.load builds its planner from (0.16.1 to 0.19.x); a release that builds it otherwise
+    would load byte entries undecoded, so it fails here (and the crafted-entry test above fails with it)."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
-    source = inspect.getsource(TorchDistLoadShardedStrategy.load)
-    assert "planner=MCoreLoadPlanner(" in source
-    assert hashlib.sha256(source.encode()).hexdigest()[:16] == PINNED_LOAD_SHA
-
-
-PINNED_LOAD_SHA = "960cfa14f177d722"  # megatron-core 0.16.1
+    source = inspect.getsource(mcore_torch.TorchDistLoadShardedStrategy.load)
+    assert source.count("MCoreLoadPlanner(") == 1 and "planner=MCoreLoadPlanner(" in source

@@ -5,9 +5,39 @@ import torch
 from megatron_osprey.parallel import ParallelConfig, cpu_compat, parallel_context
 
 
-def test_canary_call_sites_still_match_pinned_megatron():
-    assert cpu_compat.check_megatron_version() == cpu_compat.SUPPORTED_MEGATRON_CORE
+def test_canary_call_sites_still_match_the_installed_megatron():
+    from megatron.core import package_info
+
+    assert cpu_compat.check_megatron_version() == package_info.__version__
     cpu_compat.check_call_sites()  # raises if an upgrade moved a patched call site
+
+
+def test_the_supported_range_is_pyprojects_and_holds_both_tested_ends():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    (declared,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "megatron-core"]
+    assert str(declared.specifier) == ",".join(sorted(cpu_compat.SUPPORTED_MEGATRON_CORE))
+    # The lock's release and the newest lock's, a source build's local label, and the ends just outside.
+    assert cpu_compat.supported("0.16.1") and cpu_compat.supported("0.19.2") and cpu_compat.supported("0.19.2+abc")
+    for outside in ("0.16.0", "0.15.3", "0.20.0", "0.20.0rc0"):
+        assert not cpu_compat.supported(outside), outside
+
+
+def test_a_release_outside_the_range_is_refused_in_one_line(monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.20.1")
+    try:
+        cpu_compat.check_megatron_version()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("0.20.1 was accepted")
+    assert "\n" not in message and "megatron-core>=0.16.1,<0.20 but 0.20.1 is installed" in message
 
 
 def test_canary_fails_loudly_when_a_call_site_moves(monkeypatch):
@@ -69,3 +99,14 @@ def test_hardcoded_cuda_factories_land_on_cpu():
         mask = get_default_causal_mask(4)
         assert mask.device.type == "cpu"
         assert mask.tolist()[0] == [False, True, True, True]
+
+
+def test_grad_buffer_streams_are_cpu_no_ops():
+    # megatron-core 0.17+ has the grad buffers wait on the current CUDA stream before each reduction.
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    with parallel_context(ParallelConfig()):
+        stream = buffers.torch.cuda.current_stream()
+        stream.wait_event(buffers.torch.cuda.Event())
+        assert buffers.torch.cuda.current_stream() is stream
+        assert buffers.torch.zeros(2, device="cuda").device.type == "cpu"

@@ -83,3 +83,21 @@ def test_the_plans_drafter_is_the_one_built_on_the_meta_device(name, monkeypatch
     recipe = get_recipe(name)
     plan_arch, trainable, frozen = planned_drafter(recipe, recipe.config("distill"))
     assert (trainable, frozen) == _built(plan_arch, "meta")
+
+
+def test_the_drafter_swaps_mlp_linears_in_either_form_of_megatrons_mlp_spec():
+    # megatron-core 0.16 gives a dense MLP as a ModuleSpec, 0.17 and later as partial(MLP.as_mlp_submodule, ...).
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_osprey.models.backbone.gpt import replace_spec_submodules, spec_submodules
+
+    original = MLPSubmodules(linear_fc1="fc1", linear_fc2="fc2")
+    for spec in (ModuleSpec(module=MLP, submodules=original), functools.partial(MLP, submodules=original)):
+        swapped = replace_spec_submodules(spec, linear_fc1="drafter_fc1")
+        assert type(swapped) is type(spec) and getattr(swapped, "module", getattr(swapped, "func", None)) is MLP
+        assert spec_submodules(swapped) == dataclasses.replace(original, linear_fc1="drafter_fc1")
+        assert spec_submodules(spec) is original  # the backbone's spec is left as it was

@@ -121,13 +121,17 @@ def _json_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith('{"check"')]
 
 
-def test_the_list_pins_what_pyproject_pins_and_this_environment_runs():
+def test_the_list_pins_what_the_lock_pins_within_pyprojects_ranges_and_this_environment_runs():
+    from launcher import lock
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pinned = {canonicalize_name(r.name): str(r.specifier) for r in map(Requirement, project)}
-    pins = _pins()
-    assert {name: f"=={version}" for name, version in pins.items() if name in pinned} == {
-        name: pinned[name] for name in pins if name in pinned
+    ranges = {canonicalize_name(r.name): r.specifier for r in map(Requirement, project)}
+    pins, locked = _pins(), lock.read_lock()
+    assert {name: version for name, version in pins.items() if name in locked} == {
+        name: locked[name] for name in pins if name in locked
     }
+    for name, version in pins.items():
+        assert name not in ranges or ranges[name].contains(version, prereleases=True), f"{name}=={version}"
     assert pins == {name: importlib.metadata.version(name) for name in pins}
 
 

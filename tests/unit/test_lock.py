@@ -48,3 +48,25 @@ def test_a_line_that_is_not_an_exact_pin_names_the_file_and_line(tmp_path):
     loose.write_text("# header\nnumpy>=2\n")
     with pytest.raises(SystemExit, match=r"cpu.txt:2: a lock line pins one exact version"):
         lock.read_lock(loose)
+
+
+def test_the_newest_lock_is_the_high_end_of_pyprojects_ranges():
+    # `make test-newest` installs cpu-newest.txt: every pin inside pyproject's ranges, and for each ranged package a
+    # release above cpu.txt's, so the two locks test both ends.
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["test"]]
+    low, high = lock.read_lock(), lock.read_lock(lock.NEWEST)
+    ranged = [req for req in requirements if not str(req.specifier).startswith("==")]
+    assert {canonicalize_name(req.name) for req in ranged} == {"torch", "megatron-core", "transformers"}
+    for req in requirements:
+        assert req.specifier.contains(high[canonicalize_name(req.name)], prereleases=True), req
+    for req in ranged:
+        name = canonicalize_name(req.name)
+        assert Version(high[name]) > Version(low[name]), name
+    assert lock.NEWEST.read_text().startswith(lock.NEWEST_HEADER)

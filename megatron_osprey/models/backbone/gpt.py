@@ -4,6 +4,8 @@ models/backbone/dense_variants.py; DeepSeek-V3's attention: models/backbone/mla.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -43,6 +45,22 @@ def resolve_transformer_impl(requested: str = "auto") -> str:
             "(pip install -e '.[gpu]' on a GPU machine); use --transformer-impl local on CPU."
         )
     return requested
+
+
+def spec_submodules(spec):
+    """A submodule spec's submodules: a ModuleSpec's, or those bound into the functools.partial that megatron-core
+    0.17 and later give a dense MLP (`partial(MLP.as_mlp_submodule, submodules=...)`)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def replace_spec_submodules(spec, **changes):
+    """`spec` (a ModuleSpec or such a partial) with some of its submodules replaced."""
+    submodules = dataclasses.replace(spec_submodules(spec), **changes)
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+    return dataclasses.replace(spec, submodules=submodules)
 
 
 def layer_spec(arch: ModelArch, transformer_impl: str):

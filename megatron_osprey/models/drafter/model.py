@@ -50,8 +50,10 @@ from torch import Tensor
 from megatron_osprey.base.arch import padded_size
 from megatron_osprey.models.backbone.gpt import (
     layer_spec,
+    replace_spec_submodules,
     resolve_transformer_impl,
     rotary_inv_freq,
+    spec_submodules,
     transformer_config,
 )
 from megatron_osprey.models.drafter.arch import (  # noqa: F401  (re-exported: the drafter's public names)
@@ -177,7 +179,7 @@ def _drafter_submodules(arch: DrafterArch, transformer_impl: str):
     base = layer_spec(arch.body, "local")
     submodules = base.submodules
     attention = submodules.self_attention.submodules
-    mlp = submodules.mlp.submodules
+    mlp = spec_submodules(submodules.mlp)
     if transformer_impl == "transformer_engine":
         # TE linears without the fused norm (the two halves need their own norms).
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm, TERowParallelLinear
@@ -215,9 +217,7 @@ def drafter_layer_specs(arch: DrafterArch, transformer_impl: str) -> list:
         params={"attn_mask_type": AttnMaskType.arbitrary},
         submodules=dataclasses.replace(attention.submodules, **common),
     )
-    mlp = dataclasses.replace(
-        submodules.mlp, submodules=dataclasses.replace(submodules.mlp.submodules, linear_fc1=fc1, linear_fc2=fc2)
-    )
+    mlp = replace_spec_submodules(submodules.mlp, linear_fc1=fc1, linear_fc2=fc2)
     specs = []
     for index in range(arch.body.num_layers):
         fused = arch.layer_is_fused(index)
