@@ -5,14 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The longest test files first: two workers finish together when the long groups start early (largest first), not
+# when the 30-minute end-to-end demo test is collected last. Lower runs earlier; unlisted files keep their order.
+_LONG_FIRST = (
+    ("tests/e2e/", 0),  # the demo, every arm
+    ("tests/slurm/", 1),  # the local-Slurm chain
+    ("tests/distributed/", 2),  # torchrun launches
+)
+
+
+def _start_rank(path: str) -> int:
+    for prefix, rank in _LONG_FIRST:
+        if path.startswith(prefix):
+            return rank
+    name = path.rsplit("/", 1)[-1]
+    return 3 if "vllm" in name or "regenerate" in name else 4  # real vLLM servers start in these
+
 
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n 2 --dist loadgroup` (make test) a test file runs whole on one worker, so its module-scoped
     fixtures (a torchrun launch, a vLLM server) run once; the Slurm tests share one worker, as they share the
-    session's one cluster."""
+    session's one cluster. Files are handed out longest first (_LONG_FIRST)."""
+    paths = {}
     for item in items:
         path = item.path.relative_to(config.rootpath).as_posix()
+        paths[item.nodeid] = path
         item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
+    items.sort(key=lambda item: _start_rank(paths[item.nodeid]))  # stable: a file's tests stay in order
 
 
 @pytest.fixture(scope="session")
