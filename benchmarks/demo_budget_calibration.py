@@ -9,6 +9,12 @@ the ones demo/budget.py predicts.
 Short runs only (6 iterations a step, 12 training conversations regenerated as the demo regenerates them, so
 that distillation's batches are as long as the demo's): the figures are per iteration, not the demo's results.
 The probe runs before, between and after the steps; under contention its spread says how far to trust them.
+
+    python benchmarks/demo_budget_calibration.py --demo DEMO_OUT [--rate GFLOPS]
+
+reads a finished `make demo` instead (its report.json's per-step seconds, and the probe's rate from its budget.json
+unless --rate gives it) and prints each step's seconds beside the model's prediction at that rate, as
+demo/budget.py's constants were fitted to one such run (a run with --no-resize writes no budget.json: pass --rate).
 """
 
 from __future__ import annotations
@@ -36,7 +42,59 @@ def _iterations(log: Path) -> list[tuple[int, float, float]]:
     return found
 
 
+def _group(step: str) -> str:
+    """The name demo/budget.predicted_steps gives a make demo step."""
+    for prefix, group in (
+        ("pretrain_backbone_target", "pretrain"),
+        ("distill_osprey_", "distill_osprey"),
+        ("distill_eagle3_", "distill_eagle3"),
+        ("regenerate_", "regenerate"),
+        ("extract_", "extract"),
+    ):
+        if step.startswith(prefix):
+            return group
+    return step if step in ("eval", "eval_vllm") else "other"
+
+
+def compare_demo(demo: Path, rate: float | None) -> int:
+    """A finished make demo's seconds per step beside the model's prediction at its probe's rate."""
+    from megatron_osprey.assets.models import get_model_dir
+    from megatron_osprey.demo.budget import BUDGET_FILE, predicted_steps
+    from megatron_osprey.demo.sizes import TARGET_MODEL, DemoConfig
+
+    report = json.loads((demo / "report.json").read_text())
+    if rate is None:
+        if not (demo / BUDGET_FILE).is_file():
+            print(f"--demo {demo}: no {BUDGET_FILE} (a --no-resize run); pass --rate GFLOPS.", file=sys.stderr)
+            return 2
+        rate = json.loads((demo / BUDGET_FILE).read_text())["rate_gflops"]
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    sizes = {k: tuple(v) if isinstance(v, list) else v for k, v in report["config"].items() if k in fields}
+    cfg = DemoConfig(**{**sizes, "cross_tokenizer": None})  # the model covers the base arms
+    measured: dict[str, float] = {}
+    for step, seconds in {**report.get("earlier_step_seconds", {}), **report["step_seconds"]}.items():
+        measured[_group(step)] = measured.get(_group(step), 0.0) + seconds
+    predicted = predicted_steps(cfg, get_model_dir(TARGET_MODEL), rate, vllm="eval_vllm" in measured)
+    print(f"probe {rate:.1f} GFLOP/s; report total {report['seconds']:.0f} s; seconds per step (measured / model):")
+    for group in sorted(set(measured) | set(predicted)):
+        print(f"  {group:16s} {measured.get(group, 0.0):8.0f} {predicted.get(group, 0.0):8.0f}")
+    print(f"  {'total':16s} {sum(measured.values()):8.0f} {sum(predicted.values()):8.0f}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--demo":
+        import argparse
+
+        parser = argparse.ArgumentParser(description="a finished make demo beside the budget model")
+        parser.add_argument("--demo", type=Path, required=True)
+        parser.add_argument("--rate", type=float, default=None, help="the probe's GFLOP/s (default: budget.json's)")
+        args = parser.parse_args(argv)
+        if not (args.demo / "report.json").is_file():
+            parser.error(f"--demo {args.demo}: no report.json (not a finished demo run).")
+        if args.rate is not None and not args.rate > 0:
+            parser.error("--rate must be > 0 GFLOP/s.")
+        return compare_demo(args.demo, args.rate)
     from megatron_osprey.base.hardware import cpu_capability
     from megatron_osprey.demo import arms, pipeline
     from megatron_osprey.demo.budget import demo_trained_steps, gemm_rate

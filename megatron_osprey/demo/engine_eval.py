@@ -31,9 +31,11 @@ def drafter_refusal(path: Path) -> str | None:
 
 
 def vllm_eval_argv(cfg: DemoConfig, target: Path, out: Path, drafters: list[dict], data: dict, python: str, ref: Path):
-    """The eval step's command (same prompts, steps and budget) served in vLLM, beside the reference's results."""
+    """The eval step's command (same prompts, steps and budget) served in vLLM, beside the reference's results, at
+    cfg.vllm_concurrency (else the engine's levels)."""
     argv = eval_argv(cfg, target, out, drafters, data)
-    return argv + ["--engine", "vllm", "--vllm-python", python, "--reference-results", ref]
+    levels = ["--vllm-concurrency", *map(str, cfg.vllm_concurrency)] if cfg.vllm_concurrency else []
+    return argv + ["--engine", "vllm", "--vllm-python", python, "--reference-results", ref, *levels]
 
 
 def serve_in_vllm(

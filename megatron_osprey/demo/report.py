@@ -294,10 +294,14 @@ def _resized_lines(cfg) -> list[str]:
     """The warning a run shortened by the time budget carries (demo/budget.py), or nothing."""
     if not getattr(cfg, "resized", None):
         return []
+    sweep = ""
+    if getattr(cfg, "vllm_concurrency", None):
+        sweep = f", vLLM was measured at concurrency {' '.join(map(str, cfg.vllm_concurrency))} only"
     return [
         f"**Resized to fit the time budget**: Stage 2 ran {cfg.backbone_iters} iterations and distillation "
-        f"{cfg.distill_epochs:g} epochs, fewer than this size's own; compare these figures only with runs of the same "
-        f"sizes. The measurement: {cfg.resized.removeprefix('budget: ')}",
+        f"{cfg.distill_epochs:g} epochs{sweep}; the measurement below says what is fewer than this size's own; "
+        f"compare these figures only with runs of the same sizes. The measurement: "
+        f"{cfg.resized.removeprefix('budget: ')}",
         "",
     ]
 

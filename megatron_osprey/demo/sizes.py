@@ -53,8 +53,9 @@ ARM_FIELDS = (
     "monolingual_iters",
     "arm_seeds",
 )
-# What the run's identity leaves out besides ARM_FIELDS: the budget's description (its sizes are in the config).
-DESCRIPTIVE_FIELDS = ("resized",)
+# What the run's identity leaves out besides ARM_FIELDS: the budget's description (its sizes are in the config), and
+# the vLLM evaluation's concurrency levels, which only the budget sets and the step's command carries.
+DESCRIPTIVE_FIELDS = ("resized", "vllm_concurrency")
 
 
 @dataclasses.dataclass
@@ -84,6 +85,9 @@ class DemoConfig:
     # seed 0's drafters are then also decoded live, lossless-checked, on `live_check_prompts` prompts per domain.
     eval_replay: bool = False
     live_check_prompts: int = 8
+    # The evaluation in vLLM's concurrency levels (tokens/s and speedup; AL and the lossless check at the lowest);
+    # None: the engine's own (1 4 16). The time budget may keep fewer (demo/budget.py).
+    vllm_concurrency: tuple[int, ...] | None = None
     seeds: tuple[int, ...] = (0,)
     cross_tokenizer: SmallLM | None = None  # the target-agnostic arm (demo-full)
     # bf16 compute where it is correct (backbone pretraining, distillation, regeneration) and the CPU has it
