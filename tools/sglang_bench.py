@@ -7,7 +7,9 @@
         [--limit N] [--wait 1800]
 
 Prompts are rendered exactly as `python -m megatron_osprey evaluate` renders them (target chat template,
-the first user message by default, all prompts in file order). AL per request = completion_tokens /
+the first user message by default, all prompts in file order); a multi-turn row (an MT-Bench set of `osprey suite`)
+sends its second turn after the server's answer to the first, as the release's benchmarker does, each turn a
+request (`--first-turn-only` sets send the first alone). AL per request = completion_tokens /
 spec_verify_ct from SGLang's meta_info (1 with --target-only, whose server drafts nothing); throughput =
 completion tokens / wall time with `--batch-size` requests in flight. `--temperature` and `--batch-size` take
 lists: every combination is one sweep row (sampling at T > 0 is the server's lossless rejection sampling). Writes
@@ -17,6 +19,7 @@ DIR/results.json, matrix.md, matrix.png (the first combination's matrix; the swe
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from megatron_osprey.eval.prompts import load_prompts
+    from megatron_osprey.eval.prompts import follow_up, load_prompts
     from megatron_osprey.eval.run import split_names, sweep_markdown, write_results
     from megatron_osprey.eval.sglang_client import wait_for_server
 
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
         }
         if args.wait:
             wait_for_server(args.url, args.wait)
-        sweep, records = _sweep(args, splits, prompts)
+        sweep, records = _sweep(args, splits, prompts, functools.partial(follow_up, tokenizer=tokenizer))
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -90,8 +93,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _sweep(args, splits: list[str], prompts: dict) -> tuple[list[dict], list[dict]]:
-    """Every (temperature, batch size) over every split against the server: the sweep rows and the cells."""
+def _sweep(args, splits: list[str], prompts: dict, next_turn) -> tuple[list[dict], list[dict]]:
+    """Every (temperature, batch size) over every split against the server: the sweep rows and the cells
+    (`next_turn` renders a multi-turn row's next turn after the server's answer)."""
     from tqdm import tqdm
 
     from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
@@ -99,7 +103,7 @@ def _sweep(args, splits: list[str], prompts: dict) -> tuple[list[dict], list[dic
 
     combos = [(t, b) for t in args.temperature for b in args.batch_size]
     sweep, records = [], []
-    total = len(combos) * sum(len(p) for p in prompts.values())
+    total = len(combos) * sum(1 + len(p.next_turns) for ps in prompts.values() for p in ps)  # requests: every turn
     with tqdm(total=total, desc="sglang", unit="req") as progress:
         for temperature, batch_size in combos:
             server = ServerConfig(args.url, args.max_new_tokens, temperature)
@@ -107,7 +111,12 @@ def _sweep(args, splits: list[str], prompts: dict) -> tuple[list[dict], list[dic
             for split in splits:
                 start = time.perf_counter()
                 requests = bench_prompts(
-                    server, prompts[split], progress, batch_size=batch_size, speculative=not args.target_only
+                    server,
+                    prompts[split],
+                    progress,
+                    batch_size=batch_size,
+                    speculative=not args.target_only,
+                    next_turn=next_turn,
                 )
                 wall = time.perf_counter() - start
                 summary = {

@@ -2,7 +2,9 @@
 
 The paper's benchmark (Osprey's custom eval benchmarker) sends only the first user message of each held-out
 conversation; `before_assistant` keeps every message before the first assistant turn (a system prompt
-included), this project's earlier protocol.
+included), this project's earlier protocol. A multi-turn row (MT-Bench) is one request per turn, the next user
+turn rendered after the model's answer (follow_up); the served engines (vLLM, the SGLang client) drive such a
+conversation with converse(), its turns in sequence and conversations side by side.
 """
 
 from __future__ import annotations
@@ -83,4 +85,34 @@ def follow_up(prompt: EvalPrompt, output_ids: list[int], tokenizer, enable_think
     text = render_generation_prompt(tokenizer, list(messages), enable_thinking)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     turn = len([m for m in messages if m["role"] == "user"])
-    return EvalPrompt(f"{prompt.id}#turn{turn}", torch.tensor(ids, dtype=torch.long), messages, prompt.next_turns[1:])
+    return EvalPrompt(turn_id(prompt.id, turn), torch.tensor(ids, dtype=torch.long), messages, prompt.next_turns[1:])
+
+
+def turn_id(conversation_id: str, turn: int) -> str:
+    """The request id of a conversation's turn (1-based): the conversation's own id for the first, ID#turnN after."""
+    return conversation_id if turn == 1 else f"{conversation_id}#turn{turn}"
+
+
+def converse(prompt: EvalPrompt, ask, next_turn) -> list:
+    """Every turn of one conversation, in sequence: ask(turn's prompt) -> (record, output ids), and
+    next_turn(prompt, output ids) -> the next turn's prompt (follow_up with the tokenizer bound); one record a turn."""
+    records = []
+    while True:
+        record, output_ids = ask(prompt)
+        records.append(record)
+        if not prompt.next_turns:
+            return records
+        if next_turn is None:
+            raise ValueError(f"conversation {prompt.id!r} has turns to follow and no tokenizer to render them with.")
+        prompt = next_turn(prompt, output_ids)
+
+
+def by_turn(conversations: list[list]) -> list:
+    """Per-turn records of conversations in the reference evaluator's order: every first turn, then every second..."""
+    longest = max((len(c) for c in conversations), default=0)
+    return [c[turn] for turn in range(longest) for c in conversations if turn < len(c)]
+
+
+def turn_ids(prompts: list[EvalPrompt]) -> list[str]:
+    """The request ids a split's conversations make, in the order of by_turn."""
+    return by_turn([[turn_id(p.id, t) for t in range(1, 2 + len(p.next_turns))] for p in prompts])

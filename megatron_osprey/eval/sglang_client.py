@@ -2,7 +2,10 @@
 
 Requests go to SGLang's native ``/generate`` with the prompt's token ids, so the prompt is exactly the
 one ``python -m megatron_osprey evaluate`` decodes: one at a time (batch 1, the paper's setting) or
-``batch_size`` in flight at once (the server batches them). AL per request =
+``batch_size`` in flight at once (the server batches them). A multi-turn row (MT-Bench) is sent as the release's
+benchmarker sends it: its first turn, then the next user turn after the server's answer (``output_ids``, rendered
+into the chat so far as the reference evaluator renders its own answer), conversations side by side and each one's
+turns in sequence; every turn is a request (``ID``, ``ID#turn2``). AL per request =
 ``completion_tokens / spec_verify_ct`` from ``meta_info``; throughput = completion tokens / wall time.
 """
 
@@ -14,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from megatron_osprey.eval.prompts import EvalPrompt
+from megatron_osprey.eval.prompts import EvalPrompt, by_turn, converse
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def request_record(prompt_id: str, prompt_tokens: int, meta: dict, seconds: floa
 
 
 def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
-    """POST one request to /generate; returns (meta_info, wall seconds)."""
+    """POST one request to /generate; returns (the server's reply: text, output_ids, meta_info; wall seconds)."""
     body = json.dumps(
         {
             "input_ids": input_ids,
@@ -65,7 +68,7 @@ def generate(config: ServerConfig, input_ids: list[int]) -> tuple[dict, float]:
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
         payload = json.loads(response.read())
-    return payload["meta_info"], time.perf_counter() - start
+    return payload, time.perf_counter() - start
 
 
 def bench_prompts(
@@ -75,23 +78,31 @@ def bench_prompts(
     send=generate,
     batch_size: int = 1,
     speculative: bool = True,
+    next_turn=None,
 ) -> list[dict]:
-    """Send every prompt, `batch_size` in flight at once, and record each request (in prompt order)."""
+    """Send every conversation, `batch_size` in flight at once, each one's turns in sequence (`next_turn(prompt,
+    output ids)` renders a multi-turn row's next turn); one record per request, every first turn, then every second.
+    """
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}.")
 
-    def one(prompt: EvalPrompt) -> dict:
-        meta, seconds = send(config, prompt.input_ids.tolist())
-        record = request_record(prompt.id, int(prompt.input_ids.numel()), meta, seconds, speculative)
+    def ask(prompt: EvalPrompt) -> tuple[dict, list[int]]:
+        reply, seconds = send(config, prompt.input_ids.tolist())
+        record = request_record(prompt.id, int(prompt.input_ids.numel()), reply["meta_info"], seconds, speculative)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(al=f"{record['acceptance_length']:.2f}")
-        return record
+        if prompt.next_turns and "output_ids" not in reply:
+            raise ValueError(f"--url {config.url}: the reply has no output_ids to send {prompt.id}'s next turn after.")
+        return record, reply.get("output_ids", [])
+
+    def one(prompt: EvalPrompt) -> list[dict]:
+        return converse(prompt, ask, next_turn)
 
     if batch_size == 1:
-        return [one(prompt) for prompt in prompts]
+        return by_turn([one(prompt) for prompt in prompts])
     with ThreadPoolExecutor(max_workers=batch_size) as pool:
-        return list(pool.map(one, prompts))
+        return by_turn(list(pool.map(one, prompts)))
 
 
 def throughput(records: list[dict], wall_seconds: float) -> float | None:

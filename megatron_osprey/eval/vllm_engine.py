@@ -1,7 +1,10 @@
 """Evaluation in the real serving engine: vLLM serves the target alone and with each exported drafter.
 
 The same prompts as the reference engine (the same chat template, rendered and tokenized here and sent to
-``/v1/completions`` as token ids), greedy, the same EOS ids and new-token budget. Per drafter and eval split:
+``/v1/completions`` as token ids), greedy, the same EOS ids and new-token budget. A multi-turn row (MT-Bench's two
+turns) is a conversation: its next user turn is rendered after vLLM's own answer (the chat so far, through the
+same template) and sent as the conversation's next request; conversations run side by side at each concurrency,
+each one's turns in sequence, and every turn is a request of the split on both engines. Per drafter and eval split:
 
 * lossless: the token ids vLLM returns (``return_token_ids``) equal target-only decoding's at the same
   concurrency;
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -139,27 +143,35 @@ def serve(settings: VllmSettings, target: Path, name: str, speculative_config: d
         yield Client(url, name, key, settings.request_timeout)
 
 
-def complete_all(client: Client, prompts: list, max_tokens: int, stop_ids: list[int], concurrency: int) -> tuple:
-    """Every prompt, `concurrency` in flight: ({id: token ids}, wall seconds)."""
+def complete_all(
+    client: Client, prompts: list, max_tokens: int, stop_ids: list[int], concurrency: int, next_turn=None
+) -> tuple:
+    """Every conversation, `concurrency` in flight, each one's turns in sequence (a multi-turn row's next turn is
+    rendered by next_turn after the answer to the one before): ({request id: token ids}, wall seconds)."""
+    from megatron_osprey.eval.prompts import by_turn, converse
 
-    def one(prompt) -> list[int]:
-        return client.complete([int(t) for t in prompt.input_ids], max_tokens, stop_ids)
+    def ask(prompt) -> tuple:
+        out = client.complete([int(t) for t in prompt.input_ids], max_tokens, stop_ids)
+        return (prompt.id, out), out
 
     began = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outputs = list(pool.map(one, prompts))
-    return {p.id: out for p, out in zip(prompts, outputs)}, time.perf_counter() - began
+        conversations = list(pool.map(lambda prompt: converse(prompt, ask, next_turn), prompts))
+    return dict(by_turn(conversations)), time.perf_counter() - began
 
 
-def measure(client: Client, prompts: dict[str, list], max_tokens: int, stop_ids: list[int], concurrency) -> dict:
-    """Each split at each concurrency: {split: {c: {tokens, seconds, in_flight, outputs, counters}}}."""
+def measure(
+    client: Client, prompts: dict[str, list], max_tokens: int, stop_ids: list[int], concurrency, next_turn=None
+) -> dict:
+    """Each split at each concurrency: {split: {c: {tokens, seconds, in_flight, outputs, counters}}}; the counters
+    cover every turn of a multi-turn row, as the reference engine's AL does."""
     first = next(iter(prompts.values()))[0]
     client.complete([int(t) for t in first.input_ids], 4, stop_ids)  # warm-up, outside every measurement
     out: dict = {}
     for split, split_prompts in prompts.items():
         for c in concurrency:
             before = client.counters()
-            outputs, seconds = complete_all(client, split_prompts, max_tokens, stop_ids, c)
+            outputs, seconds = complete_all(client, split_prompts, max_tokens, stop_ids, c, next_turn)
             delta = client.counters() - before
             tokens = sum(len(t) for t in outputs.values())
             out.setdefault(split, {})[c] = {
@@ -176,18 +188,21 @@ def measure(client: Client, prompts: dict[str, list], max_tokens: int, stop_ids:
 # ---- the evaluation -------------------------------------------------------------------------------------------
 
 
-def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: list[int], drafters: list) -> dict:
+def evaluate_in_vllm(
+    config, reference: dict, prompts: dict[str, list], eos: list[int], drafters: list, next_turn
+) -> dict:
     """results.json's "vllm" section: target-only, then each drafter, served and measured; the agreement check.
 
     `reference` is the reference engine's results.json on the same requests; `drafters` are
-    (DrafterSpec, LoadedDrafter, method) of servable drafters."""
+    (DrafterSpec, LoadedDrafter, method) of servable drafters; `next_turn(prompt, output ids)` renders a multi-turn
+    row's next turn (eval/prompts.py's follow_up with the target's tokenizer)."""
     import torch
 
     output = Path(config.output)
     python = config.vllm_python
     version = engine_version("vllm", python)
     on_cpu = not torch.cuda.is_available()
-    longest = max(len(p.input_ids) for ps in prompts.values() for p in ps)
+    longest = max(conversation_positions(p, next_turn, config.max_new_tokens) for ps in prompts.values() for p in ps)
     settings = VllmSettings(
         python=python,
         repo=Path(__file__).resolve().parents[2],
@@ -197,21 +212,21 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         kv_cache_bytes=config.vllm_kv_cache_bytes or (CPU_KV_CACHE_BYTES if on_cpu else None),
         tensor_parallel_size=config.vllm_tensor_parallel_size,
         dtype=config.dtype,
-        # prompt + new tokens + one verify's draft tokens, rounded up to vLLM's block of 16
-        max_model_len=-(-(longest + config.max_new_tokens + config.steps + 1) // 16) * 16,
+        # the longest turn's prompt + new tokens + one verify's draft tokens, rounded up to vLLM's block of 16
+        max_model_len=-(-(longest + config.steps + 1) // 16) * 16,
         concurrency=tuple(config.vllm_concurrency),
         on_cpu=on_cpu,
     )
     target = Path(config.target)
     exports = {item.name: export_for_vllm(item.name, loaded, output, target) for item, loaded, _ in drafters}
     with serve(settings, target, "target") as client:
-        target_only = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency)
+        target_only = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency, next_turn)
     records = {}
     for item, _, method in drafters:
         fmt, export_dir = exports[item.name]
         spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": config.steps}
         with serve(settings, target, item.name, spec) as client:
-            served = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency)
+            served = measure(client, prompts, config.max_new_tokens, eos, settings.concurrency, next_turn)
         records[item.name] = _drafter_record(item.name, method, fmt, export_dir, spec, served, target_only, reference)
     failures = agreement_failures(records, config.al_tolerance)
     mismatches = [
@@ -241,6 +256,21 @@ def evaluate_in_vllm(config, reference: dict, prompts: dict[str, list], eos: lis
         "agreement": {"tolerance": config.al_tolerance, "failures": failures},
         "lossless": {"checked": True, "mismatches": mismatches},
     }
+
+
+# Tokens a decoded answer may gain when the next turn re-tokenizes it (merges across its ends, a character the budget
+# cut in half): the room left per earlier answer beyond its new-token budget.
+ANSWER_RETOKENIZE_SLACK = 8
+
+
+def conversation_positions(prompt, next_turn, max_new_tokens: int) -> int:
+    """The positions a conversation's longest request can take: its last turn rendered with empty answers, each
+    earlier answer at its budget (and the slack), plus the last answer's budget."""
+    answers = 0
+    while prompt.next_turns:
+        prompt = next_turn(prompt, [])
+        answers += 1
+    return len(prompt.input_ids) + answers * (max_new_tokens + ANSWER_RETOKENIZE_SLACK) + max_new_tokens
 
 
 def export_for_vllm(name: str, loaded, output: Path, target: Path) -> tuple[str, Path]:
@@ -362,6 +392,8 @@ def check_engine_request(config) -> None:
 
 def check_reference(reference: dict, path, config, splits: list[str], prompts: dict, names: list[str]) -> None:
     """The reference results are of the same requests: splits, request ids and prompt lengths, steps and budget."""
+    from megatron_osprey.eval.prompts import turn_ids
+
     cfg = reference["config"]
     for key, ours in (("steps", config.steps), ("max_new_tokens", config.max_new_tokens), ("temperature", 0.0)):
         if cfg.get(key) != ours:
@@ -378,9 +410,10 @@ def check_reference(reference: dict, path, config, splits: list[str], prompts: d
             cell = cells.get((name, split))
             if cell is None:
                 raise ValueError(f"--reference-results {path} has no cell for drafter {name} on {split}.")
+            # The first turns' prompts are the same to the token; a later turn's follows its engine's own answer.
             theirs = [(r["id"], r["prompt_tokens"]) for r in cell["requests"]]
             ours = [(p.id, len(p.input_ids)) for p in prompts[split]]
-            if theirs != ours:
+            if [i for i, _ in theirs] != turn_ids(prompts[split]) or theirs[: len(ours)] != ours:
                 raise ValueError(
                     f"--reference-results {path}: drafter {name} on {split} was measured on other requests "
                     "(ids or prompt lengths differ); evaluate both engines with the same --data, --limit and "
@@ -388,23 +421,12 @@ def check_reference(reference: dict, path, config, splits: list[str], prompts: d
                 )
 
 
-def _refuse_multi_turn(paths: list[str]) -> None:
-    """vLLM is sent one turn per request: a multi-turn benchmark row (MT-Bench's two turns) is refused up front."""
-    from megatron_osprey.data.conversations import NEXT_TURNS_KEY, read_conversations
-
-    for path in paths:
-        if any(c.extra.get(NEXT_TURNS_KEY) for c in read_conversations(path)):
-            raise ValueError(
-                f"--data {path} holds multi-turn rows (MT-Bench's second turn): --engine vllm sends one turn per "
-                "request; write the set with `osprey suite --first-turn-only`, or use the reference engine."
-            )
-
-
 def run_vllm_eval(config) -> dict:
     """--engine vllm: the reference engine's results (run here, or --reference-results), then vLLM on the same
     requests; writes OUTPUT/results.json (with its "vllm" section) and OUTPUT/vllm.md."""
     from megatron_osprey.base.atomic_io import write_text_atomic
     from megatron_osprey.eval.loading import load_drafter
+    from megatron_osprey.eval.prompts import follow_up
     from megatron_osprey.eval.run import (
         _eos_ids,
         _load_split_prompts,
@@ -432,7 +454,6 @@ def run_vllm_eval(config) -> dict:
             raise ValueError(f"--drafter {item.name} cannot be served in vLLM: {refusal}")
         drafters.append((item, loaded, item.method or _variant(loaded.drafter)))
     splits = split_names(config.data)
-    _refuse_multi_turn(config.data)
     if config.reference_results:
         path = Path(config.reference_results)
         if not path.is_file():
@@ -450,7 +471,9 @@ def run_vllm_eval(config) -> dict:
     specs = [SpecConfig(**kw, eos_token_ids=tuple(eos)) for kw in sweep_settings(config)]
     prompts, _ = _load_split_prompts(config, splits, tokenizer, target_config, specs)
     check_reference(reference, config.reference_results, config, splits, prompts, [d[0].name for d in drafters])
-    section = evaluate_in_vllm(config, reference, prompts, eos, drafters)
+    # A multi-turn row's next turn, rendered after vLLM's answer as the reference engine renders it after its own.
+    next_turn = functools.partial(follow_up, tokenizer=tokenizer, enable_thinking=config.enable_thinking)
+    section = evaluate_in_vllm(config, reference, prompts, eos, drafters, next_turn)
     # Where the reference engine's side came from: this run, or an earlier evaluation of the same requests.
     section["reference_results"] = str(config.reference_results) if config.reference_results else None
     results = {**reference, "vllm": section}

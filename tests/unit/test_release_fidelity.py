@@ -238,9 +238,9 @@ def test_the_layerskip_backbone_preset_keeps_4_of_16_llama_layers():
     assert backbone_arch(osprey).num_layers == 4
 
 
-def test_mt_bench_rows_carry_both_turns_and_vllm_refuses_them_naming_the_one_turn_form(tmp_path):
+def test_mt_bench_rows_carry_both_turns_and_the_one_turn_form_is_a_flag_value(tmp_path):
+    from megatron_osprey.data.conversations import read_conversations
     from megatron_osprey.eval.suites import MT_BENCH_SYSTEM_PROMPT, suite_conversations, write_suite
-    from megatron_osprey.eval.vllm_engine import _refuse_multi_turn
 
     source = tmp_path / "question.jsonl"
     source.write_text(json.dumps({"question_id": 81, "turns": ["Write a poem.", "Now shorter."]}) + "\n")
@@ -254,9 +254,9 @@ def test_mt_bench_rows_carry_both_turns_and_vllm_refuses_them_naming_the_one_tur
     assert list(one.messages) == [{"role": "user", "content": "Write a poem."}] and "next_turns" not in one.extra
     write_suite("mtbench", source, tmp_path / "two.jsonl")
     write_suite("mtbench", source, tmp_path / "one.jsonl", first_turn_only=True)
-    _refuse_multi_turn([str(tmp_path / "one.jsonl")])
-    with pytest.raises(ValueError, match=r"two.jsonl holds multi-turn rows .* `osprey suite --first-turn-only`"):
-        _refuse_multi_turn([str(tmp_path / "one.jsonl"), str(tmp_path / "two.jsonl")])
+    (two,) = read_conversations(tmp_path / "two.jsonl")
+    (one,) = read_conversations(tmp_path / "one.jsonl")
+    assert two.extra["next_turns"] == ["Now shorter."] and "next_turns" not in one.extra
     source.write_text(json.dumps({"question_id": 82, "turns": ["Only one."]}) + "\n")
     with pytest.raises(ValueError, match="mtbench: a row has no two turns of text"):
         suite_conversations("mtbench", source)

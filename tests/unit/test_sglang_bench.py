@@ -155,3 +155,72 @@ def test_bench_sweeps_temperature_and_batch_size(tmp_path):
         "| 1 | None | None | None | 4 | 3 | lossless rejection sampling | osprey |"
         in (tmp_path / "out" / "matrix.md").read_text()
     )
+
+
+def test_mt_bench_sends_the_second_turn_after_the_servers_first_answer(tmp_path):
+    """The release's MT-Bench through the client: conversations side by side (--batch-size 2), each one's second
+    request the chat so far with the server's first answer (output_ids) through the target's template, sent after
+    that answer; both turns are requests of the split and its AL."""
+    import time
+
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+    from megatron_osprey.eval.suites import MT_BENCH_SYSTEM_PROMPT, write_suite
+
+    tokenizer = build_tiny_tokenizer("qwen3")
+    tokenizer.save_pretrained(tmp_path / "target")
+    source = tmp_path / "question.jsonl"
+    turns = [["Write about cats.", "Now about dogs."], ["Name a color.", "Name another one, please."]]
+    source.write_text("".join(json.dumps({"question_id": 81 + i, "turns": t}) + "\n" for i, t in enumerate(turns)))
+    write_suite("mtbench", source, tmp_path / "mtbench.jsonl")
+    answers = [tokenizer(f"the cat sat {i}", add_special_tokens=False)["input_ids"] for i in range(2)]
+    lock, sent, state = threading.Lock(), [], {"in_flight": 0, "peak": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                sent.append(body["input_ids"])
+                state["in_flight"] += 1
+                state["peak"] = max(state["peak"], state["in_flight"])
+            time.sleep(0.1)
+            with lock:
+                state["in_flight"] -= 1
+            # Conversation i's first answer is answers[i] (its question names it); a second turn (the prompt holds
+            # an answer) takes 6 verifies.
+            prompt = tokenizer.decode(body["input_ids"])
+            second, index = "cat sat" in prompt, int("color" in prompt)
+            ids = answers[index] + [tokenizer.eos_token_id]
+            meta = {"completion_tokens": 12, "spec_verify_ct": 6 if second else 3, "finish_reason": "stop"}
+            data = json.dumps({"text": "?", "output_ids": ids, "meta_info": meta}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc = main(
+            ["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
+             "--data", str(tmp_path / "mtbench.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
+             "--batch-size", "2"]
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert rc == 0
+    system = {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
+    for (first, second), answer in zip(turns, answers):
+        chat = [system, {"role": "user", "content": first}]
+        opening = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        chat += [{"role": "assistant", "content": tokenizer.decode(answer)}, {"role": "user", "content": second}]
+        follow = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert sent.index(follow) > sent.index(opening)  # the second turn carries the first answer, after it
+    assert len(sent) == 4 and state["peak"] == 2  # the two conversations side by side, each one's turns in turn
+    (cell,) = json.loads((tmp_path / "out" / "results.json").read_text())["cells"]
+    assert [r["id"] for r in cell["requests"]] == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
+    # AL over both turns, as the reference evaluator counts them: per request 4, 4, 2, 2 (first turns alone: 4).
+    assert cell["summary"]["mean_acceptance_length"] == 3.0
+    assert cell["summary"]["pooled_acceptance_length"] == pytest.approx(48 / 18)

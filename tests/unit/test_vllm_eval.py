@@ -11,6 +11,7 @@ import torch
 
 from megatron_osprey.eval import vllm_engine
 from megatron_osprey.eval.config import DrafterSpec
+from megatron_osprey.eval.prompts import EvalPrompt
 from megatron_osprey.eval.vllm_metrics import (
     SpecCounters,
     agreement_failures,
@@ -147,11 +148,8 @@ def test_the_vllm_section_of_results_json(tmp_path, monkeypatch):
     """Target-only and one EAGLE-3 drafter, scripted: lossless per concurrency, AL from counter deltas beside the
     reference engine's, speedups, and the agreement verdict; the markdown table has every row."""
     prompts = {
-        "chat": [
-            SimpleNamespace(id="c0", input_ids=torch.tensor([1, 2])),
-            SimpleNamespace(id="c1", input_ids=torch.tensor([3])),
-        ],
-        "math": [SimpleNamespace(id="m0", input_ids=torch.tensor([4, 5, 6]))],
+        "chat": [EvalPrompt("c0", torch.tensor([1, 2])), EvalPrompt("c1", torch.tensor([3]))],
+        "math": [EvalPrompt("m0", torch.tensor([4, 5, 6]))],
     }
     target_replies = {(1, 2): [10, 11, 12, 13], (3,): [20, 21, 22, 23], (4, 5, 6): [30, 31, 32, 33]}
     drafted_replies = {**target_replies, (3,): [20, 21, 99, 23]}  # c1 is served wrongly
@@ -193,7 +191,7 @@ def test_the_vllm_section_of_results_json(tmp_path, monkeypatch):
         al_tolerance=0.04,
     )
     section = vllm_engine.evaluate_in_vllm(
-        config, reference, prompts, [2], [(DrafterSpec("e3", tmp_path), loaded, "eagle3")]
+        config, reference, prompts, [2], [(DrafterSpec("e3", tmp_path), loaded, "eagle3")], None
     )
     json.dumps(section)  # results.json holds it as it is
     assert [s[0] for s in started] == ["target", "e3"]
@@ -237,6 +235,98 @@ def test_the_vllm_section_of_results_json(tmp_path, monkeypatch):
     assert (
         "enforce_eager" in table and "max(0.04, 0.25 x (AL reference - 1))" in table and "every drafter agrees" in table
     )
+
+
+class ChatServer:
+    """A stand-in for one vLLM server that answers every prompt with `answer`, keeps the prompts it was sent, and
+    counts 2 draft rounds per request, accepting 1 token on a first turn and 3 on a later one (a longer prompt)."""
+
+    def __init__(self, answer: list[int], first_turn_tokens: int | None):
+        self.answer, self.first_turn_tokens, self.sent = answer, first_turn_tokens, []
+        self.counters_now = SpecCounters(per_position=(0.0,) * 5)
+
+    def complete(self, prompt_ids, max_tokens, stop_ids):
+        self.sent.append(list(prompt_ids))
+        if self.first_turn_tokens is not None and max_tokens > 4:  # not the warm-up
+            accepted = 1 if len(prompt_ids) <= self.first_turn_tokens else 3
+            self.counters_now = self.counters_now + SpecCounters(2, 10, accepted, (accepted, 0, 0, 0, 0))
+        return self.answer[:max_tokens]
+
+    def counters(self):
+        return self.counters_now
+
+
+def test_mt_bench_in_vllm_sends_the_second_turn_after_the_first_answer_and_counts_both(tmp_path, monkeypatch):
+    """Each conversation's second request is the chat so far (system prompt, question 1, vLLM's answer, question 2)
+    through the target's template; both turns are requests of the split, in vLLM's AL as in the reference's."""
+    import functools
+
+    from megatron_osprey.data.regenerate.tiny_target import build_tiny_tokenizer
+    from megatron_osprey.eval.prompts import follow_up, load_prompts, turn_ids
+    from megatron_osprey.eval.suites import MT_BENCH_SYSTEM_PROMPT, write_suite
+
+    tokenizer = build_tiny_tokenizer("qwen3")
+    source = tmp_path / "question.jsonl"
+    turns = [["Write about cats.", "Now about dogs."], ["Name a color.", "Name another one, please."]]
+    source.write_text("".join(json.dumps({"question_id": 81 + i, "turns": t}) + "\n" for i, t in enumerate(turns)))
+    write_suite("mtbench", source, tmp_path / "mtbench.jsonl")
+    prompts = {"mtbench": load_prompts(tmp_path / "mtbench.jsonl", tokenizer)}
+    first_turn_tokens = max(len(p.input_ids) for p in prompts["mtbench"])
+    answer = tokenizer("the cat sat", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    servers = [ChatServer(answer, None), ChatServer(answer, first_turn_tokens)]
+    feed = iter(servers)
+
+    @contextlib.contextmanager
+    def serve(settings, target, name, speculative_config=None):
+        yield next(feed)
+
+    monkeypatch.setattr(vllm_engine, "serve", serve)
+    monkeypatch.setattr(vllm_engine, "engine_version", lambda engine, python: "0.32.0")
+    ids = turn_ids(prompts["mtbench"])
+    assert ids == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
+    # The reference engine: 2 tokens per round on a first turn, 4 on a second.
+    requests = [{"id": i, "prompt_tokens": 0, "accept_lengths": [4 if "#" in i else 2] * 2} for i in ids]
+    reference = {"cells": [{"drafter": "e3", "split": "mtbench", "summary": {"mean_acceptance_length": 3.0},
+                            "requests": requests}]}  # fmt: skip
+    config = SimpleNamespace(
+        output=str(tmp_path / "out"), vllm_python="python", vllm_compile=False, vllm_kv_cache_bytes=1 << 30,
+        vllm_tensor_parallel_size=1, dtype="float32", max_new_tokens=8, steps=5, vllm_concurrency=[1, 2],
+        target=str(tmp_path / "target"), al_tolerance=0.04,
+    )  # fmt: skip
+    loaded = SimpleNamespace(drafter=ReferenceDrafter(_config("eagle3", 1)).eval(), run_config={})
+    next_turn = functools.partial(follow_up, tokenizer=tokenizer)
+    section = vllm_engine.evaluate_in_vllm(
+        config, reference, prompts, [tokenizer.eos_token_id], [(DrafterSpec("e3", tmp_path), loaded, "eagle3")],
+        next_turn,
+    )  # fmt: skip
+    system = {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
+    said = tokenizer.decode(answer, skip_special_tokens=True)
+    for server in servers:
+        sent = server.sent[1:]  # after the warm-up: concurrency 1, then 2, each 4 requests
+        assert len(sent) == 8
+        for run in (sent[:4], sent[4:]):
+            for first, second in turns:
+                chat = [system, {"role": "user", "content": first}]
+                opening = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+                chat += [{"role": "assistant", "content": said}, {"role": "user", "content": second}]
+                follow = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+                # Each conversation's second turn carries vLLM's first answer and is sent after that answer.
+                assert run.index(follow) > run.index(opening)
+                assert len(follow) <= section["engine"]["max_model_len"] - config.max_new_tokens - config.steps - 1
+    d = section["drafters"]["e3"]["splits"]["mtbench"]
+    # vLLM: 8 rounds, 1 + 1 + 3 + 3 accepted; the reference: 24 tokens in 8 rounds. First turns alone: 1.5 and 2.0.
+    assert (d["acceptance_length"], d["reference_acceptance_length"]) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert d["lossless_mismatches"] == [] and d["concurrency"]["2"]["in_flight"] == 2
+    assert d["concurrency"]["1"]["completion_tokens"] == 4 * len(answer)
+    # A reference with only the first turns was measured on other requests.
+    cfg = {"steps": 5, "max_new_tokens": 8, "temperature": 0.0}
+    full = {**reference, "config": cfg, "splits": [{"name": "mtbench"}]}
+    for request, prompt in zip(requests, prompts["mtbench"]):
+        request["prompt_tokens"] = len(prompt.input_ids)
+    vllm_engine.check_reference(full, "ref.json", config, ["mtbench"], prompts, ["e3"])
+    full["cells"][0]["requests"] = requests[:2]
+    with pytest.raises(ValueError, match="ref.json: drafter e3 on mtbench was measured on other requests"):
+        vllm_engine.check_reference(full, "ref.json", config, ["mtbench"], prompts, ["e3"])
 
 
 def test_engine_vllm_refuses_sampling_and_a_missing_engine_in_one_line(tmp_path, capsys, monkeypatch):

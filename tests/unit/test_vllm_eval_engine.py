@@ -1,5 +1,6 @@
 """evaluate --engine vllm in the real engine (skipped where none is installed; CI installs it with
-`make engine-vllm`): SmolLM2-135M-Instruct served alone and with an EAGLE-3 drafter, two engine startups.
+`make engine-vllm`): SmolLM2-135M-Instruct served alone and with an EAGLE-3 drafter, two engine startups, on a chat
+split and on two MT-Bench questions in the release's two-turn form.
 
 The drafter is made from the target's own weights, not trained (training one takes minutes): its one layer adds
 nothing (o_proj and down_proj zero), `fc` passes the deepest tap through, and its norm and LM head are the
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from megatron_osprey.eval.config import DrafterSpec
+from megatron_osprey.eval.suites import write_suite
 from megatron_osprey.eval.vllm_engine import engine_or_reason
-from megatron_osprey.eval.vllm_metrics import AL_TOLERANCE
+from megatron_osprey.eval.vllm_metrics import AL_TOLERANCE, reference_round_al
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
 from megatron_osprey.stages.evaluate import EvaluateConfig, run
 from tests.real_model import PROMPTS, SMOLLM2, SMOLLM2_AUX
@@ -27,6 +29,18 @@ REPO = Path(__file__).resolve().parents[2]
 # A reduced draft vocabulary, as every EAGLE-3 drafter here trains with: vLLM's Eagle3LlamaForCausalLM has a d2t
 # map only then. SmolLM2's byte-level BPE numbers its common tokens first, so the lower half holds most replies.
 DRAFT_VOCAB = 24_576
+MT_BENCH = (
+    (
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+        "must-see attractions.",
+        "Rewrite your previous response. Start every sentence with the letter A.",
+    ),
+    (
+        "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report' you "
+        "prepared. Ask specifically about the data analysis, presentation style, and the clarity of conclusions drawn.",
+        "Take a moment to evaluate and critique your own response.",
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +100,14 @@ def test_a_served_drafter_is_lossless_and_its_al_agrees_with_the_reference_engin
             for i, text in enumerate(PROMPTS)
         )
     )
+    # MT-Bench questions 81 and 82 (FastChat's question.jsonl), written as `osprey suite` writes the release's form.
+    source = tmp_path / "question.jsonl"
+    source.write_text("".join(json.dumps({"question_id": 81 + i, "turns": t}) + "\n" for i, t in enumerate(MT_BENCH)))
+    write_suite("mtbench", source, tmp_path / "mtbench.jsonl")
     config = EvaluateConfig(
         target=str(target),
         drafters=[DrafterSpec("pass_through", drafter)],
-        data=[str(data)],
+        data=[str(data), str(tmp_path / "mtbench.jsonl")],
         output=str(tmp_path / "eval"),
         max_new_tokens=32,
         verify_lossless=True,
@@ -110,4 +128,12 @@ def test_a_served_drafter_is_lossless_and_its_al_agrees_with_the_reference_engin
     assert abs(d["acceptance_length"] - d["reference_acceptance_length"]) <= AL_TOLERANCE
     assert section["agreement"]["failures"] == []
     assert set(chat["concurrency"]) == {"1", "3"} and chat["concurrency"]["1"]["speedup"] > 0
-    assert (Path(config.output) / "vllm.md").read_text().count("| pass_through |") == 2
+    # MT-Bench: both turns are requests on both engines (the second after each engine's own first answer), lossless
+    # in vLLM at each concurrency, and the AL compared counts both turns' rounds.
+    (cell,) = [c for c in results["cells"] if c["split"] == "mtbench"]
+    assert [r["id"] for r in cell["requests"]] == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
+    mtbench = d["splits"]["mtbench"]
+    assert mtbench["reference_acceptance_length"] == reference_round_al(cell["requests"])
+    assert mtbench["drafts"] > 0 and mtbench["concurrency"]["3"]["in_flight"] == 2
+    assert mtbench["concurrency"]["1"]["completion_tokens"] == sum(r["completion_tokens"] for r in cell["requests"])
+    assert (Path(config.output) / "vllm.md").read_text().count("| pass_through |") == 3
