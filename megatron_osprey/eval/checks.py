@@ -3,6 +3,7 @@ target against the device's memory, and the prompts against the target's positio
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -117,7 +118,13 @@ def fit_prompts(prompts: list, path: Path, config, max_positions: int | None, dr
                 f"than --target {config.target}'s max_position_embeddings {max_positions}. Pass --truncate-prompts "
                 f"to keep its last {max(room, 0)} tokens, or lower --max-new-tokens."
             )
-        out.append(type(prompt)(prompt.id, prompt.input_ids[n - room :]))
+        if getattr(prompt, "next_turns", ()):
+            raise ValueError(
+                f"--data {path}: prompt {prompt.id!r} has {n} tokens and later turns; --truncate-prompts cuts a "
+                f"first turn only (the next turns are rendered after the whole conversation). Pass "
+                f"--first-turn-only, or lower --max-new-tokens below {max_positions - n - draft_tokens + 1}."
+            )
+        out.append(dataclasses.replace(prompt, input_ids=prompt.input_ids[n - room :]))
         cut += 1
     return out, cut
 

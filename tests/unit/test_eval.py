@@ -531,3 +531,22 @@ def test_mt_bench_sends_its_system_prompt_and_second_turn_after_the_first_answer
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
         expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         assert requests[2 + i]["prompt_tokens"] == len(expected["input_ids"])
+
+
+def test_truncation_keeps_a_prompts_messages_and_refuses_to_cut_a_two_turn_conversation(tmp_path):
+    """--truncate-prompts left-cuts a first turn's ids and keeps its messages; a row with later turns (MT-Bench) is
+    refused naming --first-turn-only, rather than losing its second turn in silence."""
+    from types import SimpleNamespace
+
+    from megatron_osprey.eval.checks import fit_prompts
+    from megatron_osprey.eval.prompts import EvalPrompt
+
+    messages = ({"role": "user", "content": "q1"},)
+    single = EvalPrompt("a", torch.arange(20), messages=messages)
+    config = SimpleNamespace(max_new_tokens=4, truncate_prompts=True)
+    (cut,), count = fit_prompts([single], tmp_path / "d.jsonl", config, 16, 2)
+    assert count == 1 and cut.input_ids.tolist() == list(range(10, 20)) and cut.messages == messages
+    two_turns = EvalPrompt("mtbench/81", torch.arange(20), messages=messages, next_turns=("q2",))
+    with pytest.raises(ValueError, match="'mtbench/81' has 20 tokens and later turns.*--first-turn-only"):
+        fit_prompts([two_turns], tmp_path / "d.jsonl", config, 16, 2)
+    assert fit_prompts([two_turns], tmp_path / "d.jsonl", config, 64, 2) == ([two_turns], 0)
