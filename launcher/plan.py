@@ -388,10 +388,16 @@ def _target_stage_memory(recipe: Recipe, stage: str, config, target: ModelArch, 
         return _target_memory(target, parallel, _RolloutSequence(recipe, config), config.dtype == "bfloat16")
     memory = []
     bf16 = config.drafter.bf16 if stage == "distill" else recipe.hardware != "cpu"
-    whole = stage == "distill" and config.data.rolls_out_online()  # Draft-OPD's loop: the HF target whole per rank
-    if stage == "extract" or config.data.mode == "online" or whole:
-        layout = dataclasses.replace(parallel, tensor_model_parallel_size=1) if whole else parallel
-        memory += _target_memory(target, layout, getattr(config, "training", None) or _ExtractBatch(config), bf16)
+    if stage == "distill" and config.data.rolls_out_online():
+        # Draft-OPD's loop: the HF target whole per rank, at the training batch's shape (its KV cache fits in the
+        # same bound), or the Megatron-Core target at the job's layout, recomputing one rollout sequence per verify.
+        if config.data.opd_target_backend == "hf":
+            whole = dataclasses.replace(parallel, tensor_model_parallel_size=1, expert_model_parallel_size=1)
+            memory += _target_memory(target, whole, config.training, bf16)
+        else:
+            memory += _target_memory(target, parallel, _OnlineRolloutSequence(config), bf16)
+    elif stage == "extract" or config.data.mode == "online":
+        memory += _target_memory(target, parallel, getattr(config, "training", None) or _ExtractBatch(config), bf16)
     if stage == "distill":
         draft = config.drafter.draft_vocab_size if config.drafter.baseline else None
         memory.append(("target LM head", target_head_bytes(target, parallel.tensor_model_parallel_size, draft)))
@@ -425,6 +431,19 @@ class _RolloutSequence:
     @property
     def seq_length(self) -> int:
         return self.recipe.servers.context_length or 2 * self.config.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnlineRolloutSequence:
+    """The online Draft-OPD rollout's forward on the Megatron-Core target in the shape the target estimate reads:
+    one sequence, a prompt as long as --seq-length plus --opd-max-new-tokens (an upper bound)."""
+
+    config: object
+    micro_batch_size: int = 1
+
+    @property
+    def seq_length(self) -> int:
+        return self.config.training.seq_length + self.config.data.opd_max_new_tokens
 
 
 def _refuse_without_te(recipe: Recipe, stage: str, config, parallel, target: ModelArch | None) -> None:

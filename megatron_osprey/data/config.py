@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from megatron_osprey.config.flags import Flag
+from megatron_osprey.models.target.config import TARGET_BACKENDS
 
 DISTILL_MODES = ("online", "offline", "on-policy")
 # Draft-OPD's forms (--mode on-policy): "online", the authors' loop (rollout from the current drafter, then an
@@ -45,6 +46,9 @@ class DistillDataConfig:
     opd_round_updates: int = 1
     opd_max_new_tokens: int = OPD_MAX_NEW_TOKENS
     opd_limit: int | None = None  # the online form's prompts: the first N of --data-path (None: all)
+    # The online form's rollout target: "hf", the HF model whole on each rank (its KV cache); "megatron", the
+    # Megatron-Core target sharded as the job's layout says (TP, and EP for MoE targets), for targets that need it.
+    opd_target_backend: str = "hf"
 
     def rolls_out_online(self) -> bool:
         """Draft-OPD's online loop (--mode on-policy --opd-form online): the job rolls out its own data."""
@@ -103,6 +107,15 @@ DISTILL_DATA_FLAGS = [
         "--opd-max-new-tokens",
         "opd_max_new_tokens",
         {"type": int, "help": f"online Draft-OPD: new tokens per rollout ({OPD_MAX_NEW_TOKENS}, the authors')"},
+    ),
+    Flag(
+        "--opd-target-backend",
+        "opd_target_backend",
+        {
+            "choices": list(TARGET_BACKENDS),
+            "help": "online Draft-OPD: roll out with the HF target whole on each rank (hf, default) or the "
+            "Megatron-Core target at the job's TP/EP layout (megatron)",
+        },
     ),
     Flag(
         "--eval-data",

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-TARGET_BACKENDS = ("hf", "megatron")  # how evaluation and Draft-OPD rollouts run the target
 # Where drafters are measured: this project's reference engine alone, or also the real serving engine (vLLM,
 # with the reference engine's AL beside it).
 EVAL_ENGINES = ("reference", "vllm")

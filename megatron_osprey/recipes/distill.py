@@ -287,18 +287,17 @@ OPD_ONLINE_BATCH = 10 * 24
 OPD_PROMPT_SHARE, OPD_EPOCHS, OPD_LR_SHARE, OPD_STEPS = 10, 2, 10, 5
 
 
-def opd_default_form(target: str, hardware: str) -> str:
-    """The online form where the HF target fits one GPU whole (every rank rolls out with its own copy); targets
-    that need tensor parallelism keep the offline form, whose rollout stage runs the Megatron-Core target."""
-    return "online" if LAYOUTS[(target, hardware)].tp == 1 else "offline"
+def opd_target_backend(target: str, hardware: str) -> str:
+    """The online form's rollout target: the HF model and its KV cache, whole on each GPU, where it fits one GPU
+    (target TP 1); else the Megatron-Core target at the distillation's TP/EP layout (exact recompute per verify)."""
+    return "hf" if LAYOUTS[(target, hardware)].tp == 1 else "megatron"
 
 
-def opd_recipe(target: str, hardware: str, domain: str | None, form: str | None = None) -> Recipe:
+def opd_recipe(target: str, hardware: str, domain: str | None, form: str = "online") -> Recipe:
     """Osprey + Draft-OPD for `target` from the SFT drafter (paths.sft, by default the Osprey recipe's run under
-    the same root) on its regenerated prompts: the authors' online loop (form "online"), or the offline form's
-    rollout stage then updates on its store; export, evaluate."""
+    the same root) on its regenerated prompts: the authors' online loop (form "online", the default), or the
+    offline form's rollout stage then updates on its store; export, evaluate."""
     lay = LAYOUTS[(target, hardware)]
-    form = form or opd_default_form(target, hardware)
     if form not in OPD_FORMS:
         raise ValueError(f"Draft-OPD form {form!r}: expected one of {OPD_FORMS}.")
     recipe = target_recipe(target, "osprey", hardware, domain)
@@ -307,17 +306,21 @@ def opd_recipe(target: str, hardware: str, domain: str | None, form: str | None 
     recipe.paths.conversations = f"{sft_run}/regenerate/conversations.jsonl"
     prompts = lay.examples // OPD_PROMPT_SHARE
     if form == "online":
-        return _opd_online(recipe, lay, prompts)
+        return _opd_online(recipe, lay, prompts, opd_target_backend(target, hardware))
     return _opd_offline(recipe, lay, prompts)
 
 
-def _opd_online(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
+def _opd_online(recipe: Recipe, lay: TargetLayout, prompts: int, backend: str) -> Recipe:
     """The authors' loop inside one distill job: rollout of 240 prompts, one update, repeated for 8 epochs."""
     from megatron_osprey.data.config import OPD_MAX_NEW_TOKENS
 
     sft = recipe.distill
     sft.data = DistillDataConfig(
-        mode="on-policy", opd_form="online", opd_max_new_tokens=OPD_MAX_NEW_TOKENS, opd_limit=prompts
+        mode="on-policy",
+        opd_form="online",
+        opd_max_new_tokens=OPD_MAX_NEW_TOKENS,
+        opd_limit=prompts,
+        opd_target_backend=backend,
     )
     sft.ttt.ttt_steps = OPD_ONLINE_TTT
     sft.training.global_batch_size = OPD_ONLINE_BATCH
@@ -326,11 +329,17 @@ def _opd_online(recipe: Recipe, lay: TargetLayout, prompts: int) -> Recipe:
     sft.optimizer.lr_warmup_fraction, sft.optimizer.lr_decay_style = OPD_ONLINE_WARMUP, "cosine"
     sft.checkpoint.save_interval = 50
     recipe.chain, recipe.adapt, recipe.regenerate = PIPELINE_OPD_ONLINE, None, None
+    where = (
+        "the HF target whole on each GPU"
+        if backend == "hf"
+        else f"the Megatron-Core target at TP {lay.tp}" + (f" / EP {lay.ep}" if lay.ep > 1 else "")
+    )
     recipe.budget = (
         f"the Draft-OPD authors' loop (run_qwen_eagle3.sh): greedy rollouts of the current drafter (chains of "
-        f"{OPD_ONLINE_TTT}), one update per {OPD_ONLINE_BATCH} rollouts, {OPD_ONLINE_EPOCHS} epochs over the first "
-        f"{prompts:,} prompts (a tenth of {lay.examples:,}: this project's choice) = {sft.training.train_iters:,} "
-        f"updates at lr {OPD_ONLINE_LR:g}, {OPD_ONLINE_WARMUP:.1%} warmup, cosine, TTT {OPD_ONLINE_TTT}"
+        f"{OPD_ONLINE_TTT}, {where}), one update per {OPD_ONLINE_BATCH} rollouts, {OPD_ONLINE_EPOCHS} epochs over "
+        f"the first {prompts:,} prompts (a tenth of {lay.examples:,}: this project's choice) = "
+        f"{sft.training.train_iters:,} updates at lr {OPD_ONLINE_LR:g}, {OPD_ONLINE_WARMUP:.1%} warmup, cosine, "
+        f"TTT {OPD_ONLINE_TTT}"
     )
     return recipe
 

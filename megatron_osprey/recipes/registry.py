@@ -86,10 +86,10 @@ def _distill_recipes() -> dict[str, Callable[..., Recipe]]:
         def build_opd(domain: str | None = None, _t=target, _h=hardware) -> Recipe:
             return distill.opd_recipe(_t, _h, domain)
 
-        how = (
-            "the authors' online loop"
-            if distill.opd_default_form(target, hardware) == "online"
-            else "one rollout + on-policy round: the online loop needs the HF target whole on each GPU"
+        how = "the authors' online loop, rolling out with " + (
+            "the HF target whole on each GPU"
+            if distill.opd_target_backend(target, hardware) == "hf"
+            else "the Megatron-Core target at the distillation's layout"
         )
         doc = f"Osprey + Draft-OPD for {target} ({how}, from paths.sft), {gpus} x "
         out[name] = _registered(name, build_opd, doc + f"{hardware.upper()}.")

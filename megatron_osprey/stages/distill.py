@@ -4,7 +4,8 @@
         --mode online --data-path CONVERSATIONS.jsonl [--eval-data DOMAIN=HELD_OUT.jsonl ...] \\
         | --mode offline --hidden-states STORE \\
         | --mode on-policy --data-path PROMPTS.jsonl (--drafter-init: the distill stage's --save; Draft-OPD's
-          online loop) | --mode on-policy --opd-form offline --hidden-states ROLLOUT_STORE \\
+          online loop; --opd-target-backend megatron: rolled out on the Megatron-Core target at this job's TP/EP
+          layout) | --mode on-policy --opd-form offline --hidden-states ROLLOUT_STORE \\
         [--recipe NAME[:DOMAIN] [--run-dir DIR]] [flags ...] [--set section.key=value ...]
 
 Defaults are the paper's adaptation settings: lr 1e-4, 4% warmup, cosine to 0, no weight decay, clip 1.0,
@@ -22,7 +23,7 @@ from megatron_osprey.config.flags import under
 from megatron_osprey.data.config import DISTILL_DATA_FLAGS, DISTILL_MODES, OPD_FORMS, DistillDataConfig
 from megatron_osprey.losses.config import TTT_FLAGS, TTTLossConfig
 from megatron_osprey.models.drafter.config import DRAFTER_FLAGS, DistillDrafterConfig
-from megatron_osprey.models.target.config import TARGET_FLAGS, TARGET_LAYOUT_FLAGS, TargetConfig
+from megatron_osprey.models.target.config import TARGET_BACKENDS, TARGET_FLAGS, TARGET_LAYOUT_FLAGS, TargetConfig
 from megatron_osprey.parallel.config import LOADING_TIMEOUT_FLAG, ParallelConfig
 from megatron_osprey.stages.cli import (
     Invocation,
@@ -88,10 +89,16 @@ class DistillConfig:
                     "--hidden-states: the online Draft-OPD form rolls out its own data each round from --data-path "
                     "PROMPTS.jsonl; a rollout store trains with --opd-form offline."
                 )
-            if self.parallel.expert_model_parallel_size != 1:
+            if data.opd_target_backend not in TARGET_BACKENDS:
                 raise ValueError(
-                    "--expert-model-parallel-size: the online Draft-OPD form rolls out with the HF target whole on "
-                    "each rank; use 1, or --opd-form offline (its rollout stage runs the Megatron-Core target)."
+                    f"--opd-target-backend must be one of {TARGET_BACKENDS}, got {data.opd_target_backend!r}."
+                )
+            expert_parallel = self.target.expert_model_parallel_size or self.parallel.expert_model_parallel_size
+            if data.opd_target_backend == "hf" and expert_parallel != 1:
+                raise ValueError(
+                    "--target-expert-model-parallel-size: the online Draft-OPD form's HF rollout holds the whole "
+                    "target on each rank; add --opd-target-backend megatron (the Megatron-Core target at the job's "
+                    "TP/EP layout)."
                 )
             if len(data.data_path) != 1:
                 raise ValueError("--opd-form online needs one --data-path PROMPTS.jsonl (conversations to prompt).")
@@ -177,31 +184,66 @@ def run(config: DistillConfig, invocation: Invocation = Invocation("distill")):
     def train(cfg: DistillConfig, state):
         return run_distill(cfg, state, online_rollout(cfg, state) if online_opd(cfg) else None)
 
+    config.target.fold_into(config.parallel)  # the --target-* sizes shape the process groups the job starts with
     return train_on_every_rank(config, invocation, _inputs(config), train, _outputs)
 
 
 def online_rollout(config: DistillConfig, state):
-    """Draft-OPD's online rollout on this rank: the HF target (each rank holds it whole, on its device, in the
-    drafter's dtype) and the --data-path prompts (their first user message), greedy chains of --ttt-steps drafts
-    (the authors' speculative_num_steps = TTT length) up to --opd-max-new-tokens new tokens."""
+    """Draft-OPD's online rollout on this rank (collective under --opd-target-backend megatron): the target in the
+    drafter's dtype, the HF model whole on this rank's device (hf) or the Megatron-Core target sharded over the
+    job's tensor- and expert-parallel groups (megatron, the rollout stage's engine), and the --data-path prompts
+    (their first user message); greedy chains of --ttt-steps drafts (the authors' speculative_num_steps = TTT
+    length) up to --opd-max-new-tokens new tokens."""
     import torch
     from megatron.core import parallel_state as mpu
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from megatron_osprey.eval.prompts import load_prompts
     from megatron_osprey.speculative import SpecConfig
     from megatron_osprey.speculative.online_rollout import OnlineRollout
     from megatron_osprey.stages.rollout import target_eos_ids
+    from megatron_osprey.training.distillation import distilled_arch
 
-    data, target = config.data, config.target.path
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    data, path = config.data, config.target.path
+    tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = load_prompts(data.data_path[0], tokenizer, data.opd_limit, data.enable_thinking)
     dtype = torch.bfloat16 if config.drafter.bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(state.device).eval()
+    aux_ids = list(distilled_arch(config.drafter.drafter_init).aux_layer_ids)
     spec = SpecConfig(
-        steps=config.ttt.ttt_steps, max_new_tokens=data.opd_max_new_tokens, eos_token_ids=target_eos_ids(target)
+        steps=config.ttt.ttt_steps, max_new_tokens=data.opd_max_new_tokens, eos_token_ids=target_eos_ids(path)
     )
-    return OnlineRollout(model, prompts, spec, mpu.get_tensor_model_parallel_group())
+    target, states, replica = _rollout_target(config, state, aux_ids, dtype)
+    tp_group = mpu.get_tensor_model_parallel_group()
+    return OnlineRollout(target, states, prompts, spec, state.device, dtype, tp_group, replica)
+
+
+def _rollout_target(config: DistillConfig, state, aux_ids: list[int], dtype):
+    """(target, states, replica) for OnlineRollout: a decoding adapter over the aux layers, its fresh forward, and
+    the ranks that decode together (None: this rank alone, with the HF target)."""
+    if config.data.opd_target_backend == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from megatron_osprey.models.target.decoding import HFTargetModel
+        from megatron_osprey.speculative.rollout import target_states
+
+        model = AutoModelForCausalLM.from_pretrained(config.target.path, dtype=dtype).to(state.device).eval()
+        return HFTargetModel(model, aux_ids), lambda ids: target_states(model, ids, aux_ids), None
+    from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
+    from megatron_osprey.parallel.replicas import decoding_replica
+    from megatron_osprey.speculative.rollout import megatron_target_states
+
+    replica = decoding_replica()
+    target = MegatronTargetModel.load(
+        config.target.path,
+        state.config,
+        state.device,
+        aux_ids,
+        params_dtype=dtype,
+        transformer_impl=config.drafter.transformer_impl,
+        sync_group=replica.sync_group,
+    )
+    final_layer = target.model.config.num_layers - 1
+    return target, lambda ids: megatron_target_states(target, ids, final_layer), replica
 
 
 def _outputs(save: Path) -> dict | None:

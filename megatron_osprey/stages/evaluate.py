@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, skip_checksum_flag
-from megatron_osprey.eval.config import DTYPE_NAMES, EVAL_ENGINES, TARGET_BACKENDS, DrafterSpec
+from megatron_osprey.eval.config import DTYPE_NAMES, EVAL_ENGINES, DrafterSpec
+from megatron_osprey.models.target.config import TARGET_BACKENDS
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, parse_config
 
 PROMPT_MESSAGES = ("first_user", "before_assistant")

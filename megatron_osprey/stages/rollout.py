@@ -37,8 +37,8 @@ from pathlib import Path
 from megatron_osprey.base.outputs import check_disjoint
 from megatron_osprey.base.provenance import PROVENANCE_FILE
 from megatron_osprey.config.flags import STORE_TRUE, Flag, boolean, skip_checksum_flag, under
-from megatron_osprey.eval.config import TARGET_BACKENDS
 from megatron_osprey.models.backbone.config import TRANSFORMER_IMPLS
+from megatron_osprey.models.target.config import TARGET_BACKENDS
 from megatron_osprey.parallel.config import EXPERT_PARALLEL_FLAGS, PARALLEL_FLAGS, ParallelConfig
 from megatron_osprey.stages.cli import Invocation, check_inputs, exit_code, is_rank0, parse_config
 
@@ -367,7 +367,6 @@ def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, state) 
     from megatron_osprey.data.extract import contiguous_slice
     from megatron_osprey.data.hidden_state_store import finalize_store
     from megatron_osprey.models.target.megatron_decoding import MegatronTargetModel
-    from megatron_osprey.models.target.pipeline_stage import load_target
     from megatron_osprey.parallel import waiting_window
     from megatron_osprey.parallel.replicas import decoding_replica
     from megatron_osprey.speculative.rollout import megatron_target_states
@@ -378,15 +377,16 @@ def _roll_out_megatron(config: RolloutConfig, arch, prompts_of, drafter, state) 
         claim_store(config, replicas=replica.count)
     torch.distributed.barrier()
     drafter = drafter.to(state.device)
-    stage = load_target(
+    target = MegatronTargetModel.load(
         config.target,
         state.config,
         state.device,
+        aux_ids,
         params_dtype=getattr(torch, config.dtype),
-        with_lm_head=True,
         transformer_impl=config.transformer_impl,
+        sync_group=replica.sync_group,
+        arch=arch,
     )
-    target = MegatronTargetModel(stage.model, aux_ids, arch.vocab_size, sync_group=replica.sync_group)
     prompts = prompts_of()
     mine = [prompts[i] for i in contiguous_slice(len(prompts), replica.index, replica.count)]
     writer = None

@@ -3,9 +3,12 @@ mixture-of-experts target at TP=2 + SP, TP=2 + SP + EP=2 and EP=2, equals the si
 tokens, rounds, replays and accepted counts, the same target distributions; a sampled rollout (temperature 1)
 at DP=2 draws what the single-process one draws. On-policy distillation on that store
 at TP=2, TP=2 + SP and DP=2 takes the single-process run's updates: the same losses and gradient norms; and so does
-the online form (the authors' loop) at DP=2, each rank rolling out its half of every round."""
+the online form (the authors' loop) at DP=2 (the HF target, each rank rolling out its half of every round), at TP=2
+(the Megatron-Core target sharded over the tensor-parallel group) and on a MoE target at EP=2: the same rollouts,
+each round rolled out with the weights the update before it saved."""
 
 import pytest
+import torch
 
 from megatron_osprey.parallel import ParallelConfig, parallel_context
 from megatron_osprey.stages import adapt
@@ -18,6 +21,8 @@ from tests.distributed.launch import run_torchrun
 from tests.distributed.scripts.check_on_policy import LAYOUTS as ON_POLICY_LAYOUTS
 from tests.distributed.scripts.check_on_policy import (
     ONLINE_LAYOUTS,
+    ONLINE_MOE_LAYOUTS,
+    checkpoint_reference_state,
     history,
     on_policy_config,
     online_config,
@@ -49,6 +54,11 @@ def opd_setup(tmp_path_factory):
         )
     )
     run(rollout_config(str(moe), str(root / "moe_drafter"), str(setup["data"]), root / "moe_hf"))
+    # the MoE target's SFT drafter, for the online Draft-OPD loop at EP=2
+    moe_setup = {"target": moe, "drafter": root / "moe_drafter", "data": setup["data"]}
+    moe_sft = tiny_distill_config(moe_setup, checkpoint__save=str(root / "moe_sft"), training__train_iters=4)
+    with parallel_context(moe_sft.parallel) as state:
+        run_distill(moe_sft, state)
     run(rollout_config(str(setup["target"]), str(root / "sft"), str(setup["data"]), root / "hf_sampled", **SAMPLING))
     return setup | {"sft": root / "sft", "hf_replays": sum(reference.replays)}
 
@@ -62,17 +72,37 @@ def figures(opd_setup, tmp_path_factory):
     return figures | {"hf_replays": opd_setup["hf_replays"]}
 
 
+def _online_1proc(model: str, drafter: str, data: str, save, backend: str) -> dict:
+    """The online loop in one process (TP=1): its history, its rounds and its checkpoints."""
+    result, recorder = run_online(online_config(model, drafter, data, save, ParallelConfig(), backend))
+    return history(result) | {"save": str(save), "rounds": recorder.rounds}
+
+
+# Which single-process run each online layout is held to: the HF target's, or the Megatron-Core target's at TP=1.
+ONLINE_REFERENCE = {"online_dp2": "online_1proc", "online_tp2_megatron": "online_megatron_1proc"}
+ONLINE_REFERENCE |= {"online_moe_ep2_megatron": "online_moe_megatron_1proc"}
+
+
 @pytest.fixture(scope="module")
 def on_policy(opd_setup, tmp_path_factory):
-    """On-policy distillation on the HF rollout store: one process, then TP=2, TP=2 + SP and DP=2 under torchrun."""
+    """On-policy distillation on the HF rollout store: one process, then TP=2, TP=2 + SP and DP=2 under torchrun;
+    the online loop in one process (HF target; Megatron-Core target, dense and MoE) and its layouts under torchrun."""
     root = opd_setup["root"]
     paths = [str(opd_setup["target"]), str(root / "sft"), str(opd_setup["data"]), str(root / "hf")]
+    moe = [str(root / "moe"), str(root / "moe_sft")]
     cfg = on_policy_config(*paths, root / "on_policy_1proc", ParallelConfig())
     with parallel_context(cfg.parallel) as state:
         reference = history(run_distill(cfg, state))
-    online = history(run_online(online_config(*paths[:3], root / "online_1proc", ParallelConfig())))
-    layouts = run_torchrun("check_on_policy.py", tmp_path_factory.mktemp("on_policy"), timeout=400, extra=paths)
-    return {"1proc": reference, "online_1proc": online, **layouts}
+    online = {
+        "online_1proc": _online_1proc(*paths[:3], root / "online_1proc", "hf"),
+        "online_megatron_1proc": _online_1proc(*paths[:3], root / "online_megatron_1proc", "megatron"),
+        "online_moe_megatron_1proc": _online_1proc(*moe, paths[2], root / "online_moe_1proc", "megatron"),
+    }
+    work = tmp_path_factory.mktemp("on_policy")
+    layouts = run_torchrun("check_on_policy.py", work, timeout=400, extra=paths + moe)
+    for label in ONLINE_REFERENCE:
+        layouts[label]["rounds"] = torch.load(layouts[label]["rounds"])
+    return {"1proc": reference, **online, **layouts}
 
 
 def test_the_reference_rollout_has_rejections_and_replays(figures):
@@ -134,18 +164,62 @@ def test_on_policy_distillation_takes_the_same_updates_in_every_layout(on_policy
     assert got["acc/0"] == pytest.approx(want["acc/0"], abs=1e-6)
 
 
-@pytest.mark.parametrize("layout", list(ONLINE_LAYOUTS))
+def _rollout_differences(want: list[dict], got: list[dict]) -> tuple[bool, float]:
+    """Whether two runs rolled out the same tokens and loss masks in every round, and their states' largest gap."""
+    exact, states = len(want) == len(got), 0.0
+    for a, b in zip(want, got):
+        exact &= a["samples"].keys() == b["samples"].keys()
+        for sample_id, x in a["samples"].items():
+            y = b["samples"][sample_id]
+            exact &= torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+            if x["aux_hidden"].shape == y["aux_hidden"].shape:
+                for name in ("aux_hidden", "final_hidden"):
+                    states = max(states, float((x[name] - y[name]).abs().max()))
+    return bool(exact), states
+
+
+@pytest.mark.parametrize("layout", list(ONLINE_LAYOUTS) + list(ONLINE_MOE_LAYOUTS))
 def test_online_opd_takes_the_same_updates_in_every_layout(on_policy, layout):
-    """Greedy rollouts are the target's own continuations, so each rank rolling out its half of a round gives the
-    single process's round, and the updates follow the same trajectory."""
-    want, got = on_policy["online_1proc"], on_policy[layout]
+    """Greedy rollouts are the target's own continuations: each layout (each rank its half of a round with the HF
+    target; the Megatron-Core target over TP=2, or a MoE target's experts over EP=2) rolls out the single process's
+    rounds, and the updates follow the same trajectory."""
+    want, got = on_policy[ONLINE_REFERENCE[layout]], on_policy[layout]
     loss = max(abs(a - b) for a, b in zip(want["loss/train"], got["loss/train"]))
     norm = max(abs(a - b) / a for a, b in zip(want["optim/grad_norm"], got["optim/grad_norm"]))
-    print(f"online {layout}: losses {got['loss/train']}, max |loss - 1 proc| {loss:.2e}, grad norm rel {norm:.2e}")
+    exact, states = _rollout_differences(want["rounds"], got["rounds"])
+    print(
+        f"online {layout}: losses {got['loss/train']}, max |loss - 1 proc| {loss:.2e}, grad norm rel {norm:.2e}, "
+        f"rollout states max |diff| {states:.2e}"
+    )
     assert len(got["loss/train"]) == len(want["loss/train"]) == 2
     assert want["loss/train"][0] != want["loss/train"][1]  # two rounds, two different batches
-    # Measured 0.0 for both (bit-exact: DP=2 all-reduces the same two halves the single process sums).
-    assert loss < 1e-5 and norm < 1e-4
+    assert exact and len(got["rounds"]) == 2 and sum(len(r["samples"]) for r in got["rounds"]) == 8
+    assert all(s["loss_mask"].sum() > 0 for r in got["rounds"] for s in r["samples"].values())
+    # Measured: DP=2 0.0 for all three (bit-exact: the same two halves the single process sums); TP=2 losses 6.4e-7
+    # apart, grad norms 4.0e-7 relative, states 7.5e-8; EP=2 6.4e-7, 0.0 and 4.5e-8 (float32 summation order).
+    assert loss < 1e-5 and norm < 1e-5 and states < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["online_1proc", "online_megatron_1proc", *ONLINE_LAYOUTS, *ONLINE_MOE_LAYOUTS])
+def test_each_online_round_rolls_out_the_weights_the_update_before_it_saved(opd_setup, on_policy, layout):
+    """Round 0 rolls out with the SFT drafter, round 1 with exactly the weights iteration 1 saved (gathered over
+    the tensor-parallel group, against the checkpoint loaded in one process), and the update moved them."""
+    run = on_policy[layout]
+    sft = opd_setup["root"] / ("moe_sft" if "moe" in layout else "sft")
+    first, second = (r["drafter"] for r in run["rounds"])
+    saved_sft, saved_first = checkpoint_reference_state(sft, None), checkpoint_reference_state(run["save"], 1)
+    assert first.keys() == saved_sft.keys() == second.keys() == saved_first.keys()
+    assert all(torch.equal(first[n], saved_sft[n]) and torch.equal(second[n], saved_first[n]) for n in first)
+    assert any(not torch.equal(second[n], first[n]) for n in first)
+
+
+def test_the_megatron_target_rolls_out_the_hf_targets_rounds(on_policy):
+    """One process: the online loop on the Megatron-Core target rolls out the HF target's tokens, its states
+    within float32 rounding."""
+    hf, megatron = on_policy["online_1proc"]["rounds"], on_policy["online_megatron_1proc"]["rounds"]
+    exact, states = _rollout_differences(hf, megatron)
+    print(f"online, Megatron-Core vs HF target: rollout states max |diff| {states:.2e}")
+    assert exact and states < 1e-6  # measured 6.7e-8
 
 
 def test_a_sampled_rollout_does_not_depend_on_the_layout(figures):

@@ -9,6 +9,7 @@ from megatron_osprey.stages.rollout import RolloutConfig
 from megatron_osprey.stages.rollout import run as run_rollout
 from megatron_osprey.testing.distill_setup import build_distill_setup, tiny_distill_config
 from megatron_osprey.training.distillation import run_distill
+from tests.distributed.scripts.check_on_policy import checkpoint_reference_state
 
 STEPS, TOP_K = 3, 16
 
@@ -243,6 +244,14 @@ def test_on_policy_distillation_runs_and_lowers_its_loss(opd):
         ({"data__opd_form": "online"}, "--hidden-states: the online Draft-OPD form"),
         ({"data__opd_form": "online", "data__hidden_states": None, "data__data_path": []}, "one --data-path"),
         ({"data__opd_form": "online", "data__hidden_states": None, "data__opd_round_updates": 0}, "--opd-round"),
+        (
+            {"data__opd_form": "online", "data__hidden_states": None, "target__expert_model_parallel_size": 2},
+            "--target-expert-model-parallel-size: .* HF rollout .* --opd-target-backend megatron",
+        ),
+        (
+            {"data__opd_form": "online", "data__hidden_states": None, "data__opd_target_backend": "vllm"},
+            "--opd-target-backend must be one of",
+        ),
         ({"drafter__drafter_init": None, "drafter__baseline": "eagle3"}, "--drafter-init DISTILL_SAVE_DIR"),
         ({"drafter__drafter_init": "ADAPTED"}, "--drafter-init .*no latest_checkpointed_iteration.txt"),
     ],
@@ -278,19 +287,6 @@ class _RecordingRollout:
         return self.samples
 
 
-def _checkpoint_reference_state(root, iteration: int) -> dict:
-    from megatron_osprey.models.drafter.convert import reference_state
-    from megatron_osprey.models.drafter.model import build_drafter_model
-    from megatron_osprey.parallel import ParallelConfig
-    from megatron_osprey.training.checkpointing import load_model_weights
-    from megatron_osprey.training.distillation import distilled_arch
-
-    with parallel_context(ParallelConfig()) as state:
-        model = build_drafter_model(distilled_arch(str(root)), state.config, transformer_impl="local")
-        load_model_weights(str(root), model, iteration)
-        return reference_state(model)
-
-
 def test_online_opd_rounds_roll_out_the_drafter_the_previous_round_left(opd, tmp_path):
     """The authors' loop on the tiny target, 2 rounds of 1 update: round 0 rolls out with the SFT drafter,
     round 1 with the weights the first update saved (iteration 1), and both rounds' samples are the target's
@@ -317,15 +313,15 @@ def test_online_opd_rounds_roll_out_the_drafter_the_previous_round_left(opd, tmp
     per_round = cfg.training.global_batch_size
     assert [len(i) for i in recorder.indices] == [per_round, per_round]
     assert set(recorder.indices[0]).isdisjoint(recorder.indices[1])  # the epoch order goes on
-    sft = _checkpoint_reference_state(opd["sft"], None)
-    after_first = _checkpoint_reference_state(tmp_path / "opd", 1)
+    sft = checkpoint_reference_state(opd["sft"], None)
+    after_first = checkpoint_reference_state(tmp_path / "opd", 1)
     for name, value in recorder.states[0].items():
         assert torch.equal(value, sft[name]), name
     for name, value in recorder.states[1].items():
         assert torch.equal(value, after_first[name]), name
     assert any(not torch.equal(recorder.states[1][n], sft[n]) for n in sft)  # the update moved the drafter
     # temperature 0: a round's sample is the target's greedy continuation of its prompt, with its states
-    sample, model = recorder.samples[0], recorder.inner.target_model
+    sample, model = recorder.samples[0], recorder.inner.target.model
     prompt = int((~sample["loss_mask"]).sum())
     greedy = model.generate(sample["input_ids"][None, :prompt], max_new_tokens=12, do_sample=False)[0]
     assert torch.equal(greedy[: sample["input_ids"].numel()], sample["input_ids"]) and sample["loss_mask"].sum() > 0

@@ -1,5 +1,6 @@
 """The Draft-OPD recipes after the Osprey recipe's SFT distillation, wired to it: the authors' online loop (the
-default where the HF target fits one GPU) and the offline form (one rollout + on-policy round)."""
+default of every target: the HF target whole per GPU where it fits one, else the Megatron-Core target at the
+distillation's layout) and the offline form (one rollout + on-policy round)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ def _sft(name: str, domain: str):
 
 def test_every_target_and_gpu_has_both_opd_forms_and_a_cpu_smoke():
     assert len(OPD) == 2 * len(LAYOUTS) + 1 and "smollm2_cpu_opd_smoke" in OPD
-    # the default is the authors' online loop where the HF target fits one GPU (Qwen3-8B), else the offline form
-    assert sorted(ONLINE) == sorted(n for n in TARGETS if n.startswith("qwen3_8b_osprey_opd_distill_"))
-    assert all("_opd_offline_" in n or not n.startswith("qwen3") for n in OFFLINE)
+    # the default is the authors' online loop for every target; the offline form is the named *_opd_offline_* one
+    assert sorted(ONLINE) == sorted(n for n in TARGETS if "_osprey_opd_distill_" in n)
+    assert sorted(OFFLINE) == sorted(n for n in TARGETS if "_osprey_opd_offline_distill_" in n)
+    assert len(ONLINE) == len(OFFLINE) > 2
 
 
 @pytest.mark.parametrize("name", ONLINE)
@@ -59,7 +61,14 @@ def test_the_online_opd_recipe_is_the_authors_loop(name):
     assert distill.training.train_iters == math.ceil(8 * prompts / 240)
     plan = make_plan(recipe, "distill", "RUN")
     assert plan.train_iters == distill.training.train_iters
-    assert any(term == "target weights" for term, _ in plan.memory)  # each rank rolls out with the whole target
+    assert distill.parallel == sft.distill.parallel
+    # the HF target whole on each GPU where it fits one (TP 1), else the Megatron-Core target at the SFT's layout
+    sharded = sft.distill.parallel.tensor_model_parallel_size > 1
+    assert distill.data.opd_target_backend == ("megatron" if sharded else "hf")
+    rollout_weights = dict(plan.memory)["target weights"]
+    sft_weights = dict(make_plan(sft, "distill", "RUN").memory)["target weights"]
+    assert rollout_weights == sft_weights if sharded else rollout_weights >= sft_weights
+    assert plan.fits
 
 
 @pytest.mark.parametrize("name", OFFLINE)

@@ -7,6 +7,10 @@ import dataclasses
 from megatron_osprey.config.flags import Flag
 from megatron_osprey.parallel.config import ParallelConfig
 
+# How evaluation and Draft-OPD rollouts run the target: the HF model (whole on each rank, its KV cache) or the
+# Megatron-Core one (sharded over the job's tensor- and expert-parallel groups, exact recompute).
+TARGET_BACKENDS = ("hf", "megatron")
+
 
 @dataclasses.dataclass
 class TargetConfig:

@@ -72,6 +72,34 @@ class MegatronTargetModel(TargetModel):
             finally:
                 target.capture.remove()
 
+    @classmethod
+    def load(
+        cls,
+        target_dir: str | Path,
+        parallel,
+        device,
+        aux_layer_ids: list[int],
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        transformer_impl: str = "auto",
+        sync_group=None,
+        arch=None,
+    ) -> "MegatronTargetModel":
+        """This rank's shard of the target (with its LM head) at the layout of `parallel`, inside its process
+        groups; `sync_group`: parallel/replicas.py's decoding_replica().sync_group."""
+        from megatron_osprey.models.target.pipeline_stage import load_target
+
+        stage = load_target(
+            target_dir,
+            parallel,
+            device,
+            params_dtype=params_dtype,
+            with_lm_head=True,
+            transformer_impl=transformer_impl,
+            arch=arch,
+        )
+        return cls(stage.model, aux_layer_ids, stage.arch.vocab_size, sync_group=sync_group)
+
     @property
     def cache_length(self) -> int:
         return int(self._committed.numel())
