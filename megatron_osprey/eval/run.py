@@ -129,16 +129,19 @@ def _load_target(config):
 
 
 def _target_facts(config, model) -> tuple[object, object]:
-    """(model config, generation config) without loading weights when the HF model is not used."""
+    """(the language model's config, generation config) without loading weights when the HF model is not used; a
+    multimodal target's (Gemma 3) text config holds its vocabulary, width and layers."""
     from transformers import AutoConfig, GenerationConfig
 
+    from megatron_osprey.models.target.decoding import text_config
+
     if model is not None:
-        return model.config, model.generation_config
+        return text_config(model.config), model.generation_config
     try:
         generation = GenerationConfig.from_pretrained(str(config.target))
     except OSError:
         generation = None
-    return AutoConfig.from_pretrained(str(config.target)), generation
+    return text_config(AutoConfig.from_pretrained(str(config.target))), generation
 
 
 MEGATRON_DTYPES = ("float32", "bfloat16", "float16")

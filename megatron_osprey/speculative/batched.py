@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_osprey.models.target.decoding import text_config
+
 from .batched_draft import BatchedDraftSession
 from .config import SpecConfig, SpecResult
 from .generate import emit_tokens
@@ -74,7 +76,7 @@ class BatchedHFTarget:
     """A transformers causal LM over B rows: one preallocated KV cache plus per-row slot validity."""
 
     def __init__(self, model, aux_layer_ids: list[int], capacity: int):
-        layers = model.config.num_hidden_layers
+        layers = text_config(model.config).num_hidden_layers
         if not all(0 <= i < layers for i in aux_layer_ids):
             raise ValueError(f"aux_layer_ids must lie in 0..{layers - 1}, got {aux_layer_ids}.")
         self.model, self.aux_layer_ids, self.capacity = model.eval(), list(aux_layer_ids), capacity
@@ -119,7 +121,8 @@ class BatchedHFTarget:
         from transformers.cache_utils import Cache
 
         layer = _slot_cache_layer_class()
-        self.cache = Cache(layers=[layer(self.capacity) for _ in range(self.model.config.num_hidden_layers)])
+        layers = text_config(self.model.config).num_hidden_layers
+        self.cache = Cache(layers=[layer(self.capacity) for _ in range(layers)])
         lengths = torch.tensor([p.numel() for p in prompts])
         b, t = len(prompts), int(lengths.max())
         ids = torch.zeros(b, t, dtype=torch.long)
