@@ -1,7 +1,7 @@
 """The stages that decode with a target, run on a tiny random target of each family added after Qwen3 / Llama /
 Qwen3-MoE (DeepSeek-V3, GLM-4.5, gpt-oss, Qwen2, Mistral, Gemma 3 text-only and multimodal): regenerate (transformers'
-generate), evaluate's reference engine on the transformers and on the Megatron-Core target with --verify-lossless,
-and the Draft-OPD rollout on both targets.
+generate), evaluate's reference engine on the transformers and on the Megatron-Core target with --verify-lossless
+(and its batched engine and --replay on the transformers one), and the Draft-OPD rollout on both targets.
 
 The evaluation drafts with the target itself plus noise (tests/unit/test_speculative.py's OracleSession), so that
 rounds accept some drafts and reject others; the rollout drafts with a random drafter loaded from disk. Three
@@ -58,14 +58,19 @@ def family_run(request, tmp_path_factory):
     return family, root, model
 
 
-def _evaluate(root, backend: str, draft: list[str], out: str = "eval") -> int:
-    return evaluate.main(
+def _evaluate(root, out: str, *flags: str) -> dict | int:
+    """Evaluate's results.json, or its exit code when that is not 0."""
+    code = evaluate.main(
         [
             "--target", str(root / "target"), "--drafter", f"d={root / 'drafter'}", "--data", str(root / "data.jsonl"),
-            "--output", str(root / f"{out}_{backend}"), "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress",
-            "--verify-lossless", "--target-backend", backend, *draft,
+            "--output", str(root / out), "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress", *flags,
         ]
     )  # fmt: skip
+    return json.loads((root / out / "results.json").read_text()) if code == 0 else code
+
+
+def _outputs(results: dict) -> dict[str, list[int]]:
+    return {r["id"]: r["output_ids"] for cell in results["cells"] for r in cell["requests"]}
 
 
 def _tree_allowed(family: str, backend: str) -> bool:
@@ -89,11 +94,10 @@ def test_regenerate_and_the_reference_engine_on_both_targets_give_the_targets_gr
     outputs = {}
     for backend in ("hf", "megatron"):
         draft = ["--topk", "2", "--draft-tokens", "5"] if _tree_allowed(family, backend) else ["--steps", "3"]
-        assert _evaluate(root, backend, draft) == 0
-        results = json.loads((root / f"eval_{backend}" / "results.json").read_text())
+        results = _evaluate(root, f"eval_{backend}", "--verify-lossless", "--target-backend", backend, *draft)
         assert results["lossless"] == {"checked": True, "mismatches": []}
         requests = [r for cell in results["cells"] for r in cell["requests"]]
-        outputs[backend] = {r["id"]: r["output_ids"] for r in requests}
+        outputs[backend] = _outputs(results)
         gains = [a for r in requests for a in r["accept_lengths"]]  # tokens per verify: accepted drafts + 1
         al = sum(r["acceptance_length"] for r in requests) / len(requests)
         print(f"{family} {backend} {' '.join(draft)}: AL {al:.2f}, {sum(gains) - len(gains)} drafts accepted")
@@ -101,6 +105,10 @@ def test_regenerate_and_the_reference_engine_on_both_targets_give_the_targets_gr
         assert max(gains) > 1 and min(gains) == 1
         assert all(len(o) == MAX_NEW_TOKENS for o in outputs[backend].values())
     assert outputs["megatron"] == outputs["hf"]
+    # The batched engine and --replay (an explicit mask per forward: windows applied by position) decode the same.
+    batched = _evaluate(root, "eval_batched", "--batch-size", "2", "--steps", "3", "--verify-lossless")
+    assert batched["lossless"]["mismatches"] == [] and _outputs(batched) == outputs["hf"]
+    assert _outputs(_evaluate(root, "eval_replay", "--replay", "--batch-size", "2", "--steps", "3")) == outputs["hf"]
     tokenizer = _tokenizer(root)
     for prompt_id, ids in outputs["megatron"].items():
         assert tokenizer.decode(ids, skip_special_tokens=True) == replies[prompt_id]
@@ -141,6 +149,6 @@ def test_a_draft_tree_on_the_megatron_mla_target_is_refused_naming_topk(family_r
     """Megatron-Core's MLA applies RoPE by sequence row, not by a tree node's depth: a tree would be verified at
     the wrong positions, so the Megatron-Core DeepSeek-V3 target verifies chains only."""
     _, root, _ = family_run
-    assert _evaluate(root, "megatron", ["--topk", "2", "--draft-tokens", "5"], out="tree") == 2
+    assert _evaluate(root, "tree", "--target-backend", "megatron", "--topk", "2", "--draft-tokens", "5") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "multi-latent attention, verifies chains only (--topk 1)" in err[-1]
