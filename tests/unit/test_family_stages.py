@@ -152,3 +152,57 @@ def test_a_draft_tree_on_the_megatron_mla_target_is_refused_naming_topk(family_r
     assert _evaluate(root, "tree", "--target-backend", "megatron", "--topk", "2", "--draft-tokens", "5") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "multi-latent attention, verifies chains only (--topk 1)" in err[-1]
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    """A 2-layer HF model with its own small chat tokenizer (adapt takes a released, already pruned backbone as is)."""
+    from megatron_osprey.testing.distill_setup import write_chat_model
+
+    root = tmp_path_factory.mktemp("backbone")
+    return write_chat_model(root / "lm", "llama3", layers=2, hidden=64, seed=2, qwen3=True)
+
+
+def _adapt(root, backbone, aux: list[int]):
+    from megatron_osprey.stages import adapt
+    from megatron_osprey.stages.adapt import AdaptConfig
+
+    out = root / f"adapted_{'_'.join(map(str, aux))}"
+    adapt.run(AdaptConfig(backbone=str(backbone), target=str(root / "target"), output=str(out), aux_layer_ids=aux))
+    return out
+
+
+@pytest.mark.parametrize("family_run", ["deepseek_v3", "glm4_moe", "gpt_oss"], indirect=True)
+def test_the_drafter_of_a_moe_target_exports_to_every_serving_layout(family_run, backbone):
+    """The drafter is dense whatever the target: its export reads the target's vocabulary, width and layer count
+    only. From the adapt stage's Megatron checkpoint, each layout reads back the reference drafter's weights."""
+    from megatron_osprey.export.formats import read_export
+    from megatron_osprey.stages.export import main as export_main
+
+    _, root, model = family_run
+    config = model.config.get_text_config()
+    aux = [0, 1, config.num_hidden_layers - 2]
+    adapted = _adapt(root, backbone, aux)
+    want = ReferenceDrafter.from_pretrained(adapted / "hf").state_dict()
+    for fmt in ("sglang", "vllm", "hf"):
+        out = root / f"export_{fmt}"
+        assert export_main(["--checkpoint", str(adapted / "megatron"), "--format", fmt, "--output", str(out)]) == 0
+        exported = json.loads((out / "config.json").read_text())
+        assert exported["target_hidden_size"] == config.hidden_size and exported["vocab_size"] == config.vocab_size
+        if fmt == "vllm":  # vLLM counts taps as hidden states after i + 1 layers
+            assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in aux]
+        got = (ReferenceDrafter.from_pretrained(out) if fmt == "hf" else read_export(out)).state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("family_run", ["gemma3"], indirect=True)
+def test_a_vllm_export_tapping_the_last_layer_of_a_multimodal_target_is_refused(family_run, backbone, capsys):
+    """Gemma 3's multimodal config.json keeps its layer count in text_config; the vLLM check reads it there."""
+    from megatron_osprey.stages.export import main as export_main
+
+    _, root, model = family_run
+    last = model.config.get_text_config().num_hidden_layers - 1
+    adapted = _adapt(root, backbone, [0, 1, last])
+    flags = ["--checkpoint", str(adapted / "megatron"), "--format", "vllm", "--output", str(root / "export_last")]
+    assert export_main(flags) == 2
+    assert f"taps the target's last layer ({last})" in capsys.readouterr().err
