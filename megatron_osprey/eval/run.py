@@ -10,6 +10,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -141,6 +142,18 @@ def _target_facts(config, model) -> tuple[object, object]:
         generation = GenerationConfig.from_pretrained(str(config.target))
     except OSError:
         generation = None
+    if config.target_backend == "megatron":
+        # The shape the Megatron-Core target is built from (Kimi-K2 has no transformers config class).
+        from megatron_osprey.base.arch import load_target_config
+
+        arch = load_target_config(config.target)
+        shape = SimpleNamespace(
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            num_hidden_layers=arch.num_layers,
+            max_position_embeddings=arch.max_position_embeddings,
+        )
+        return shape, generation
     return text_config(AutoConfig.from_pretrained(str(config.target))), generation
 
 

@@ -206,3 +206,38 @@ def test_a_vllm_export_tapping_the_last_layer_of_a_multimodal_target_is_refused(
     flags = ["--checkpoint", str(adapted / "megatron"), "--format", "vllm", "--output", str(root / "export_last")]
     assert export_main(flags) == 2
     assert f"taps the target's last layer ({last})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family_run", ["deepseek_v3"], indirect=True)
+def test_a_kimi_k2_target_decodes_on_megatron_as_deepseek_v3_does_on_transformers(family_run, monkeypatch):
+    """Kimi-K2 is DeepSeek-V3 under model_type kimi_k2, which transformers has no class for: the Megatron-Core
+    target decodes it (evaluate and rollout) to the tokens and rounds transformers' DeepSeek-V3 gives its weights."""
+    import shutil
+
+    from megatron_osprey.data.hidden_state_store import HiddenStateStore
+    from tests.distributed.scripts.check_rollout import compare
+
+    _, root, model = family_run
+    kimi = root / "kimi"
+    shutil.copytree(root / "target", kimi / "target")
+    for name in ("drafter", "data.jsonl"):
+        (kimi / name).symlink_to(root / name)
+    config = json.loads((kimi / "target" / "config.json").read_text())
+    (kimi / "target" / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    monkeypatch.setattr(benchmark, "make_session", lambda drafter, *vocab: OracleSession(model, "noisy"))
+    flags = ["--steps", "3", "--verify-lossless"]
+    want = _evaluate(root, "eval_chain_hf", "--target-backend", "hf", *flags)
+    got = _evaluate(kimi, "eval_megatron", "--target-backend", "megatron", *flags)
+    assert got["lossless"] == {"checked": True, "mismatches": []} and _outputs(got) == _outputs(want)
+    stores = {}
+    for name, directory, backend in (("deepseek", root, "hf"), ("kimi", kimi, "megatron")):
+        rollout(
+            RolloutConfig(
+                target=str(directory / "target"), drafter=str(root / "drafter"), data_path=str(root / "data.jsonl"),
+                output=str(directory / "rollout_kimi_check"), steps=3, top_k=8, max_new_tokens=MAX_NEW_TOKENS,
+                target_backend=backend,
+            )
+        )  # fmt: skip
+        stores[name] = HiddenStateStore(directory / "rollout_kimi_check")
+    figures = compare(stores["deepseek"], stores["kimi"], "kimi")
+    assert figures["kimi_exact"] is True and figures["kimi_probs_max_abs"] < 1e-5
