@@ -10,7 +10,6 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -27,7 +26,7 @@ from megatron_osprey.eval.checks import (
     recorded_target_warning,
 )
 from megatron_osprey.eval.config import DrafterSpec  # noqa: F401  (the drafters a run names)
-from megatron_osprey.eval.loading import load_drafter
+from megatron_osprey.eval.loading import load_drafter, target_facts
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
 from megatron_osprey.eval.prompts import follow_up, load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
@@ -129,34 +128,6 @@ def _load_target(config):
     return model, tokenizer, device
 
 
-def _target_facts(config, model) -> tuple[object, object]:
-    """(the language model's config, generation config) without loading weights when the HF model is not used; a
-    multimodal target's (Gemma 3) text config holds its vocabulary, width and layers."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from megatron_osprey.models.target.decoding import text_config
-
-    if model is not None:
-        return text_config(model.config), model.generation_config
-    try:
-        generation = GenerationConfig.from_pretrained(str(config.target))
-    except OSError:
-        generation = None
-    if config.target_backend == "megatron":
-        # The shape the Megatron-Core target is built from (Kimi-K2 has no transformers config class).
-        from megatron_osprey.base.arch import load_target_config
-
-        arch = load_target_config(config.target)
-        shape = SimpleNamespace(
-            vocab_size=arch.vocab_size,
-            hidden_size=arch.hidden_size,
-            num_hidden_layers=arch.num_layers,
-            max_position_embeddings=arch.max_position_embeddings,
-        )
-        return shape, generation
-    return text_config(AutoConfig.from_pretrained(str(config.target))), generation
-
-
 MEGATRON_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -208,7 +179,7 @@ def run_eval(config) -> dict:
     """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
     settings, splits = _check_request(config)
     model, tokenizer, device = _load_target(config)
-    target_config, generation_config = _target_facts(config, model)
+    target_config, generation_config = target_facts(config, model)
     eos = _eos_ids(config.target, generation_config, tokenizer)
     specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
     prompts, truncated = _load_split_prompts(config, splits, tokenizer, target_config, specs)
