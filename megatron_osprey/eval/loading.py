@@ -9,6 +9,8 @@ Accepted directories, detected from their contents:
 * an export from ``tools/export_checkpoint.py`` (``sglang`` or ``speculators`` layout), read back exactly;
 * an n-gram drafter (``config.json`` tagged ``megatron_osprey.ngram_drafter/1``, the ngram stage's output),
   loaded as an NgramDrafter: it drafts chains from token statistics and reads no target hidden state.
+
+And the target's shape the drafters are checked against (target_facts).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -122,3 +125,31 @@ def load_drafter(path: str | Path, flag: str = "--drafter", verify: bool = True)
         f"{flag} {path} is not a drafter directory: expected a reference drafter config.json, a Megatron "
         f"checkpoint (latest_checkpointed_iteration.txt), a Stage 3 output or an exported drafter."
     )
+
+
+def target_facts(config, model) -> tuple[object, object]:
+    """(the language model's config, generation config) without loading weights when the HF model is not used; a
+    multimodal target's (Gemma 3) text config holds its vocabulary, width and layers."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from megatron_osprey.models.target.decoding import text_config
+
+    if model is not None:
+        return text_config(model.config), model.generation_config
+    try:
+        generation = GenerationConfig.from_pretrained(str(config.target))
+    except OSError:
+        generation = None
+    if config.target_backend == "megatron":
+        # The shape the Megatron-Core target is built from (Kimi-K2 has no transformers config class).
+        from megatron_osprey.base.arch import load_target_config
+
+        arch = load_target_config(config.target)
+        shape = SimpleNamespace(
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            num_hidden_layers=arch.num_layers,
+            max_position_embeddings=arch.max_position_embeddings,
+        )
+        return shape, generation
+    return text_config(AutoConfig.from_pretrained(str(config.target))), generation

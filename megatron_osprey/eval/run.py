@@ -26,7 +26,7 @@ from megatron_osprey.eval.checks import (
     recorded_target_warning,
 )
 from megatron_osprey.eval.config import DrafterSpec  # noqa: F401  (the drafters a run names)
-from megatron_osprey.eval.loading import load_drafter
+from megatron_osprey.eval.loading import load_drafter, target_facts
 from megatron_osprey.eval.matrix import Cell, build_matrices, matrix_markdown, plot_matrices, summarize
 from megatron_osprey.eval.prompts import follow_up, load_prompts
 from megatron_osprey.speculative import HFTargetModel, SpecConfig
@@ -128,19 +128,6 @@ def _load_target(config):
     return model, tokenizer, device
 
 
-def _target_facts(config, model) -> tuple[object, object]:
-    """(model config, generation config) without loading weights when the HF model is not used."""
-    from transformers import AutoConfig, GenerationConfig
-
-    if model is not None:
-        return model.config, model.generation_config
-    try:
-        generation = GenerationConfig.from_pretrained(str(config.target))
-    except OSError:
-        generation = None
-    return AutoConfig.from_pretrained(str(config.target)), generation
-
-
 MEGATRON_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -192,7 +179,7 @@ def run_eval(config) -> dict:
     """Run the benchmark and write OUTPUT/results.json, matrix.md and matrix.png; returns the results."""
     settings, splits = _check_request(config)
     model, tokenizer, device = _load_target(config)
-    target_config, generation_config = _target_facts(config, model)
+    target_config, generation_config = target_facts(config, model)
     eos = _eos_ids(config.target, generation_config, tokenizer)
     specs = [SpecConfig(**kw, eos_token_ids=eos) for kw in settings]
     prompts, truncated = _load_split_prompts(config, splits, tokenizer, target_config, specs)

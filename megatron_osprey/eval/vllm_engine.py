@@ -425,12 +425,11 @@ def run_vllm_eval(config) -> dict:
     """--engine vllm: the reference engine's results (run here, or --reference-results), then vLLM on the same
     requests; writes OUTPUT/results.json (with its "vllm" section) and OUTPUT/vllm.md."""
     from megatron_osprey.base.atomic_io import write_text_atomic
-    from megatron_osprey.eval.loading import load_drafter
+    from megatron_osprey.eval.loading import load_drafter, target_facts
     from megatron_osprey.eval.prompts import follow_up
     from megatron_osprey.eval.run import (
         _eos_ids,
         _load_split_prompts,
-        _target_facts,
         _variant,
         run_eval,
         split_names,
@@ -466,7 +465,7 @@ def run_vllm_eval(config) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.target))
-    target_config, generation_config = _target_facts(config, None)
+    target_config, generation_config = target_facts(config, None)
     eos = list(_eos_ids(config.target, generation_config, tokenizer))
     specs = [SpecConfig(**kw, eos_token_ids=tuple(eos)) for kw in sweep_settings(config)]
     prompts, _ = _load_split_prompts(config, splits, tokenizer, target_config, specs)

@@ -291,6 +291,7 @@ def vllm_refusal(cfg: DrafterConfig, target: dict | None = None) -> str | None:
         )
     if not target:
         return None
+    target = _language_model_fields(target)
     layers = target.get("num_hidden_layers")
     if layers is not None and max(cfg.aux_layer_ids) >= int(layers) - 1:
         return (
@@ -307,6 +308,17 @@ def vllm_refusal(cfg: DrafterConfig, target: dict | None = None) -> str | None:
                 "vLLM would index the wrong rows."
             )
     return None
+
+
+def _language_model_fields(target: dict) -> dict:
+    """The layers, vocabulary and width of a target config.json: a multimodal one (Gemma 3) keeps them in its
+    text_config, some left to the family's defaults, so it is parsed as the target stages parse it."""
+    if "text_config" not in target:
+        return target
+    from megatron_osprey.base.arch import ModelArch
+
+    arch = ModelArch.from_hf_config(target, source="the target's config.json")
+    return {"num_hidden_layers": arch.num_layers, "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size}
 
 
 def vllm_state(state: dict[str, torch.Tensor], cfg: DrafterConfig) -> dict[str, torch.Tensor]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_osprey.models.target.decoding import has_sliding_window, text_config
+
 from .batched_draft import BatchedDraftSession
 from .config import SpecConfig, SpecResult
 from .generate import emit_tokens
@@ -74,12 +76,18 @@ class BatchedHFTarget:
     """A transformers causal LM over B rows: one preallocated KV cache plus per-row slot validity."""
 
     def __init__(self, model, aux_layer_ids: list[int], capacity: int):
-        layers = model.config.num_hidden_layers
+        layers = text_config(model.config).num_hidden_layers
         if not all(0 <= i < layers for i in aux_layer_ids):
             raise ValueError(f"aux_layer_ids must lie in 0..{layers - 1}, got {aux_layer_ids}.")
         self.model, self.aux_layer_ids, self.capacity = model.eval(), list(aux_layer_ids), capacity
         self.cache = self.valid = self.positions = None
         self._block = None  # (first slot, tokens) of the last verify, until commit
+        # Sliding-window layers (Mistral, Gemma 3, gpt-oss): an explicit mask replaces the model's own, so the
+        # window is applied here, by position; slot_positions [B, capacity] holds each written slot's.
+        config = text_config(model.config)
+        self.window = config.sliding_window if has_sliding_window(config) else None
+        self.layer_types = set(getattr(config, "layer_types", None) or ())
+        self.slot_positions = None
 
     @property
     def length(self) -> int:
@@ -88,7 +96,7 @@ class BatchedHFTarget:
 
     def _forward(self, ids, positions, new_valid, logits_to_keep=0):
         """Run ids [B, T] as new slots; new_valid [B, T] says which of them are real tokens."""
-        device, dtype = self.model.device, self.model.dtype
+        device = self.model.device
         b, t = ids.shape
         n = self.length
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
@@ -99,8 +107,14 @@ class BatchedHFTarget:
             ),
             dim=2,
         )
-        mask = torch.zeros(b, 1, t, n + t, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        mask = self._additive(allowed)
+        if self.window is not None:
+            self.slot_positions[:, n : n + t] = positions.to(device)
+            keys = self.slot_positions[:, : n + t]
+            # transformers' sliding-window rule: a query at position p sees keys at positions above p - window.
+            windowed = self._additive(allowed & (positions.to(device)[:, :, None] - keys[:, None, :] < self.window))
+            # A model with layer types takes one mask per type; Mistral's layers are all windowed.
+            mask = {"full_attention": mask, "sliding_attention": windowed} if self.layer_types else windowed
         out = self.model(
             ids.to(device),
             attention_mask=mask,
@@ -113,13 +127,19 @@ class BatchedHFTarget:
         aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layer_ids], dim=-1)
         return out.logits, aux
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """allowed [B, T, S] as the additive float mask [B, 1, T, S] transformers takes."""
+        mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=self.model.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed[:, None], torch.finfo(self.model.dtype).min)
+
     @torch.no_grad()
     def prefill(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Reset and run the prompts, left-padded; returns last-token logits [B, V] and each prompt's aux [n_b, F]."""
         from transformers.cache_utils import Cache
 
         layer = _slot_cache_layer_class()
-        self.cache = Cache(layers=[layer(self.capacity) for _ in range(self.model.config.num_hidden_layers)])
+        layers = text_config(self.model.config).num_hidden_layers
+        self.cache = Cache(layers=[layer(self.capacity) for _ in range(layers)])
         lengths = torch.tensor([p.numel() for p in prompts])
         b, t = len(prompts), int(lengths.max())
         ids = torch.zeros(b, t, dtype=torch.long)
@@ -130,6 +150,7 @@ class BatchedHFTarget:
         new_valid = columns >= pad[:, None]
         positions = (columns - pad[:, None]).clamp(min=0)
         self.valid = torch.zeros(b, self.capacity, dtype=torch.bool, device=self.model.device)
+        self.slot_positions = torch.zeros(b, self.capacity, dtype=torch.long, device=self.model.device)
         logits, aux = self._forward(ids, positions, new_valid.to(self.model.device), logits_to_keep=1)
         self.valid[:, :t] = new_valid
         self.positions = lengths.clone()
@@ -158,6 +179,7 @@ class BatchedHFTarget:
         index = torch.as_tensor(rows, dtype=torch.long)
         self.cache.batch_select_indices(index.to(self.model.device))
         self.valid, self.positions = self.valid[index.to(self.valid.device)], self.positions[index]
+        self.slot_positions = self.slot_positions[index.to(self.slot_positions.device)]
 
 
 def cache_capacity(prompts: list[torch.Tensor], cfg: SpecConfig, per_round: int) -> int:

@@ -221,7 +221,7 @@ def target_states(model, input_ids: torch.Tensor, aux_layer_ids: list[int]) -> t
     def hook(module, inputs, output):
         captured["final"] = output[0] if isinstance(output, tuple) else output
 
-    handle = model.model.layers[-1].register_forward_hook(hook)
+    handle = model.get_decoder().layers[-1].register_forward_hook(hook)  # a multimodal target's language model
     try:
         out = model(input_ids.to(model.device)[None], output_hidden_states=True)
     finally:

@@ -40,13 +40,14 @@ class HFTargetModel(TargetModel):
     """Adapter for a transformers causal LM (Llama, Qwen3, ...) with a DynamicCache."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
-        num_layers = model.config.num_hidden_layers
+        config = text_config(model.config)
+        num_layers = config.num_hidden_layers
         if len(aux_layer_ids) != 3 or not all(0 <= i < num_layers for i in aux_layer_ids):
             raise ValueError(f"aux_layer_ids must be 3 layer ids in 0..{num_layers - 1}, got {aux_layer_ids}.")
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
-        self.vocab_size = model.config.vocab_size
-        self.windowed = has_sliding_window(model.config)
+        self.vocab_size = config.vocab_size
+        self.windowed = has_sliding_window(config)
         self._cache = None
         self._pending = 0
 
@@ -113,9 +114,14 @@ class HFTargetModel(TargetModel):
         self._pending = 0
 
 
+def text_config(config):
+    """The language model's part of a transformers config: itself, or a multimodal one's text_config (Gemma 3)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def has_sliding_window(config) -> bool:
     """Whether a transformers config has layers that attend through a sliding window (Mistral, Gemma 3, gpt-oss)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     if getattr(config, "sliding_window", None) is None:
         return False
     layer_types = getattr(config, "layer_types", None)

@@ -12,6 +12,8 @@ A model built with Transformer Engine layers (what megatron-core needs on CUDA f
 or sequence parallelism) attends with its causal mask type, not an explicit mask: it verifies chains only (a
 chain's mask is the causal one, its positions the sequence's), and a tree verify is refused. So does a target with
 sliding-window layers (Mistral, Gemma 3, gpt-oss): its window counts sequence rows, which are positions in a chain only.
+And so does multi-latent attention (DeepSeek-V3, Kimi-K2): Megatron-Core's MLA applies RoPE by sequence row (it takes
+no positions), which equal the positions in a chain only.
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ class MegatronTargetModel(TargetModel):
         self.tp_size = 1
         self.sequence_parallel = bool(getattr(model.config, "sequence_parallel", False))
         self.sync_group = sync_group
+        # MLA rotates queries and keys itself, by sequence row; the other attentions take the model's RoPE table.
+        self.row_rope = bool(getattr(model.config, "multi_latent_attention", False))
         # None: from the model (Transformer Engine layers attend with the causal mask type only; a sliding window
-        # counts rows, which are positions in a chain only).
+        # and MLA's RoPE count rows, which are positions in a chain only).
         if causal_only is None:
-            causal_only = uses_transformer_engine(model) or bool(getattr(model.config, "window_size", None))
+            causal_only = (
+                uses_transformer_engine(model) or bool(getattr(model.config, "window_size", None)) or self.row_rope
+            )
         self.causal_only = causal_only
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state as mpu
@@ -135,7 +141,7 @@ class MegatronTargetModel(TargetModel):
         length = int(positions.max()) + 1
         ids, positions, visible = (t.to(device) for t in self._padded(ids, positions, visible))
         hidden = model.embedding(input_ids=ids[None], position_ids=positions[None])  # scattered under SP
-        rotary = model.rotary_pos_emb(length)[positions]
+        rotary = None if self.row_rope else model.rotary_pos_emb(length)[positions]
         self.capture.clear()
         mask = None if self.causal_only else ~visible[None, None]  # causal only: the layers' own causal mask
         hidden = model.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
@@ -202,7 +208,7 @@ def _check_causal(visible: torch.Tensor, positions: torch.Tensor) -> None:
         positions.cpu(), torch.arange(n)
     ):
         raise ValueError(
-            "a Transformer Engine target, or one with sliding-window layers, verifies chains only (--topk 1): its "
-            "attention takes the causal mask type, not a tree's mask; use --transformer-impl local for draft trees "
-            "(a target without sliding windows)."
+            "a Transformer Engine target, or one with sliding-window layers or multi-latent attention, verifies "
+            "chains only (--topk 1): its attention takes the causal mask type, not a tree's mask; use "
+            "--transformer-impl local for draft trees (a target without sliding windows or MLA)."
         )
