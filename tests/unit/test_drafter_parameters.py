@@ -93,7 +93,7 @@ def test_the_drafter_swaps_mlp_linears_in_either_form_of_megatrons_mlp_spec():
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_osprey.models.backbone.gpt import replace_spec_submodules, spec_submodules
+    from megatron_osprey.models.backbone.specs import replace_spec_submodules, spec_submodules
 
     original = MLPSubmodules(linear_fc1="fc1", linear_fc2="fc2")
     for spec in (ModuleSpec(module=MLP, submodules=original), functools.partial(MLP, submodules=original)):

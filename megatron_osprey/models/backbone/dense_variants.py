@@ -107,7 +107,7 @@ def variant_layer_spec(spec, arch: ModelArch, transformer_impl: str, local_inv_f
     """`spec` (Megatron-Core's GPT layer spec) with this module's swaps for `arch`."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_osprey.models.backbone.gpt import replace_spec_submodules
+    from megatron_osprey.models.backbone.specs import replace_spec_submodules
 
     if transformer_impl != "local" and local_spec_only(arch):
         raise ValueError(

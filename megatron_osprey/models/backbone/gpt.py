@@ -5,7 +5,6 @@ models/backbone/dense_variants.py; DeepSeek-V3's attention: models/backbone/mla.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -47,22 +46,6 @@ def resolve_transformer_impl(requested: str = "auto") -> str:
     return requested
 
 
-def spec_submodules(spec):
-    """A submodule spec's submodules: a ModuleSpec's, or those bound into the functools.partial that megatron-core
-    0.17 and later give a dense MLP (`partial(MLP.as_mlp_submodule, submodules=...)`)."""
-    if isinstance(spec, functools.partial):
-        return spec.keywords["submodules"]
-    return spec.submodules
-
-
-def replace_spec_submodules(spec, **changes):
-    """`spec` (a ModuleSpec or such a partial) with some of its submodules replaced."""
-    submodules = dataclasses.replace(spec_submodules(spec), **changes)
-    if isinstance(spec, functools.partial):
-        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
-    return dataclasses.replace(spec, submodules=submodules)
-
-
 def layer_spec(arch: ModelArch, transformer_impl: str):
     """The decoder layer spec: TE or local, chosen by swapping specs."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -93,7 +76,6 @@ def _local_inv_freq(arch: ModelArch) -> torch.Tensor | None:
     """The sliding layers' own RoPE frequencies (Gemma 3's rope_local_base_freq, unscaled), when they differ."""
     if not arch.local_rope_theta:
         return None
-    import dataclasses
 
     return rotary_inv_freq(dataclasses.replace(arch, rope_theta=arch.local_rope_theta, rope_scaling=None))
 

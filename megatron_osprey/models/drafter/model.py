@@ -50,12 +50,11 @@ from torch import Tensor
 from megatron_osprey.base.arch import padded_size
 from megatron_osprey.models.backbone.gpt import (
     layer_spec,
-    replace_spec_submodules,
     resolve_transformer_impl,
     rotary_inv_freq,
-    spec_submodules,
     transformer_config,
 )
+from megatron_osprey.models.backbone.specs import replace_spec_submodules, spec_submodules
 from megatron_osprey.models.drafter.arch import (  # noqa: F401  (re-exported: the drafter's public names)
     EAGLE3_EXTRA_LAYERS,
     VARIANTS,
