@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_osprey.base.atomic_io import atomic_path
+from megatron_osprey.eval.prompts import TURN_MARK
 
 
 @dataclass(frozen=True)
@@ -20,18 +21,33 @@ class Cell:
 
 
 def summarize(requests: list[dict]) -> dict:
-    """Per-request mean AL (the paper's figure), pooled AL, and tokens/s, from request dicts."""
+    """Mean AL (the paper's figure), pooled AL, and tokens/s, from request dicts.
+
+    The mean is over conversations, each one's AL pooled over its turns (its tokens over its verifies), as the
+    Osprey release's benchmarker computes it (benchmarks/benchmarker/utils.py, compute_metrics: MT-Bench's two
+    answers are one request there); a single-turn set has one request per conversation, so the mean is per
+    request. `turn_mean_acceptance_length` keeps the mean over every turn as its own request.
+    """
     if not requests:
         raise ValueError("cannot summarize an eval split with no requests.")
     tokens = sum(r["completion_tokens"] for r in requests)
     verifies = sum(r["verify_count"] for r in requests)
     seconds = sum(r["seconds"] for r in requests)
     per_request = [r["completion_tokens"] / max(r["verify_count"], 1) for r in requests]
+    conversations: dict = {}
+    for index, r in enumerate(requests):
+        key = r["id"].split(TURN_MARK)[0] if "id" in r else index
+        pooled = conversations.setdefault(key, [0, 0])
+        pooled[0] += r["completion_tokens"]
+        pooled[1] += r["verify_count"]
+    per_conversation = [t / max(v, 1) for t, v in conversations.values()]
     timed = [r for r in requests if r.get("drafted_tokens")]
     drafted = sum(r["drafted_tokens"] for r in timed)
     return {
         "requests": len(requests),
-        "mean_acceptance_length": sum(per_request) / len(per_request),
+        "conversations": len(conversations),
+        "mean_acceptance_length": sum(per_conversation) / len(per_conversation),
+        "turn_mean_acceptance_length": sum(per_request) / len(per_request),
         "pooled_acceptance_length": tokens / max(verifies, 1),
         "completion_tokens": tokens,
         "verify_count": verifies,

@@ -7,7 +7,7 @@ import torch
 
 from megatron_osprey.eval import benchmark
 from megatron_osprey.eval.matrix import Cell, build_matrices, summarize
-from megatron_osprey.eval.prompts import load_prompts
+from megatron_osprey.eval.prompts import load_prompts, turn_id
 from megatron_osprey.eval.run import write_results
 from megatron_osprey.models.drafter.reference import DrafterConfig, ReferenceDrafter
 from megatron_osprey.stages.evaluate import main
@@ -379,6 +379,23 @@ def test_aggregation_per_request_mean_differs_from_pooled_and_both_are_right(tmp
     assert "| math (osp-math) | 1.250 (1.333) | **4.000 (4.000)** |" in text
     assert json.loads((tmp_path / "results.json").read_text())["matrices"]["osprey"]["mean"] == 2.5
     assert (tmp_path / "matrix.png").stat().st_size > 1000
+
+
+def test_a_conversations_turns_are_pooled_into_one_al_as_the_release_counts_mt_bench():
+    # Conversation a: turn 1 8 tokens / 2 verifies, turn 2 30 / 20 -> pooled 38 / 22; b: one turn, 9 / 3.
+    requests = [
+        {"id": "a", "completion_tokens": 8, "verify_count": 2, "seconds": 1.0},
+        {"id": "b", "completion_tokens": 9, "verify_count": 3, "seconds": 1.0},
+        {"id": turn_id("a", 2), "completion_tokens": 30, "verify_count": 20, "seconds": 1.0},
+    ]
+    summary = summarize(requests)
+    assert (summary["requests"], summary["conversations"]) == (3, 2)
+    assert summary["mean_acceptance_length"] == pytest.approx((38 / 22 + 3.0) / 2)
+    assert summary["turn_mean_acceptance_length"] == pytest.approx((4.0 + 3.0 + 1.5) / 3)
+    assert summary["pooled_acceptance_length"] == pytest.approx(47 / 25)
+    # One turn per conversation: the two means are the same figure.
+    single = summarize(requests[:2])
+    assert single["mean_acceptance_length"] == single["turn_mean_acceptance_length"] == pytest.approx(3.5)
 
 
 def _short_target(root, tmp_path, max_positions):

@@ -221,6 +221,8 @@ def test_mt_bench_sends_the_second_turn_after_the_servers_first_answer(tmp_path)
     assert len(sent) == 4 and state["peak"] == 2  # the two conversations side by side, each one's turns in turn
     (cell,) = json.loads((tmp_path / "out" / "results.json").read_text())["cells"]
     assert [r["id"] for r in cell["requests"]] == ["mtbench/81", "mtbench/82", "mtbench/81#turn2", "mtbench/82#turn2"]
-    # AL over both turns, as the reference evaluator counts them: per request 4, 4, 2, 2 (first turns alone: 4).
-    assert cell["summary"]["mean_acceptance_length"] == 3.0
+    # AL per conversation over both turns, as the release's benchmarker counts it: (12 + 12) / (3 + 6) each;
+    # per turn 4, 4, 2, 2 (first turns alone: 4).
+    assert cell["summary"]["mean_acceptance_length"] == pytest.approx(24 / 9)
+    assert cell["summary"]["turn_mean_acceptance_length"] == 3.0
     assert cell["summary"]["pooled_acceptance_length"] == pytest.approx(48 / 18)
