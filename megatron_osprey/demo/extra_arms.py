@@ -12,7 +12,9 @@ regenerated data, hidden-state store, optimizer, tokens and seeds, changing one 
 - n-gram drafters: on the training domain's regenerated conversations, and on the monolingual corpora;
 - Osprey after a monolingual Stage-2 pass over the monolingual corpora' languages;
 - the multilingual paper's task-specific fine-tuning: Osprey distilled on the target's translations of the
-  training prompts into the task languages (harder_sets.TASK_LANGUAGES), as many conversations as the base arm.
+  training prompts into the task languages (harder_sets.TASK_LANGUAGES), as many conversations as the base arm:
+  one drafter for all the languages together, where the paper fine-tunes one per language (5 or 11 more
+  distillations and regenerations for one arm on a CPU).
 """
 
 from __future__ import annotations
