@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from launcher.render import render
 from megatron_osprey.eval.speedup import main as speedup_main
 from megatron_osprey.eval.speedup import speedup_rows, write_speedup
 from megatron_osprey.recipes import get_recipe
+from tests.fake_sglang import fake_sglang_server, meta_reply
 from tools.sglang_bench import main as bench_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,29 +84,16 @@ def test_the_target_only_pass_measures_a_server_that_drafts_nothing(tmp_path):
 
     build_tiny_tokenizer("qwen3").save_pretrained(tmp_path / "target")
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def answer(body):
+        return meta_reply({"completion_tokens": 12, "finish_reason": "length"})
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            data = json.dumps({"text": "x", "meta_info": {"completion_tokens": 12, "finish_reason": "length"}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = ["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target")]
-    argv += ["--data", str(tmp_path / "chat.jsonl"), "--drafter-name", "target_only", "--method", "target"]
-    try:
+    with fake_sglang_server(answer) as url:
+        argv = ["--url", url, "--tokenizer", str(tmp_path / "target")]
+        argv += ["--data", str(tmp_path / "chat.jsonl"), "--drafter-name", "target_only", "--method", "target"]
         assert bench_main([*argv, "--output", str(tmp_path / "spec")]) == 2  # a drafter pass needs spec_verify_ct
         assert bench_main([*argv, "--output", str(tmp_path / "alone"), "--target-only"]) == 0
-    finally:
-        server.shutdown()
     cell = json.loads((tmp_path / "alone" / "results.json").read_text())["cells"][0]
     assert [r["acceptance_length"] for r in cell["requests"]] == [1.0, 1.0, 1.0]
     assert cell["summary"]["completion_tokens"] == 36

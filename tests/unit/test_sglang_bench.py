@@ -2,21 +2,12 @@
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from megatron_osprey.eval.sglang_client import request_record
+from tests.fake_sglang import fake_sglang_server, meta_reply
 from tools.sglang_bench import main
-
-
-def reply(handler: BaseHTTPRequestHandler, meta: dict) -> None:
-    """Answer a fake /generate request as SGLang does: text plus meta_info."""
-    data = json.dumps({"text": "x", "meta_info": meta}).encode()
-    handler.send_response(200)
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
 
 
 def test_request_record_uses_completion_tokens_over_spec_verify_ct():
@@ -32,47 +23,19 @@ def test_bench_tool_against_a_fake_server(tmp_path):
     build_tiny_tokenizer("qwen3").save_pretrained(tmp_path / "target")
     seen = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def answer(body):
+        seen.append(body)
+        # Request i: 10 tokens in (i + 2) verifies.
+        return meta_reply({"completion_tokens": 10, "spec_verify_ct": len(seen) + 1, "finish_reason": "stop"})
 
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            # Request i: 10 tokens in (i + 2) verifies.
-            reply(self, {"completion_tokens": 10, "spec_verify_ct": len(seen) + 1, "finish_reason": "stop"})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    try:
+    with fake_sglang_server(answer) as url:
         rc = main(
-            [
-                "--url",
-                f"http://127.0.0.1:{server.server_address[1]}",
-                "--tokenizer",
-                str(tmp_path / "target"),
-                "--data",
-                str(tmp_path / "chat.jsonl"),
-                "--output",
-                str(tmp_path / "out"),
-                "--drafter-name",
-                "d",
-                "--train-domain",
-                "chat",
-                "--max-new-tokens",
-                "64",
-                "--wait",
-                "30",
-            ]
-        )
-    finally:
-        server.shutdown()
+            ["--url", url, "--tokenizer", str(tmp_path / "target"), "--data", str(tmp_path / "chat.jsonl"),
+             "--output", str(tmp_path / "out"), "--drafter-name", "d", "--train-domain", "chat",
+             "--max-new-tokens", "64", "--wait", "30"]
+        )  # fmt: skip
     assert rc == 0
     assert [b["sampling_params"] for b in seen] == [{"temperature": 0.0, "max_new_tokens": 64}] * 3
     assert seen[0]["input_ids"][:1] != [] and isinstance(seen[0]["input_ids"][0], int)
@@ -90,54 +53,26 @@ def test_bench_sweeps_temperature_and_batch_size(tmp_path):
     build_tiny_tokenizer("qwen3").save_pretrained(tmp_path / "target")
     lock, state = threading.Lock(), {"in_flight": 0, "peak": [], "temps": []}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def answer(body):
+        with lock:
+            state["in_flight"] += 1
+            state["peak"].append((body["sampling_params"]["temperature"], state["in_flight"]))
+        time.sleep(0.05)
+        with lock:
+            state["in_flight"] -= 1
+        return meta_reply({"completion_tokens": 12, "spec_verify_ct": 4, "finish_reason": "length"})
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                state["in_flight"] += 1
-                state["peak"].append((body["sampling_params"]["temperature"], state["in_flight"]))
-            time.sleep(0.05)
-            with lock:
-                state["in_flight"] -= 1
-            reply(self, {"completion_tokens": 12, "spec_verify_ct": 4, "finish_reason": "length"})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     rows = [
         {"id": f"r{i}", "conversations": [{"role": "system", "content": "sys"}, {"role": "user", "content": f"hi {i}"}]}
         for i in range(4)
     ]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    try:
+    with fake_sglang_server(answer) as url:
         rc = main(
-            [
-                "--url",
-                f"http://127.0.0.1:{server.server_address[1]}",
-                "--tokenizer",
-                str(tmp_path / "target"),
-                "--data",
-                str(tmp_path / "chat.jsonl"),
-                "--output",
-                str(tmp_path / "out"),
-                "--drafter-name",
-                "d",
-                "--train-domain",
-                "chat",
-                "--temperature",
-                "0",
-                "1",
-                "--batch-size",
-                "1",
-                "4",
-                "--seed",
-                "3",
-            ]
-        )
-    finally:
-        server.shutdown()
+            ["--url", url, "--tokenizer", str(tmp_path / "target"), "--data", str(tmp_path / "chat.jsonl"),
+             "--output", str(tmp_path / "out"), "--drafter-name", "d", "--train-domain", "chat",
+             "--temperature", "0", "1", "--batch-size", "1", "4", "--seed", "3"]
+        )  # fmt: skip
     assert rc == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["temperature"], r["batch_size"], r["sampling"]) for r in results["sweep"]] == [
@@ -175,41 +110,26 @@ def test_mt_bench_sends_the_second_turn_after_the_servers_first_answer(tmp_path)
     answers = [tokenizer(f"the cat sat {i}", add_special_tokens=False)["input_ids"] for i in range(2)]
     lock, sent, state = threading.Lock(), [], {"in_flight": 0, "peak": 0}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def answer(body):
+        with lock:
+            sent.append(body["input_ids"])
+            state["in_flight"] += 1
+            state["peak"] = max(state["peak"], state["in_flight"])
+        time.sleep(0.1)
+        with lock:
+            state["in_flight"] -= 1
+        # Conversation i's first answer is answers[i] (its question names it); a second turn (the prompt holds
+        # an answer) takes 6 verifies.
+        prompt = tokenizer.decode(body["input_ids"])
+        second, index = "cat sat" in prompt, int("color" in prompt)
+        meta = {"completion_tokens": 12, "spec_verify_ct": 6 if second else 3, "finish_reason": "stop"}
+        return {"text": "?", "output_ids": answers[index] + [tokenizer.eos_token_id], "meta_info": meta}
 
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                sent.append(body["input_ids"])
-                state["in_flight"] += 1
-                state["peak"] = max(state["peak"], state["in_flight"])
-            time.sleep(0.1)
-            with lock:
-                state["in_flight"] -= 1
-            # Conversation i's first answer is answers[i] (its question names it); a second turn (the prompt holds
-            # an answer) takes 6 verifies.
-            prompt = tokenizer.decode(body["input_ids"])
-            second, index = "cat sat" in prompt, int("color" in prompt)
-            ids = answers[index] + [tokenizer.eos_token_id]
-            meta = {"completion_tokens": 12, "spec_verify_ct": 6 if second else 3, "finish_reason": "stop"}
-            data = json.dumps({"text": "?", "output_ids": ids, "meta_info": meta}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with fake_sglang_server(answer) as url:
         rc = main(
-            ["--url", f"http://127.0.0.1:{server.server_address[1]}", "--tokenizer", str(tmp_path / "target"),
-             "--data", str(tmp_path / "mtbench.jsonl"), "--output", str(tmp_path / "out"), "--drafter-name", "d",
-             "--batch-size", "2"]
+            ["--url", url, "--tokenizer", str(tmp_path / "target"), "--data", str(tmp_path / "mtbench.jsonl"),
+             "--output", str(tmp_path / "out"), "--drafter-name", "d", "--batch-size", "2"]
         )  # fmt: skip
-    finally:
-        server.shutdown()
     assert rc == 0
     system = {"role": "system", "content": MT_BENCH_SYSTEM_PROMPT}
     for (first, second), answer in zip(turns, answers):
