@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_osprey.base.atomic_io import atomic_path
-from megatron_osprey.eval.prompts import TURN_MARK
+from megatron_osprey.eval.prompts import conversation_of
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def summarize(requests: list[dict]) -> dict:
     per_request = [r["completion_tokens"] / max(r["verify_count"], 1) for r in requests]
     conversations: dict = {}
     for index, r in enumerate(requests):
-        key = r["id"].split(TURN_MARK)[0] if "id" in r else index
+        key = conversation_of(r["id"]) if "id" in r else index
         pooled = conversations.setdefault(key, [0, 0])
         pooled[0] += r["completion_tokens"]
         pooled[1] += r["verify_count"]

@@ -88,12 +88,17 @@ def follow_up(prompt: EvalPrompt, output_ids: list[int], tokenizer, enable_think
     return EvalPrompt(turn_id(prompt.id, turn), torch.tensor(ids, dtype=torch.long), messages, prompt.next_turns[1:])
 
 
-TURN_MARK = "#turn"  # ID#turnN: a conversation's later turn (eval.matrix pools a conversation's turns by it)
+TURN_MARK = "#turn"  # ID#turnN: a conversation's later turn
 
 
 def turn_id(conversation_id: str, turn: int) -> str:
     """The request id of a conversation's turn (1-based): the conversation's own id for the first, ID#turnN after."""
     return conversation_id if turn == 1 else f"{conversation_id}{TURN_MARK}{turn}"
+
+
+def conversation_of(request_id: str) -> str:
+    """The conversation a request id belongs to (turn_id's inverse)."""
+    return request_id.split(TURN_MARK)[0]
 
 
 def converse(prompt: EvalPrompt, ask, next_turn) -> list:
